@@ -1,0 +1,185 @@
+"""`OscarCache`: the transformers `Cache` users pass to `generate`.
+
+```python
+cache = OscarCache(model, rotations="hadamard")      # or a folder / Hub repo id / Rotations / "identity"
+out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+```
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+from .attention import OSCAR_ATTENTION, register
+from .compat import publish_segment
+from .config import OscarConfig
+from .layer import OscarLayer
+from .models import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
+from .rotations import Rotations
+
+logger = logging.getLogger(__name__)
+
+NAMED_ROTATIONS = ("hadamard", "identity")
+
+
+class OscarCache(Cache):
+    """KV cache with a BF16 sink, a rotated, quantized history and a BF16 recent window per layer.
+
+    Args:
+        model: a transformers causal LM (its attention is switched to "oscar"), or its config (then set
+            `attn_implementation="oscar"` yourself; any other attention still gets correct, dequantized K/V).
+        rotations: "hadamard" (data-free), "identity" (none), a `Rotations`, a local folder/file, or a Hub repo id.
+        method: preset (`oscar`, `hadamard`, `quarot`, `clip`, `identity`, `none`); inferred from `rotations`
+            when omitted (a file or repo means `oscar`; nothing means `hadamard`).
+        config: a full `OscarConfig` instead of `method` and `**options`.
+        subfolder, revision, token, local_files_only: passed to the Hub when `rotations` is a repo id.
+        **options: `OscarConfig` fields overriding the preset (e.g. `recent_tokens=128`, `bits=4`).
+    """
+
+    def __init__(
+        self,
+        model,
+        rotations: str | os.PathLike | Rotations | None = None,
+        method: str | None = None,
+        *,
+        config: OscarConfig | None = None,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool = False,
+        **options,
+    ):
+        register()
+        model_config = getattr(model, "config", model)
+        shape = attention_shape(model_config)
+        if config is None:
+            config = OscarConfig.from_method(method or _infer_method(rotations), **options)
+        elif method is not None or options:
+            raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
+        per_byte = 8 // config.bits
+        if config.quantize and shape.head_dim % per_byte:
+            raise UnsupportedModelError(
+                f"head_dim={shape.head_dim} is not a multiple of {per_byte}, the codes packed per byte at {config.bits} bits"
+            )
+        resolved = _resolve_rotations(
+            rotations if rotations is not None else config.default_rotation, shape,
+            dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
+        )
+        layers = []
+        for i, kind in enumerate(shape.layer_kinds):
+            if kind == OSCAR_LAYER:
+                key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
+                layers.append(OscarLayer(i, config, key_r, value_r))
+            else:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
+        super().__init__(layers=layers)
+        self.oscar_config = config
+        self.rotations = resolved
+        self.shape = shape
+        self._model_config = text_config_of(model_config)
+        self._warned_fallback = False
+        if not shape.oscar_layer_ids:
+            logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
+        if model is not model_config:
+            use_oscar_attention(model)
+
+    # ------------------------------------------------------------------------------------------ Cache API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, OscarLayer):
+            return layer.update(key_states, value_states)
+        keys, values = layer.update(key_states, value_states)
+        if not self.uses_oscar_attention:
+            if not self._warned_fallback:
+                logger.warning(
+                    "the model's attention is %r, not 'oscar': OscarCache returns dequantized K/V (correct, slow). "
+                    "Call oscar_hf.use_oscar_attention(model).", self._model_config._attn_implementation,
+                )
+                self._warned_fallback = True
+            return layer.dense_kv()
+        publish_segment(keys, kwargs, layer.open_segment())
+        return keys, values
+
+    @property
+    def uses_oscar_attention(self) -> bool:
+        return getattr(self._model_config, "_attn_implementation", None) == OSCAR_ATTENTION
+
+    def __deepcopy__(self, memo):
+        # Share the immutable model config and master rotations; copy every tier.
+        memo[id(self._model_config)] = self._model_config
+        if self.rotations is not None:
+            memo[id(self.rotations)] = self.rotations
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
+
+    # ------------------------------------------------------------------------------------------ memory
+    def nbytes(self) -> int:
+        """Bytes of the stored tokens over all layers (BF16 tiers, quantized history, sliding layers)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                total += layer.nbytes()
+            elif layer.is_initialized and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
+    def bits_per_element(self) -> float:
+        """Stored bits per cached K/V element of the quantized (full-attention) layers, BF16 tiers included."""
+        layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        elements = sum(layer.num_elements() for layer in layers)
+        return 8.0 * sum(layer.nbytes() for layer in layers) / elements if elements else 0.0
+
+    def __repr__(self) -> str:
+        return (f"OscarCache(method={self.oscar_config.method}, layers={len(self.layers)}, "
+                f"tokens={self.get_seq_length()}, rotations={self.rotations!r})")
+
+
+def use_oscar_attention(model) -> None:
+    """Switch `model` to the "oscar" attention implementation (registering it first)."""
+    register()
+    model.set_attn_implementation(OSCAR_ATTENTION)
+    config = text_config_of(model.config)
+    if getattr(config, "_attn_implementation", None) != OSCAR_ATTENTION:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} did not accept the 'oscar' attention implementation: it does not use "
+            "transformers' AttentionInterface"
+        )
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(generation_config, "cache_implementation", None):
+        logger.info("clearing generation_config.cache_implementation=%r so OscarCache can be passed",
+                    generation_config.cache_implementation)
+        generation_config.cache_implementation = None
+
+
+def _infer_method(rotations) -> str:
+    if rotations is None or (isinstance(rotations, str) and rotations == "hadamard"):
+        return "hadamard"
+    if isinstance(rotations, str) and rotations == "identity":
+        return "identity"
+    return "oscar"
+
+
+def _resolve_rotations(source, shape, hub_options: dict) -> Rotations | None:
+    """A checked `Rotations` for the model's full-attention layers, or None for the identity."""
+    layer_ids = shape.oscar_layer_ids
+    if isinstance(source, str) and source == "identity":
+        return None
+    if isinstance(source, str) and source == "hadamard":
+        return Rotations.hadamard(layer_ids, shape.head_dim)
+    if isinstance(source, str) and source == "file":
+        raise ValueError(
+            "method='oscar' needs calibrated rotations: pass rotations=<folder, file or Hub repo id> "
+            "(make them with `oscar-calibrate`), or use method='hadamard' for data-free rotations"
+        )
+    if not isinstance(source, Rotations):
+        source = Rotations.from_pretrained(source, **hub_options)
+    source.check_model(layer_ids, shape.head_dim, shape.num_kv_heads)
+    return source

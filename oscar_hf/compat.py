@@ -1,0 +1,45 @@
+"""Differences between transformers releases (5.17 through the newest), kept in one place.
+
+- 5.24 renamed the forward/generate argument `past_key_values` to `cache` and passes the attention's kwargs dict
+  into `Cache.update(..., kwargs=kwargs)`; 5.17-5.23 pass nothing, so the cache tags the returned key tensor.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import transformers
+from packaging.version import Version
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+
+def cache_argument_name(model) -> str:
+    """Name of the cache argument of `model.forward` / `model.generate`: "cache" (>= 5.24) or "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def output_cache(outputs):
+    """The cache object of a model output, whichever attribute name this release uses."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else getattr(outputs, "past_key_values", None)
+
+
+def attention_kwargs_of_update(update_kwargs: dict) -> dict | None:
+    """The attention kwargs dict that >= 5.24 passes to `Cache.update` (None on older releases)."""
+    attention_kwargs = update_kwargs.get("kwargs")
+    return attention_kwargs if isinstance(attention_kwargs, dict) else None
+
+
+def publish_segment(key_states, update_kwargs: dict, segment) -> None:
+    """Make `segment` reach the attention function on every release."""
+    attention_kwargs = attention_kwargs_of_update(update_kwargs)
+    if attention_kwargs is not None:
+        attention_kwargs["oscar_segment"] = segment
+    key_states._oscar_segment = segment
+
+
+def take_segment(key_states, attention_kwargs: dict):
+    """The segment published for this attention call, or None."""
+    segment = attention_kwargs.pop("oscar_segment", None)
+    return segment if segment is not None else getattr(key_states, "_oscar_segment", None)

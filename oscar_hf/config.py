@@ -1,0 +1,98 @@
+"""`OscarConfig`: every knob of the cache in one validated dataclass, plus the method presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+# A preset fixes how the INT2 history is made. `rotation` is the default rotation source when the user
+# passes none: "hadamard" (data-free), "identity" (no rotation) or "file" (calibrated, must be given).
+PRESETS: dict[str, dict] = {
+    "oscar": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
+    "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
+    "quarot": dict(rotation="hadamard", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
+    "clip": dict(rotation="identity", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
+    "identity": dict(rotation="identity", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
+    "none": dict(rotation="identity", quantize=False, key_clip_ratio=None, value_clip_ratio=None),
+}
+
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class OscarConfig:
+    """Layout and quantizer settings of an `OscarCache`.
+
+    Token pool per layer: `sink_tokens` BF16 | quantized history | `recent_tokens` BF16. Once the recent window
+    holds more than `recent_tokens + demote_block - 1` tokens after a forward, its oldest tokens are demoted so
+    that exactly `recent_tokens` remain (a decode step demotes `demote_block` tokens at a time).
+
+    Args:
+        method: name of the preset the settings came from (`oscar`, `hadamard`, `quarot`, `clip`, `identity`,
+            `none`); informational once the other fields are set.
+        sink_tokens: leading tokens kept in BF16 (attention sinks). Left padding is added on top, so every row
+            keeps `sink_tokens` real tokens.
+        recent_tokens: most recent tokens kept in BF16.
+        demote_block: demotion granularity in tokens during decode.
+        bits: code width of the history, 2 (4 codes per byte) or 4 (2 codes per byte).
+        key_clip_ratio / value_clip_ratio: per-row symmetric clip at the order statistic
+            `sort(|x|)[int(ratio * head_dim)]`; `None` disables clipping.
+        scale_dtype: storage dtype of the per-row (scale, zero) pair: float16 (2.25 bits/element at 2 bits and
+            head_dim 128), bfloat16 or float32.
+        quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
+        history_chunk: tokens of history dequantized at a time by the PyTorch reference attention.
+    """
+
+    method: str = "hadamard"
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    demote_block: int = 8
+    bits: int = 2
+    key_clip_ratio: float | None = 0.96
+    value_clip_ratio: float | None = 0.92
+    scale_dtype: torch.dtype = torch.float16
+    quantize: bool = True
+    history_chunk: int = 4096
+
+    def __post_init__(self):
+        if isinstance(self.scale_dtype, str):
+            if self.scale_dtype not in SCALE_DTYPES:
+                raise ValueError(f"scale_dtype={self.scale_dtype!r}: expected one of {sorted(SCALE_DTYPES)}")
+            object.__setattr__(self, "scale_dtype", SCALE_DTYPES[self.scale_dtype])
+        if self.scale_dtype not in SCALE_DTYPES.values():
+            raise ValueError(f"scale_dtype={self.scale_dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
+        for name in ("sink_tokens", "recent_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+        for name in ("demote_block", "history_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+        if self.bits not in (2, 4):
+            raise ValueError(f"bits={self.bits!r}: OscarCache stores 2-bit or 4-bit codes")
+        for name in ("key_clip_ratio", "value_clip_ratio"):
+            ratio = getattr(self, name)
+            if ratio is not None and not 0.0 < ratio <= 1.0:
+                raise ValueError(f"{name}={ratio!r}: expected a ratio in (0, 1], or None to disable clipping")
+        if self.method not in PRESETS:
+            raise ValueError(f"method={self.method!r}: expected one of {sorted(PRESETS)}")
+
+    @classmethod
+    def from_method(cls, method: str, **overrides) -> "OscarConfig":
+        """The preset `method` with `overrides` applied (any field of this class)."""
+        if method not in PRESETS:
+            raise ValueError(f"method={method!r}: expected one of {sorted(PRESETS)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown OscarConfig option(s) {unknown}; valid options: {sorted(known)}")
+        preset = {k: v for k, v in PRESETS[method].items() if k != "rotation"}
+        return cls(method=method, **{**preset, **overrides})
+
+    @property
+    def default_rotation(self) -> str:
+        """Rotation source the preset uses when none is given: "hadamard", "identity" or "file"."""
+        return PRESETS[self.method]["rotation"]

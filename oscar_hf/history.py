@@ -1,0 +1,139 @@
+"""The history tier of one layer: demoted tokens in the rotated basis, append-only, amortized growth.
+
+`QuantizedHistory` stores packed codes `[B, H, capacity, d * bits / 8]` (uint8) and per-row (scale, zero)
+`[B, H, capacity, 2]` (scale dtype) for keys and values. `FullPrecisionHistory` stores rotated rows in the model
+dtype (the `none` method: same tiers and merge, no quantization). Both grow by at least half their size, so
+appending costs amortized O(new tokens), never a copy of the whole history per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .config import OscarConfig
+from .quantize import unpack_dequantize
+from .rotation import rotate
+
+
+def _grown(buffer: torch.Tensor | None, used: int, needed: int, shape_tail: tuple, dtype, device, batch, heads):
+    """`buffer` with room for `needed` tokens along dim 2 (reallocated and copied when too small)."""
+    if buffer is not None and buffer.shape[2] >= needed:
+        return buffer
+    capacity = needed if buffer is None else max(needed, buffer.shape[2] + buffer.shape[2] // 2, 64)
+    fresh = torch.empty((batch, heads, capacity, *shape_tail), dtype=dtype, device=device)
+    if buffer is not None and used:
+        fresh[:, :, :used] = buffer[:, :, :used]
+    return fresh
+
+
+class _History:
+    """Shared bookkeeping: buffers by name, their length, batch operations."""
+
+    _names: tuple[str, ...] = ()
+
+    def __init__(self, batch: int, num_heads: int, device: torch.device):
+        self.batch, self.num_heads, self.device = batch, num_heads, device
+        self.length = 0
+        for name in self._names:
+            setattr(self, name, None)
+
+    def _reserve(self, extra: int) -> None:
+        for name, (tail, dtype) in self._layout().items():
+            setattr(self, name, _grown(getattr(self, name), self.length, self.length + extra, tail, dtype,
+                                       self.device, self.batch, self.num_heads))
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-dim operation (index_select, repeat_interleave, ...) to every buffer."""
+        for name in self._names:
+            buffer = getattr(self, name)
+            if buffer is not None:
+                setattr(self, name, fn(buffer[:, :, : self.length]).contiguous())
+                self.batch = getattr(self, name).shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes of the stored tokens (not of spare capacity)."""
+        total = 0
+        for name in self._names:
+            buffer = getattr(self, name)
+            if buffer is not None:
+                total += buffer[:, :, : self.length].numel() * buffer.element_size()
+        return total
+
+    def allocated_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (getattr(self, n) for n in self._names) if b is not None)
+
+    def _layout(self) -> dict:
+        raise NotImplementedError
+
+
+class QuantizedHistory(_History):
+    _names = ("key_codes", "key_scale_zero", "value_codes", "value_scale_zero")
+
+    def __init__(self, batch: int, num_heads: int, key_dim: int, value_dim: int, config: OscarConfig,
+                 device: torch.device):
+        self.key_dim, self.value_dim, self.config = key_dim, value_dim, config
+        super().__init__(batch, num_heads, device)
+
+    def _layout(self) -> dict:
+        bits, sdt = self.config.bits, self.config.scale_dtype
+        return {
+            "key_codes": ((self.key_dim * bits // 8,), torch.uint8),
+            "key_scale_zero": ((2,), sdt),
+            "value_codes": ((self.value_dim * bits // 8,), torch.uint8),
+            "value_scale_zero": ((2,), sdt),
+        }
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend) -> None:
+        """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end."""
+        n = keys.shape[2]
+        if n == 0:
+            return
+        self._reserve(n)
+        span = slice(self.length, self.length + n)
+        cfg = self.config
+        backend.demote(keys, key_rotation, cfg.key_clip_ratio, cfg.bits,
+                       self.key_codes[:, :, span], self.key_scale_zero[:, :, span])
+        backend.demote(values, value_rotation, cfg.value_clip_ratio, cfg.bits,
+                       self.value_codes[:, :, span], self.value_scale_zero[:, :, span])
+        self.length += n
+
+    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]`."""
+        bits = self.config.bits
+        keys = unpack_dequantize(self.key_codes[:, :, start:end], self.key_scale_zero[:, :, start:end], bits)
+        values = unpack_dequantize(self.value_codes[:, :, start:end], self.value_scale_zero[:, :, start:end], bits)
+        return keys, values
+
+
+class FullPrecisionHistory(_History):
+    _names = ("keys", "values")
+
+    def __init__(self, batch: int, num_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.key_dim, self.value_dim, self.dtype = key_dim, value_dim, dtype
+        super().__init__(batch, num_heads, device)
+
+    def _layout(self) -> dict:
+        return {"keys": ((self.key_dim,), self.dtype), "values": ((self.value_dim,), self.dtype)}
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend=None) -> None:
+        n = keys.shape[2]
+        if n == 0:
+            return
+        self._reserve(n)
+        span = slice(self.length, self.length + n)
+        self.keys[:, :, span] = rotate(keys, key_rotation).to(self.dtype)
+        self.values[:, :, span] = rotate(values, value_rotation).to(self.dtype)
+        self.length += n
+
+    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, start:end].float(), self.values[:, :, start:end].float()
+
+
+def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> _History:
+    if config.quantize:
+        return QuantizedHistory(batch, num_heads, key_dim, value_dim, config, device)
+    return FullPrecisionHistory(batch, num_heads, key_dim, value_dim, dtype, device)

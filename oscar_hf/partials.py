@@ -1,0 +1,83 @@
+"""Reference attention partials and their log-sum-exp merge (PyTorch, float32).
+
+A partial is `(out, lse)`: `out` `[B, Hq, Lq, Dv]` is the softmax-normalized attention over one set of keys,
+`lse` `[B, Hq, Lq]` the log-sum-exp of its scores (`-inf` where every key is masked, with `out` = 0 there).
+Two partials over disjoint key sets merge exactly into attention over their union.
+
+Masks are `[B or 1, 1, Lq, Lk]`: bool (True = attend) or additive float; None attends everywhere.
+Query head h uses KV head `h // (Hq // Hkv)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rotation import expand_heads, rotate
+
+
+def dense_partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `query` `[B, Hq, Lq, D]` over `key`/`value` `[B, Hkv, Lk, D]`, as a partial."""
+    batch, q_heads, q_len, _ = query.shape
+    kv_heads, k_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    groups = q_heads // kv_heads
+    q = query.float().reshape(batch, kv_heads, groups * q_len, -1)
+    scores = (q @ key.float().transpose(-1, -2)).mul_(scaling).view(batch, kv_heads, groups, q_len, k_len)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        m = mask[:, :, None]
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    out = probs.view(batch, kv_heads, groups * q_len, k_len) @ value.float()
+    return out.view(batch, q_heads, q_len, v_dim), lse.view(batch, q_heads, q_len)
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of partials over disjoint key sets (float32; fully masked rows give out 0, lse -inf)."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([lse.float() for _, lse in parts])
+    top = lses.max(dim=0).values
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    weights = torch.exp(lses - top)
+    total = weights.sum(dim=0)
+    out = sum(w[..., None] * o.float() for w, (o, _) in zip(weights, parts))
+    out = out / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out, top + torch.log(total)
+
+
+def history_partial(
+    query: torch.Tensor,
+    history,
+    key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    chunk: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `query` (model basis) over a rotated, quantized history, returned in the model basis.
+
+    The query is rotated by the key rotation (`q·k` is invariant), the history is dequantized `chunk` tokens at
+    a time (never all at once), and the output is un-rotated by the value rotation's transpose.
+    `mask` covers the history columns only: `[B or 1, 1, Lq, N]`.
+    """
+    groups = query.shape[1] // history.num_heads
+    q_rot = rotate(query, expand_heads(key_rotation, groups))
+    merged = None
+    for start in range(0, history.length, chunk):
+        end = min(start + chunk, history.length)
+        keys, values = history.dequantize(start, end)
+        part_mask = None if mask is None else mask[..., start:end]
+        part = dense_partial(q_rot, keys, values, part_mask, scaling, softcap)
+        merged = part if merged is None else merge_partials([merged, part])
+    out, lse = merged
+    return rotate(out, expand_heads(value_rotation, groups), transpose=True), lse
