@@ -103,9 +103,10 @@ def safe_torch_load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        detail = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line), "")
         raise RotationFileError(
-            f"{path} holds objects other than tensors and plain containers; refusing to unpickle it "
-            f"(weights_only=True). Details: {str(e).splitlines()[0]}"
+            f"{path} could not be loaded safely: it is not a torch file of tensors and plain containers, and "
+            f"arbitrary pickled objects are never unpickled (torch.load weights_only=True). {detail}"
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
         raise RotationFileError(f"{path} is not a readable torch file: {e}") from e

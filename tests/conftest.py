@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random models of several families, and the real SmolLM2-135M (slow tests only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from oscar_hf.compat import cache_argument_name
+
+VOCAB = 96
+
+
+def tiny_config(family: str, **overrides):
+    """A 2-4 layer random config of `family` with GQA 4:2 and head_dim 16."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0,
+    )
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**common)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+    elif family == "gemma2":
+        cfg = transformers.Gemma2Config(**{**common, "num_hidden_layers": 4}, sliding_window=8,
+                                        query_pre_attn_scalar=16)
+    elif family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, sliding_window=8,
+                                            query_pre_attn_scalar=16,
+                                            layer_types=["sliding_attention", "full_attention"] * 2)
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    attn = "eager" if family == "gemma2" else "sdpa"  # transformers refuses sdpa for Gemma2 (soft-capping)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def forward(model, ids, cache, **kwargs):
+    """One forward through `cache` under whichever argument name this transformers release uses."""
+    return model(input_ids=ids, use_cache=True, **{cache_argument_name(model): cache}, **kwargs)
+
+
+def generate(model, ids, cache, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    return model.generate(ids, **{cache_argument_name(model): cache}, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from oscar_hf.assets import load_smollm2
+
+    return load_smollm2()
