@@ -10,9 +10,13 @@ Logical order of the tokens is sink, history, recent; the mask columns of the at
 
 Demotion ("settling") runs after the attention of each forward (called by the attention function, or lazily by
 the next `update`), so a forward always attends to its own tokens in BF16. With S = sink size, R =
-`recent_tokens` and b = `demote_block`: once more than R + b - 1 tokens sit in the recent window, the oldest are
-demoted so that exactly R remain (b per step in steady decoding). The sink size is fixed at the first demotion
-to `sink_tokens` plus the batch's largest left padding, so every row keeps `sink_tokens` real sink tokens.
+`recent_tokens` and b = `demote_block`:
+- after a multi-token forward (prefill, prefill chunk), the oldest tokens beyond S + R are demoted at once, so a
+  prompt of L tokens leaves min(L, S) sink, max(L - S - R, 0) history and min(L - S, R) recent tokens;
+- after a single-token (decode) forward, tokens are demoted only once the recent window exceeds R + b - 1, then
+  down to R: b tokens every b steps.
+The sink size is fixed at the first demotion to `sink_tokens` plus the batch's largest left padding, so every row
+keeps `sink_tokens` real sink tokens.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class OscarLayer(CacheLayerMixin):
         self.length = 0  # logical tokens: sink + history + recent
         self.bf16_length = 0  # tokens in the BF16 buffers: sink + recent
         self.sink_size: int | None = None  # fixed at the first demotion
-        self.unsettled = False  # a forward appended tokens and has not been settled yet
+        self.unsettled = 0  # tokens appended by forwards not settled yet
         self.segment_open = False
         self.is_initialized = False
 
@@ -149,7 +153,7 @@ class OscarLayer(CacheLayerMixin):
         self.values_buffer[:, :, self.bf16_length : end] = value_states
         self.bf16_length = end
         self.length += new
-        self.unsettled = True
+        self.unsettled += new
         return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
 
     def open_segment(self) -> HistorySegment:
@@ -162,9 +166,9 @@ class OscarLayer(CacheLayerMixin):
         self.segment_open = False
         if not self.unsettled:
             return
-        self.unsettled = False
         cfg = self.config
-        limit = cfg.recent_tokens + cfg.demote_block - 1
+        limit = cfg.recent_tokens + (cfg.demote_block - 1 if self.unsettled == 1 else 0)
+        self.unsettled = 0
         sink_size = cfg.sink_tokens if self.sink_size is None else self.sink_size
         if self.bf16_length - min(self.bf16_length, sink_size) <= limit:
             return
