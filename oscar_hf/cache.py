@@ -170,7 +170,7 @@ def _infer_method(rotations) -> str:
 def _resolve_rotations(source, shape, hub_options: dict) -> Rotations | None:
     """A checked `Rotations` for the model's full-attention layers, or None for the identity."""
     layer_ids = shape.oscar_layer_ids
-    if isinstance(source, str) and source == "identity":
+    if not layer_ids or (isinstance(source, str) and source == "identity"):
         return None
     if isinstance(source, str) and source == "hadamard":
         return Rotations.hadamard(layer_ids, shape.head_dim)

@@ -1,0 +1,43 @@
+"""Real-model quality bound: SmolLM2-135M, 2048 tokens of held-out text, tokens scored against INT2 history."""
+
+import pytest
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache
+from oscar_hf.assets import play_tokens
+from oscar_hf.scoring import compare_caches
+
+pytestmark = pytest.mark.slow
+
+
+def test_hadamard_int2_is_much_closer_to_bf16_than_naive_int2(smollm2):
+    model, tokenizer = smollm2
+    ids = play_tokens(tokenizer, "lear_gut.txt", 2048)
+    caches = {}
+
+    def make(method):
+        def factory():
+            caches[method] = OscarCache(model, method=method)
+            return caches[method]
+        return factory
+
+    results = compare_caches(
+        model, ids,
+        {"bf16": lambda: DynamicCache(config=model.config), "none": make("none"),
+         "hadamard": make("hadamard"), "identity": make("identity")},
+        prefill=512, chunk=64, progress=False,
+    )
+    bf16, none, hadamard, identity = (results[k] for k in ("bf16", "none", "hadamard", "identity"))
+    print({k: (round(v.perplexity, 3), round(v.kl, 4), round(v.top1_agreement, 3)) for k, v in results.items()})
+    # quantization off: the tiers and the merge are exact
+    assert none.perplexity == pytest.approx(bf16.perplexity, rel=1e-4) and none.kl < 1e-6
+    # every scored token attended to a quantized history of at least 1,100 tokens
+    assert caches["hadamard"].layers[0].history_length >= 2048 - 64 - 256 - 64
+    # Hadamard + clip keeps most of BF16's quality; naive INT2 does not
+    assert hadamard.perplexity - bf16.perplexity < 0.5 * (identity.perplexity - bf16.perplexity)
+    assert hadamard.perplexity < 1.15 * bf16.perplexity
+    assert hadamard.kl < identity.kl / 3
+    # 320 tokens in the (float32 here) tiers, the rest at 2 bits + fp16 (scale, zero) per 64-element row
+    history = caches["hadamard"].layers[0].history_length
+    expected_bits = (320 * 32 + history * (2 + 32 / 64)) / (320 + history)
+    assert caches["hadamard"].bits_per_element() == pytest.approx(expected_bits)
