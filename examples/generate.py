@@ -1,0 +1,55 @@
+"""Generate from SmolLM2-135M with a long prompt through OscarCache, on the CPU.
+
+    python examples/generate.py [--method hadamard] [--rotations PATH_OR_REPO] [--prompt-tokens 1500]
+
+The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache
+from oscar_hf.assets import load_smollm2, play_text
+from oscar_hf.compat import cache_argument_name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", default=None, help="oscar | hadamard | quarot | clip | identity | none")
+    parser.add_argument("--rotations", default=None, help="'hadamard', 'identity', a folder or a Hub repo id")
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    args = parser.parse_args()
+
+    model, tokenizer = load_smollm2(dtype=torch.float32)
+    scene = tokenizer.decode(tokenizer(play_text("lear_gut.txt")).input_ids[: args.prompt_tokens])
+    messages = [{"role": "user", "content": scene + "\n\nWho are the daughters of King Lear in this text?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    name = cache_argument_name(model)
+
+    outputs = {}
+    for label, cache in (("BF16 DynamicCache", DynamicCache(config=model.config)),
+                         ("OscarCache", OscarCache(model, rotations=args.rotations, method=args.method))):
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **{name: cache})
+        seconds = time.perf_counter() - start
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        outputs[label] = text
+        print(f"\n== {label} ({seconds:.1f} s) ==\n{text.strip()}")
+    print(f"\n{cache!r}")
+    print(f"layer 0 tiers: {cache.layers[0]!r}")
+    dense = cache.bits_per_element() and 32 / cache.bits_per_element()
+    print(f"stored: {cache.nbytes() / 2**20:.2f} MiB, {cache.bits_per_element():.2f} bits per K/V element "
+          f"({dense:.1f}x smaller than the float32 DynamicCache)")
+    same = outputs["BF16 DynamicCache"] == outputs["OscarCache"]
+    print(f"identical to BF16: {same}")
+
+
+if __name__ == "__main__":
+    main()
