@@ -37,6 +37,8 @@ class OscarCache(Cache):
         method: preset (`oscar`, `hadamard`, `quarot`, `clip`, `identity`, `none`); inferred from `rotations`
             when omitted (a file or repo means `oscar`; nothing means `hadamard`).
         config: a full `OscarConfig` instead of `method` and `**options`.
+        fold_value_rotation: fold the value rotations into the model's v_proj/o_proj weights (in place, once), so V
+            is produced already rotated and the attention output needs no un-rotation (see `folding.py`).
         subfolder, revision, token, local_files_only: passed to the Hub when `rotations` is a repo id.
         **options: `OscarConfig` fields overriding the preset (e.g. `recent_tokens=128`, `bits=4`).
     """
@@ -48,6 +50,7 @@ class OscarCache(Cache):
         method: str | None = None,
         *,
         config: OscarConfig | None = None,
+        fold_value_rotation: bool = False,
         subfolder: str | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
@@ -70,11 +73,12 @@ class OscarCache(Cache):
             rotations if rotations is not None else config.default_rotation, shape,
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
         )
+        folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
         layers = []
         for i, kind in enumerate(shape.layer_kinds):
             if kind == OSCAR_LAYER:
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
-                layers.append(OscarLayer(i, config, key_r, value_r))
+                layers.append(OscarLayer(i, config, key_r, None if i in folded else value_r))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
         super().__init__(layers=layers)
@@ -157,6 +161,28 @@ def use_oscar_attention(model) -> None:
         logger.info("clearing generation_config.cache_implementation=%r so OscarCache can be passed",
                     generation_config.cache_implementation)
         generation_config.cache_implementation = None
+
+
+def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int]:
+    """Layers whose value rotation lives in the model's weights (folding them now if asked)."""
+    from .folding import fold_value_rotations, folded_value_rotation
+
+    if model is model_config:
+        if fold:
+            raise ValueError("fold_value_rotation=True needs the model itself, not its config")
+        return set()
+    already = {i for i in shape.oscar_layer_ids if folded_value_rotation(model, i) is not None}
+    for i in already:
+        wanted = rotations.value[i] if rotations is not None else None
+        if wanted is None or not torch.equal(folded_value_rotation(model, i), wanted):
+            raise ValueError(
+                f"this model has value rotations folded into its weights (layer {i}) that differ from the requested "
+                "ones; build caches with the same rotations, or reload the model"
+            )
+    if fold and rotations is not None:
+        fold_value_rotations(model, rotations, shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim)
+        return set(shape.oscar_layer_ids)
+    return already
 
 
 def _infer_method(rotations) -> str:

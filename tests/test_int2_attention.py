@@ -95,3 +95,35 @@ def test_softcap_is_applied_before_the_log_sum_exp():
     scores = torch.tanh((query @ key.transpose(-1, -2)) / 5.0) * 5.0
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
     torch.testing.assert_close(out, torch.softmax(scores, -1) @ value)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_folding_value_rotation_into_weights_changes_nothing_but_speed(per_head):
+    from oscar_hf import Rotations
+    from oscar_hf.rotation import compose_rotation
+
+    model, folded_model = tiny_model("qwen2"), tiny_model("qwen2")  # qwen2 has a v_proj bias
+    gen = torch.Generator().manual_seed(0)
+
+    def rotation():
+        shape = (2, 16, 16) if per_head else (16, 16)
+        a = torch.randn(*shape, dtype=torch.float64, generator=gen)
+        ev, u = torch.linalg.eigh(a @ a.transpose(-1, -2))
+        return compose_rotation(u, ev).float()
+
+    rot = Rotations({i: rotation() for i in (0, 1)}, {i: rotation() for i in (0, 1)})
+    ids = torch.randint(1, VOCAB, (1, 40), generator=gen)
+    plain = OscarCache(model, rotations=rot, method="none", **TIERS)
+    folded = OscarCache(folded_model, rotations=rot, method="none", fold_value_rotation=True, **TIERS)
+    assert folded.layers[0].value_rotation is None and plain.layers[0].value_rotation is not None
+    with torch.no_grad():
+        torch.testing.assert_close(forward(folded_model, ids, folded).logits, forward(model, ids, plain).logits,
+                                   atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(forward(folded_model, ids[:, :1], folded).logits,
+                                   forward(model, ids[:, :1], plain).logits, atol=2e-5, rtol=1e-5)
+    # the stored history is the same rotated V either way
+    torch.testing.assert_close(folded.layers[1].history.values[:, :, :10], plain.layers[1].history.values[:, :, :10],
+                               atol=1e-5, rtol=1e-5)
+    OscarCache(folded_model, rotations=rot, method="hadamard", fold_value_rotation=True)  # same rotations: no-op
+    with pytest.raises(ValueError, match="folded into its weights .* differ"):
+        OscarCache(folded_model, method="hadamard")
