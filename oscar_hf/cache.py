@@ -19,6 +19,7 @@ from .attention import OSCAR_ATTENTION, register
 from .compat import publish_segment
 from .config import OscarConfig
 from .layer import OscarLayer
+from .parallel import local_heads, tensor_parallel_position
 from .models import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
 from .rotations import Rotations
 
@@ -74,10 +75,12 @@ class OscarCache(Cache):
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
         )
         folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
+        tp_rank, tp_size = tensor_parallel_position(model)
         layers = []
         for i, kind in enumerate(shape.layer_kinds):
             if kind == OSCAR_LAYER:
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
+                key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
                 layers.append(OscarLayer(i, config, key_r, None if i in folded else value_r))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
@@ -180,6 +183,8 @@ def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int
                 "ones; build caches with the same rotations, or reload the model"
             )
     if fold and rotations is not None:
+        if tensor_parallel_position(model)[1] > 1:
+            raise NotImplementedError("fold_value_rotation is not supported on tensor-parallel (sharded) models")
         fold_value_rotations(model, rotations, shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim)
         return set(shape.oscar_layer_ids)
     return already
