@@ -2,6 +2,7 @@
 heads, and every rank's logits match the single-process run."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -12,6 +13,12 @@ from conftest import tiny_model
 from oscar_hf import Rotations
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(args, env_extra=None):
@@ -28,7 +35,7 @@ def test_tensor_parallel_ranks_match_single_process(tmp_path):
     Rotations(per_head, {i: r.flip(0) for i, r in per_head.items()}).save_pretrained(tmp_path / "rotations")
     args = [str(tmp_path / "model"), str(tmp_path / "rotations"), str(tmp_path)]
     run([sys.executable, WORKER, *args])
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          WORKER, *args])
     single = torch.load(tmp_path / "rank-single.pt")
     assert single["local_heads"] == 2 and single["history"] > 30
