@@ -14,39 +14,21 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .compat import take_segment
-from .partials import dense_partial
+from .partials import causal_mask, dense_partial, split_mask  # noqa: F401  (causal_mask, split_mask: public here)
 
 OSCAR_ATTENTION = "oscar"
 
 
-def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """bool `[1, 1, q_len, kv_len]`, queries aligned to the last `q_len` key positions."""
-    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
-
-
-def split_mask(mask: torch.Tensor | None, sink: int, history: int):
-    """(mask of the BF16 columns, mask of the history columns) from a mask over all `kv_len` columns."""
-    if mask is None:
-        return None, None
-    dense = torch.cat([mask[..., :sink], mask[..., sink + history :]], dim=-1)
-    return dense, mask[..., sink : sink + history]
-
-
 def tiered_attention(query, key, value, attention_mask, segment, scaling, softcap=None) -> torch.Tensor:
-    """Attention over BF16 tiers + quantized history; output `[B, Lq, Hq, D]` in the query dtype."""
-    layer, sink, history = segment.layer, segment.sink_length, segment.history_length
-    q_len = query.shape[2]
-    if attention_mask is None and q_len > 1:
-        attention_mask = causal_mask(q_len, history + key.shape[2], query.device)
-    dense_mask, history_mask = split_mask(attention_mask, sink, history)
-    backend = layer.backend
-    parts = [backend.dense_attention(query, key, value, dense_mask, scaling, softcap)]
-    if history:
-        parts.append(backend.history_attention(query, layer.history, layer.key_rotation, layer.value_rotation,
-                                               history_mask, scaling, softcap))
-    out, _ = backend.merge(parts)
-    return out.to(query.dtype).transpose(1, 2).contiguous()
+    """Attention over BF16 tiers + quantized history; output `[B, Lq, Hq, D]` in the query dtype.
+
+    Computed by the layer's backend (`oscar_hf.backend`): the reference composes partials, the Triton backend runs
+    fused kernels.
+    """
+    layer = segment.layer
+    history = layer.history if segment.history_length else None
+    return layer.backend.tiered_attention(query, key, value, attention_mask, history, segment.sink_length,
+                                          layer.key_rotation, layer.value_rotation, scaling, softcap)
 
 
 @torch.compiler.disable

@@ -1,12 +1,16 @@
 """The one dispatch point between the PyTorch reference and the Triton kernels.
 
-A backend implements four operations; `backend_for(device)` picks one per device, once:
+A backend implements these operations; `backend_for(device)` picks one per device, once:
 - `demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out)`: rotate, clip, quantize and pack rows
   `x` `[B, H, n, d]` into the given output views;
+- `demote_kv(keys, values, ...)`: `demote` for a layer's keys and values together (one kernel launch);
 - `dense_attention(query, key, value, mask, scaling, softcap) -> (out, lse)`: the BF16 tiers' partial;
 - `history_attention(query, history, key_rotation, value_rotation, mask, scaling, softcap) -> (out, lse)`: the
   quantized tier's partial, in the model basis;
-- `merge(parts) -> (out, lse)`.
+- `merge(parts) -> (out, lse)`;
+- `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
+  softcap) -> out [B, Lq, Hq, D]`: one layer's whole attention (what `attention.py` calls). The reference composes
+  the partial ops above (`partials.tiered_reference`); the Triton backend fuses them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 
 import torch
 
-from .partials import dense_partial, history_partial, merge_partials
+from .partials import dense_partial, history_partial, merge_partials, tiered_reference
 from .quantize import quantize_pack
 from .rotation import rotate
 
@@ -33,6 +37,11 @@ class ReferenceBackend:
         codes_out.copy_(packed)
         scale_zero_out.copy_(scale_zero)
 
+    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out) -> None:
+        self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out)
+        self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out)
+
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):
         return dense_partial(query, key, value, mask, scaling, softcap)
 
@@ -42,6 +51,11 @@ class ReferenceBackend:
 
     def merge(self, parts):
         return merge_partials(parts)
+
+    def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
+                         softcap=None):
+        return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
+                                scaling, softcap)
 
 
 _BACKENDS: dict[str, object] = {}

@@ -93,10 +93,9 @@ class QuantizedHistory(_History):
         self._reserve(n)
         span = slice(self.length, self.length + n)
         cfg = self.config
-        backend.demote(keys, key_rotation, cfg.key_clip_ratio, cfg.bits,
-                       self.key_codes[:, :, span], self.key_scale_zero[:, :, span])
-        backend.demote(values, value_rotation, cfg.value_clip_ratio, cfg.bits,
-                       self.value_codes[:, :, span], self.value_scale_zero[:, :, span])
+        backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
+                          cfg.bits, self.key_codes[:, :, span], self.key_scale_zero[:, :, span],
+                          self.value_codes[:, :, span], self.value_scale_zero[:, :, span])
         self.length += n
 
     def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,9 @@ Two partials over disjoint key sets merge exactly into attention over their unio
 
 Masks are `[B or 1, 1, Lq, Lk]`: bool (True = attend) or additive float; None attends everywhere.
 Query head h uses KV head `h // (Hq // Hkv)`.
+
+`tiered_reference` composes them into the attention of one layer over its BF16 tiers and quantized history: the
+semantics every backend's `tiered_attention` implements.
 """
 
 from __future__ import annotations
@@ -81,3 +84,38 @@ def history_partial(
         merged = part if merged is None else merge_partials([merged, part])
     out, lse = merged
     return rotate(out, expand_heads(value_rotation, groups), transpose=True), lse
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """bool `[1, 1, q_len, kv_len]`, queries aligned to the last `q_len` key positions."""
+    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+
+
+def split_mask(mask: torch.Tensor | None, sink: int, history: int):
+    """(mask of the BF16 columns, mask of the history columns) from a mask over all `kv_len` columns."""
+    if mask is None:
+        return None, None
+    dense = torch.cat([mask[..., :sink], mask[..., sink + history :]], dim=-1)
+    return dense, mask[..., sink : sink + history]
+
+
+def tiered_reference(backend, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
+                     softcap=None) -> torch.Tensor:
+    """Attention over BF16 tiers + quantized history through `backend`'s partial ops; `[B, Lq, Hq, D]`, query dtype.
+
+    `key`/`value` `[B, Hkv, Ld, D]` are the sink followed by the recent and new tokens (model basis); the history
+    (`history.length` tokens, possibly 0) sits between mask columns `sink_length` and `sink_length + length`.
+    Without a mask and with several queries, a bottom-right causal mask over all columns is used.
+    """
+    hist_len = history.length if history is not None else 0
+    q_len = query.shape[2]
+    if mask is None and q_len > 1:
+        mask = causal_mask(q_len, hist_len + key.shape[2], query.device)
+    dense_mask, history_mask = split_mask(mask, sink_length, hist_len)
+    parts = [backend.dense_attention(query, key, value, dense_mask, scaling, softcap)]
+    if hist_len:
+        parts.append(backend.history_attention(query, history, key_rotation, value_rotation, history_mask, scaling,
+                                               softcap))
+    out, _ = backend.merge(parts)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
