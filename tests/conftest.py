@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers
+import os
 
-from oscar_hf.compat import cache_argument_name
+import torch
+
+# The Triton kernels' tests (tests/test_kernels_*.py) run through Triton's interpreter where there is no GPU. The
+# variable must be set before anything imports triton (transformers and oscar_hf do), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+from oscar_hf.compat import cache_argument_name  # noqa: E402
 
 VOCAB = 96
 

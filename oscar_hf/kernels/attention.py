@@ -1,0 +1,417 @@
+"""Stage 1 of the tiered attention: split-K partials over the BF16 tiers and the packed INT2/INT4 history.
+
+Contract (`attention_partials`): for queries `[B, Hq, Lq, D]` (model basis) and, optionally, their rotated copy
+`q @ R_K` (float32), write one partial per (query row, split): the softmax-normalized output (float32, `D`) and the
+natural log-sum-exp of its scores (float32, -inf where every key of the split is masked; the output is 0 there).
+Splits `[0, dense_splits)` cover the dense keys `[B, Hkv, Ld, D]` (model dtype, model basis); splits
+`[dense_splits, dense_splits + history_splits)` cover the history: packed codes `[B, Hkv, N, D * bits / 8]` and
+(scale, zero) `[B, Hkv, N, 2]` (rotated basis, dequantized on the fly as `(code - zero) * scale`), or rotated
+dense rows for an unquantized history. The history partials stay in the rotated basis: stage 2 (`merge.py`)
+applies `R_Vᵀ`.
+
+One program handles `BLOCK_M` query rows of one KV head (rows are (query position, head of the GQA group) pairs,
+so all query heads of a group share one read of K/V) and one split. Decode uses `BLOCK_M = 16` and many splits
+(flash-decoding); a chunk of queries (chunked prefill) uses larger row blocks and a few splits, so memory stays
+linear in the number of queries (no `[Lq, N]` score matrix is materialized).
+
+Masks: an optional `[B or 1, 1, Lq, Ld + N]` bool (True = attend) or additive float mask over the logical
+columns: dense key j maps to column `j + N * (j >= gap_start)`, history key t to `hist_col0 + t`. Without a mask,
+`IS_CAUSAL` aligns the queries with the last `Lq` dense keys (history keys are always visible).
+
+Precision: scores and the softmax in float32 (natural-log LSE out, base-2 exponentials inside); the history tier multiplies float16 copies of the rotated query and
+of `p * scale` with the exact small-integer codes (float32 accumulation, zero points applied in float32), or works
+in float32 end to end when the query is float32; the dense tier takes the model dtype (bf16 P·V like
+flash-attention, float32 IEEE dots for float32 models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .interpreter import interpreting
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _scores_to_log2(s, scaling, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw q·k -> scores in log2 units (scaling, optional tanh softcap)."""
+    if HAS_SOFTCAP:
+        s = s * scaling / softcap
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))  # tanh, overflow-safe at both ends
+        return s * _LOG2E
+    else:
+        return s * (scaling * _LOG2E)
+
+
+@triton.jit
+def _apply_mask(s, m_ptr, smb, sml, smc, b, qi, col, col_ok, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+    """Mask scores `s` [M, N] (log2 units) by key validity and the optional attention mask."""
+    valid = col_ok[None, :]
+    if HAS_MASK:
+        ptrs = m_ptr + b.to(tl.int64) * smb + qi[:, None].to(tl.int64) * sml + col[None, :].to(tl.int64) * smc
+        if MASK_BOOL:
+            allowed = tl.load(ptrs, mask=valid, other=0)
+            valid = valid & (allowed != 0)
+        else:
+            s = s + tl.load(ptrs, mask=valid, other=0.0).to(tl.float32) * _LOG2E
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _online_update(s, m_i, l_i):
+    """One online-softmax step on log2 scores `s` [M, N]: (probabilities, rescale factor, new max, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _dense_split(
+    q_ptr, sqb, sqh, sql, k_ptr, skb, skh, skt, v_ptr, svb, svh, svt, m_ptr, smb, sml, smc,
+    b, kvh, h, qi, row_ok, lo, hi, Lq, Ld, col_gap_start, col_gap_len, scaling, softcap,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """Attention of the rows over dense keys [lo, hi): (unnormalized acc [M, D], row sum, row max), log2 units."""
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sql
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+    if UPCAST_DOTS:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < hi
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if UPCAST_DOTS:
+            k = k.to(tl.float32)
+        if q.dtype == tl.float32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = _scores_to_log2(s, scaling, softcap, HAS_SOFTCAP)
+        col = offs_n + tl.where(offs_n >= col_gap_start, col_gap_len, 0)
+        s = _apply_mask(s, m_ptr, smb, sml, smc, b, qi, col, key_ok, HAS_MASK, MASK_BOOL)
+        if IS_CAUSAL:
+            s = tl.where(offs_n[None, :] <= (Ld - Lq + qi)[:, None], s, float("-inf"))
+        p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if UPCAST_DOTS:
+            p = p.to(v.dtype).to(tl.float32)
+            v = v.to(tl.float32)
+        if v.dtype == tl.float32:
+            acc = tl.dot(p, v, acc=acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes, as exact `DT` values.
+
+    2 bits: every quarter lives in bytes [0, D/4) at shift 2c. 4 bits: quarters 0, 2 in bytes [0, D/4), quarters
+    1, 3 in bytes [D/4, D/2), at shift 0 (quarters 0, 1) or 4 (quarters 2, 3).
+    """
+    if BITS == 2:
+        return ((lo_bytes >> (2 * c)) & 3).to(DT)
+    else:
+        if c % 2 == 0:
+            return ((lo_bytes >> (4 * (c // 2))) & 15).to(DT)
+        else:
+            return ((hi_bytes >> (4 * (c // 2))) & 15).to(DT)
+
+
+@triton.jit
+def _qdot(a, b, DT: tl.constexpr):
+    if DT == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _quant_split(
+    q_ptr, sqb, sqh, sql,
+    kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
+    vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
+    m_ptr, smb, sml, smc,
+    b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
+    D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
+):
+    """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis.
+
+    score = scale_t * (q·code_t - zero_t * sum(q)); out = sum_t p_t scale_t code_t - sum_t p_t scale_t zero_t.
+    Returns the four quarter accumulators [M, D/4] (zero-point term already removed), row sum and row max.
+    """
+    QW: tl.constexpr = D // 4
+    offs_w = tl.arange(0, QW)
+    q_rows = q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sql
+    q0 = tl.load(q_rows + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+    q1 = tl.load(q_rows + QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+    q2 = tl.load(q_rows + 2 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+    q3 = tl.load(q_rows + 3 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+    q_sum = (tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1)
+             + tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1))
+    kc_base = kc_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    vc_base = vc_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    kz_base = kz_ptr + b.to(tl.int64) * szb + kvh.to(tl.int64) * szh
+    vz_base = vz_ptr + b.to(tl.int64) * swb + kvh.to(tl.int64) * swh
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    zero_acc = tl.zeros((BLOCK_M,), tl.float32)
+    acc0 = tl.zeros((BLOCK_M, QW), tl.float32)
+    acc1 = tl.zeros((BLOCK_M, QW), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, QW), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, QW), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs_n < hi
+        rows = offs_n[:, None].to(tl.int64)
+        kb_lo = tl.load(kc_base + rows * skt + offs_w[None, :], mask=tok_ok[:, None], other=0)
+        vb_lo = tl.load(vc_base + rows * svt + offs_w[None, :], mask=tok_ok[:, None], other=0)
+        if BITS == 4:
+            kb_hi = tl.load(kc_base + rows * skt + QW + offs_w[None, :], mask=tok_ok[:, None], other=0)
+            vb_hi = tl.load(vc_base + rows * svt + QW + offs_w[None, :], mask=tok_ok[:, None], other=0)
+        else:
+            kb_hi = kb_lo
+            vb_hi = vb_lo
+        k_scale = tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0.0).to(tl.float32)
+        k_zero = tl.load(kz_base + offs_n * szt + 1, mask=tok_ok, other=0.0).to(tl.float32)
+        v_scale = tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0.0).to(tl.float32)
+        v_zero = tl.load(vz_base + offs_n * swt + 1, mask=tok_ok, other=0.0).to(tl.float32)
+
+        qc = _qdot(q0, tl.trans(_plane(kb_lo, kb_hi, 0, BITS, DT)), DT)
+        qc += _qdot(q1, tl.trans(_plane(kb_lo, kb_hi, 1, BITS, DT)), DT)
+        qc += _qdot(q2, tl.trans(_plane(kb_lo, kb_hi, 2, BITS, DT)), DT)
+        qc += _qdot(q3, tl.trans(_plane(kb_lo, kb_hi, 3, BITS, DT)), DT)
+        s = (qc - q_sum[:, None] * k_zero[None, :]) * k_scale[None, :]
+        s = _scores_to_log2(s, scaling, softcap, HAS_SOFTCAP)
+        s = _apply_mask(s, m_ptr, smb, sml, smc, b, qi, hist_col0 + offs_n, tok_ok, HAS_MASK, MASK_BOOL)
+        p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
+
+        pv = (p * v_scale[None, :]).to(DT)
+        zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[None, :], axis=1)
+        acc0 = _qdot(pv, _plane(vb_lo, vb_hi, 0, BITS, DT), DT) + acc0 * alpha[:, None]
+        acc1 = _qdot(pv, _plane(vb_lo, vb_hi, 1, BITS, DT), DT) + acc1 * alpha[:, None]
+        acc2 = _qdot(pv, _plane(vb_lo, vb_hi, 2, BITS, DT), DT) + acc2 * alpha[:, None]
+        acc3 = _qdot(pv, _plane(vb_lo, vb_hi, 3, BITS, DT), DT) + acc3 * alpha[:, None]
+    zero_acc = zero_acc[:, None]
+    return acc0 - zero_acc, acc1 - zero_acc, acc2 - zero_acc, acc3 - zero_acc, l_i, m_i
+
+
+@triton.jit
+def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.constexpr, WRITE_LSE: tl.constexpr):
+    offs = col0 + tl.arange(0, WIDTH)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_rows[:, None] + offs[None, :], out, mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * _LN2)
+        tl.store(lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _attention_partials_kernel(
+    q_ptr, sqb, sqh, sql,
+    qr_ptr, srb, srh, srl,
+    k_ptr, skb, skh, skt, v_ptr, svb, svh, svt,
+    hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
+    hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
+    m_ptr, smb, sml, smc,
+    o_ptr, lse_ptr,
+    Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
+    scaling, softcap,
+    D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    split = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = tl.program_id(2) // Hkv
+    kvh = tl.program_id(2) % Hkv
+    row_ok = rows < G * Lq
+    qi = tl.minimum(rows // G, Lq - 1)  # padding rows repeat the last query (computed, never stored)
+    h = kvh * G + rows % G
+    Hq = Hkv * G
+    part = ((b * Hq + h).to(tl.int64) * Lq + qi) * total_splits + split
+    o_rows = o_ptr + part * D
+    lse_rows = lse_ptr + part
+    if split < dense_splits:
+        lo = split * dense_split_len
+        hi = tl.minimum(lo + dense_split_len, Ld)
+        if IS_CAUSAL:
+            last_q = tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M - 1, G * Lq - 1) // G
+            hi = tl.minimum(hi, Ld - Lq + last_q + 1)
+        acc, l_i, m_i = _dense_split(
+            q_ptr, sqb, sqh, sql, k_ptr, skb, skh, skt, v_ptr, svb, svh, svt, m_ptr, smb, sml, smc,
+            b, kvh, h, qi, row_ok, lo, hi, Lq, Ld, gap_start, N, scaling, softcap,
+            D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, IS_CAUSAL, HAS_SOFTCAP, UPCAST_DOTS)
+        _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
+    else:
+        lo = (split - dense_splits) * hist_split_len
+        hi = tl.minimum(lo + hist_split_len, N)
+        if HIST_QUANT:
+            acc0, acc1, acc2, acc3, l_i, m_i = _quant_split(
+                qr_ptr, srb, srh, srl,
+                hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
+                hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
+                m_ptr, smb, sml, smc,
+                b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
+                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT)
+            QW: tl.constexpr = D // 4
+            _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True)
+            _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False)
+            _store_partial(o_rows, lse_rows, acc2, l_i, m_i, row_ok, 2 * QW, QW, False)
+            _store_partial(o_rows, lse_rows, acc3, l_i, m_i, row_ok, 3 * QW, QW, False)
+        else:
+            # unquantized history: rotated rows in the model dtype, attended with the rotated query
+            acc, l_i, m_i = _dense_split(
+                qr_ptr, srb, srh, srl, hk_ptr, shkb, shkh, shkt, hv_ptr, shvb, shvh, shvt, m_ptr, smb, sml, smc,
+                b, kvh, h, qi, row_ok, lo, hi, Lq, N, 0, hist_col0, scaling, softcap,
+                D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, False, HAS_SOFTCAP, UPCAST_DOTS)
+            _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
+
+
+BLOCK_N_DENSE = 64
+# Triton's interpreter multiplies bfloat16 dot operands as raw integers: there, the dense tier's dots run on
+# float32 copies (P rounded to the value dtype first, as on the GPU).
+_UPCAST_DOTS = interpreting()
+BLOCK_N_HISTORY = 64
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the keys are cut: `dense_splits` splits of `dense_split_len` dense keys, then `history_splits` of
+    `history_split_len` history tokens, for `row_blocks` blocks of `block_m` query rows."""
+
+    block_m: int
+    row_blocks: int
+    dense_splits: int
+    dense_split_len: int
+    history_splits: int
+    history_split_len: int
+
+    @property
+    def total_splits(self) -> int:
+        return self.dense_splits + self.history_splits
+
+
+def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int) -> tuple[int, int]:
+    if tokens <= 0:
+        return 0, block
+    splits = max(1, min(wanted, triton.cdiv(tokens, min_tokens), max_splits))
+    length = triton.cdiv(triton.cdiv(tokens, splits), block) * block
+    return triton.cdiv(tokens, length), length
+
+
+def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
+                min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128) -> SplitPlan:
+    """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
+    the minimums; `rows` = query heads per KV head x query length."""
+    block_m = 16 if rows <= 16 else 64
+    row_blocks = triton.cdiv(rows, block_m)
+    wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
+    dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, BLOCK_N_DENSE, max_splits)
+    hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, BLOCK_N_HISTORY, max_splits)
+    return SplitPlan(block_m, row_blocks, dense_splits, dense_len_each, hist_splits, hist_len_each)
+
+
+@dataclass(frozen=True)
+class HistoryTensors:
+    """The history buffers the kernel reads (`[B, Hkv, capacity, ...]`, first `length` tokens valid).
+
+    Quantized: `keys`/`values` are packed codes (uint8) and the scale-zero tensors are set; unquantized: `keys` /
+    `values` are rotated rows in the model dtype and the scale-zero tensors are None."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scale_zero: torch.Tensor | None
+    value_scale_zero: torch.Tensor | None
+    length: int
+    bits: int = 2
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_scale_zero is not None
+
+
+def attention_partials(
+    query: torch.Tensor,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
+    history: HistoryTensors | None,
+    rotated_query: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    plan: SplitPlan,
+    scaling: float,
+    softcap: float | None,
+    causal: bool,
+    gap_start: int,
+    hist_col0: int,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    kv_heads: int,
+) -> None:
+    """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
+    `plan.dense_splits == 0`); `rotated_query` `[B, Hq, Lq, D]` float32 (needed with a history);
+    `partial_out` / `partial_lse`: contiguous float32 `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]`."""
+    batch, q_heads, q_len, dim = query.shape
+    groups = q_heads // kv_heads
+    dense_len = keys.shape[2] if keys is not None else 0
+    hist_len = history.length if history is not None else 0
+    for t in (query, keys, values, rotated_query):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("attention_partials needs a unit stride along head_dim")
+    if keys is None:
+        keys = values = query
+    if history is None or hist_len == 0:
+        hk = hv = query
+        hkz = hvz = partial_lse
+        quantized, bits = True, 2
+    else:
+        hk, hv, quantized, bits = history.keys, history.values, history.quantized, history.bits
+        hkz = history.key_scale_zero if quantized else partial_lse
+        hvz = history.value_scale_zero if quantized else partial_lse
+    if rotated_query is None:
+        rotated_query = query
+    if mask is None:
+        m, m_strides, mask_bool = query, (0, 0, 0), True
+    else:
+        mask_bool = mask.dtype == torch.bool
+        m = mask.view(torch.uint8) if mask_bool else mask
+        m_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
+                     mask.stride(3))
+    hkz_strides = hkz.stride()[:3] if quantized and hist_len else (0, 0, 0)
+    hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
+    hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
+    grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
+    _attention_partials_kernel[grid](
+        query, query.stride(0), query.stride(1), query.stride(2),
+        rotated_query, rotated_query.stride(0), rotated_query.stride(1), rotated_query.stride(2),
+        keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
+        values.stride(2),
+        hk, hk.stride(0), hk.stride(1), hk.stride(2), hkz, *hkz_strides,
+        hv, hv.stride(0), hv.stride(1), hv.stride(2), hvz, *hvz_strides,
+        m, *m_strides,
+        partial_out, partial_lse,
+        q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
+        plan.dense_split_len, plan.history_split_len, plan.total_splits,
+        scaling, 1.0 if softcap is None else softcap,
+        D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
+        BLOCK_NQ=BLOCK_N_HISTORY, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
+        HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS, num_warps=4 if plan.block_m <= 16 else 8,
+    )

@@ -1,0 +1,194 @@
+"""`TritonBackend`: the kernel implementation of the backend operations (see `oscar_hf.backend`).
+
+Inputs the kernels do not cover (head_dim not a power of two in [16, 256], key and value head sizes that differ,
+per-head masks) fall back to the PyTorch reference, which defines the semantics either way.
+
+Decode (`tiered_attention`) per layer: the query rotation (one small float32 matmul), one stage-1 launch covering
+the BF16 tiers and the quantized history (`kernels/attention.py`) and one stage-2 launch that merges the splits,
+un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`kernels/merge.py`). The split
+scratch is reused across calls (no allocation that grows with the history), and nothing synchronizes the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import ReferenceBackend
+from ..history import QuantizedHistory
+from .attention import HistoryTensors, SplitPlan, attention_partials, plan_splits
+from .demote import demote_rows
+from .merge import merge_splits
+
+
+def _kernel_head_dim(dim: int) -> bool:
+    return 16 <= dim <= 256 and dim & (dim - 1) == 0
+
+
+class TritonBackend(ReferenceBackend):
+    """Triton kernels on CUDA (or on CPU under `TRITON_INTERPRET=1`, for tests).
+
+    Args:
+        history_chunk: passed to the reference fallback.
+        target_programs: programs per stage-1 launch to aim for (default: 4 per multiprocessor).
+        min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
+            splits on small inputs).
+    """
+
+    name = "triton"
+
+    def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
+                 min_dense_tokens: int = 256, min_history_tokens: int = 512):
+        super().__init__(history_chunk=history_chunk)
+        self.target_programs = target_programs
+        self.min_dense_tokens = min_dense_tokens
+        self.min_history_tokens = min_history_tokens
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._programs: dict[torch.device, int] = {}
+
+    # ------------------------------------------------------------------------------------------ demotion
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out) -> None:
+        if not _kernel_head_dim(x.shape[-1]):
+            return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out)
+        demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits)
+
+    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out) -> None:
+        if keys.shape != values.shape or not _kernel_head_dim(keys.shape[-1]):
+            return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
+                                     bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out)
+        demote_rows([(keys, key_rotation, key_clip_ratio, key_codes_out, key_scale_zero_out),
+                     (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits)
+
+    # ------------------------------------------------------------------------------------------ attention
+    def dense_attention(self, query, key, value, mask, scaling, softcap=None):
+        if not self._supported(query, key, value, mask):
+            return super().dense_attention(query, key, value, mask, scaling, softcap)
+        return self._partial(query, key, value, None, None, None, mask, scaling, softcap, causal=False,
+                             gap_start=key.shape[2], hist_col0=0)
+
+    def history_attention(self, query, history, key_rotation, value_rotation, mask, scaling, softcap=None):
+        tensors = _history_tensors(history)
+        if tensors is None or not self._supported(query, None, None, mask, history):
+            return super().history_attention(query, history, key_rotation, value_rotation, mask, scaling, softcap)
+        rotated = _rotate_query(query, key_rotation, history.num_heads)
+        return self._partial(query, None, None, tensors, rotated, value_rotation, mask, scaling, softcap,
+                             causal=False, gap_start=0, hist_col0=0, kv_heads=history.num_heads)
+
+    def merge(self, parts):
+        if len(parts) == 1:
+            return parts[0]
+        out0, _ = parts[0]
+        if not _kernel_head_dim(out0.shape[-1]):
+            return super().merge(parts)
+        partial_out = torch.stack([o.float() for o, _ in parts], dim=3)
+        partial_lse = torch.stack([lse.float() for _, lse in parts], dim=3)
+        out = torch.empty(out0.shape, dtype=torch.float32, device=out0.device)
+        lse = torch.empty(out0.shape[:-1], dtype=torch.float32, device=out0.device)
+        merge_splits(partial_out, partial_lse, out, out_layout="bhld", lse_out=lse)
+        return out, lse
+
+    def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
+                         scaling, softcap=None):
+        """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
+        `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (see `ReferenceBackend`)."""
+        hist_len = history.length if history is not None else 0
+        tensors = _history_tensors(history) if hist_len else None
+        if (hist_len and tensors is None) or not self._supported(query, key, value, mask, history if hist_len else None):
+            return super().tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
+                                            value_rotation, scaling, softcap)
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        rotated = _rotate_query(query, key_rotation, kv_heads) if hist_len else None
+        out = torch.empty((batch, q_len, q_heads, dim), dtype=query.dtype, device=query.device)
+        self._run(query, key, value, tensors, rotated, value_rotation if hist_len else None, mask, scaling, softcap,
+                  causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
+                  kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None)
+        return out
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _partial(self, query, key, value, tensors, rotated, value_rotation, mask, scaling, softcap, causal,
+                 gap_start, hist_col0, kv_heads=None):
+        batch, q_heads, q_len, dim = query.shape
+        out = torch.empty((batch, q_heads, q_len, dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((batch, q_heads, q_len), dtype=torch.float32, device=query.device)
+        self._run(query, key, value, tensors, rotated, value_rotation, mask, scaling, softcap, causal, gap_start,
+                  hist_col0, kv_heads or key.shape[1], out, "bhld", lse)
+        return out, lse
+
+    def _run(self, query, key, value, tensors, rotated, value_rotation, mask, scaling, softcap, causal, gap_start,
+             hist_col0, kv_heads, out, out_layout, lse_out):
+        batch, q_heads, q_len, dim = query.shape
+        dense_len = key.shape[2] if key is not None else 0
+        hist_len = tensors.length if tensors is not None else 0
+        plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len)
+        rows = batch * q_heads * q_len * plan.total_splits
+        scratch = self._workspace(query.device, rows * (dim + 1))
+        partial_out = scratch[: rows * dim].view(batch, q_heads, q_len, plan.total_splits, dim)
+        partial_lse = scratch[rows * dim : rows * (dim + 1)].view(batch, q_heads, q_len, plan.total_splits)
+        if plan.total_splits == 0:  # nothing to attend: an empty softmax
+            out.zero_()
+            if lse_out is not None:
+                lse_out.fill_(float("-inf"))
+            return
+        attention_partials(query, key, value, tensors, rotated, mask, plan, scaling, softcap, causal, gap_start,
+                           hist_col0, partial_out, partial_lse, kv_heads)
+        merge_splits(partial_out, partial_lse, out, out_layout, value_rotation, plan.dense_splits, kv_heads, lse_out)
+
+    def plan(self, device, batch, kv_heads, rows, dense_len, hist_len) -> SplitPlan:
+        return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device),
+                           self.min_dense_tokens, self.min_history_tokens)
+
+    def _target(self, device: torch.device) -> int:
+        if self.target_programs is not None:
+            return self.target_programs
+        if device not in self._programs:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+            self._programs[device] = 4 * sms
+        return self._programs[device]
+
+    def _workspace(self, device: torch.device, numel: int) -> torch.Tensor:
+        """A float32 scratch of at least `numel` elements, reused across calls on the same device (the stage-2
+        launch consumes it before the next stage-1 launch on the stream)."""
+        buffer = self._scratch.get(device)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+            self._scratch[device] = buffer
+        return buffer
+
+    @staticmethod
+    def _supported(query, key, value, mask, history=None) -> bool:
+        dim = query.shape[-1]
+        if not _kernel_head_dim(dim) or query.stride(-1) != 1:
+            return False
+        if key is not None and (key.shape[-1] != dim or value.shape[-1] != dim or key.stride(-1) != 1
+                                or value.stride(-1) != 1 or query.shape[1] % key.shape[1]):
+            return False
+        if history is not None and (getattr(history, "key_dim", dim) != dim or getattr(history, "value_dim", dim) != dim):
+            return False
+        if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.stride(-1) != 1):
+            return False
+        return True
+
+
+def _history_tensors(history) -> HistoryTensors | None:
+    if history is None or history.length == 0:
+        return None
+    if isinstance(history, QuantizedHistory):
+        return HistoryTensors(history.key_codes, history.value_codes, history.key_scale_zero,
+                              history.value_scale_zero, history.length, history.config.bits)
+    keys = getattr(history, "keys", None)
+    if keys is None:
+        return None
+    return HistoryTensors(keys, history.values, None, None, history.length)
+
+
+def _rotate_query(query: torch.Tensor, rotation: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
+    """`query @ R_K` in float32, `[B, Hq, Lq, D]` (per-KV-head R applied to each head of its group)."""
+    q = query.float()
+    if rotation is None:
+        return q
+    if rotation.dim() == 2:
+        return torch.matmul(q, rotation)
+    batch, q_heads, q_len, dim = q.shape
+    grouped = q.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
+    return torch.matmul(grouped, rotation).view(batch, q_heads, q_len, dim)

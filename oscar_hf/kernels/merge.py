@@ -1,0 +1,129 @@
+"""Stage 2 of the tiered attention: merge split partials into the final output, un-rotating the history.
+
+Contract (`merge_partials`): partial outputs `o` `[B, Hq, Lq, S, D]` (float32, normalized) and their natural
+log-sum-exps `lse` `[B, Hq, Lq, S]` (float32, -inf = nothing attended). Splits `[0, plain)` are in the output
+basis; splits `[plain, S)` are in the rotated basis of the value rotation R (`[D, D]` or `[Hkv, D, D]`) and are
+multiplied by `Rᵀ` (float32, IEEE) after being combined. The result is
+
+    out = (sum_s w_s o_s') / sum_s w_s,  w_s = exp(lse_s - max_s lse_s),  o_s' = o_s or o_s Rᵀ,
+
+written in the output tensor's dtype at any strides (e.g. `[B, Lq, Hq, D]`, what transformers expects), plus
+optionally the merged log-sum-exp `[B, Hq, Lq]` (float32). Rows whose splits are all -inf give 0 and -inf, never
+NaN. Query head h belongs to KV head h // G (the rotation of a per-KV-head R).
+
+One program handles `BLOCK_M` rows (query position, head of one GQA group) of one KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import round_to
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr, lse_ptr, r_ptr, srh, srr,
+    out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
+    Lq, G, Hkv, total_splits, plain_splits,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_ROT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = tl.program_id(1) // Hkv
+    kvh = tl.program_id(1) % Hkv
+    row_ok = rows < G * Lq
+    qi = tl.minimum(rows // G, Lq - 1)
+    h = kvh * G + rows % G
+    Hq = Hkv * G
+    part0 = ((b * Hq + h).to(tl.int64) * Lq + qi) * total_splits
+    lse_rows = lse_ptr + part0
+    o_rows = o_ptr + part0 * D
+
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for s in range(total_splits):
+        top = tl.maximum(top, tl.load(lse_rows + s, mask=row_ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    for s in range(total_splits):
+        total += tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
+    inv_total = 1.0 / tl.maximum(total, 1.1754943508222875e-38)
+
+    rotated_from = total_splits
+    if HAS_ROT:
+        rotated_from = plain_splits
+        offs_d = tl.arange(0, D)
+        acc_rot = tl.zeros((BLOCK_M, D), tl.float32)
+        for s in range(plain_splits, total_splits):
+            w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
+            o = tl.load(o_rows[:, None] + s * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            acc_rot += w[:, None] * o
+        r_base = r_ptr + kvh.to(tl.int64) * srh
+
+    out_rows = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + qi.to(tl.int64) * sol
+    for j0 in tl.static_range(0, D, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+        for s in range(0, rotated_from):
+            w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
+            o = tl.load(o_rows[:, None] + s * D + offs_j[None, :], mask=row_ok[:, None], other=0.0)
+            acc += w[:, None] * o
+        if HAS_ROT:
+            # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i]
+            r_t = tl.load(r_base + offs_j[None, :].to(tl.int64) * srr + offs_d[:, None])
+            acc = tl.dot(acc_rot, r_t, acc=acc, input_precision="ieee")
+        out = acc * inv_total[:, None]
+        tl.store(out_rows[:, None] + offs_j[None, :], round_to(out, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
+        tl.store(lo_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + qi.to(tl.int64) * sll, lse, mask=row_ok)
+
+
+def merge_splits(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    out_layout: str = "blhd",
+    value_rotation: torch.Tensor | None = None,
+    plain_splits: int | None = None,
+    kv_heads: int | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> None:
+    """Merge `partial_out` `[B, Hq, Lq, S, D]` / `partial_lse` `[B, Hq, Lq, S]` (contiguous float32) into `out`.
+
+    `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides.
+    Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or `[kv_heads, D, D]`).
+    `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
+    """
+    batch, q_heads, q_len, splits, dim = partial_out.shape
+    kv_heads = kv_heads or q_heads
+    groups = q_heads // kv_heads
+    if not partial_out.is_contiguous() or not partial_lse.is_contiguous():
+        raise ValueError("merge_splits needs contiguous partials")
+    if out.stride(-1) != 1:
+        raise ValueError("merge_splits needs a unit stride along head_dim of the output")
+    sob, s1, s2 = out.stride(0), out.stride(1), out.stride(2)
+    soh, sol = (s2, s1) if out_layout == "blhd" else (s1, s2)
+    has_rot = value_rotation is not None and plain_splits is not None and plain_splits < splits
+    if has_rot:
+        rot = value_rotation
+        if rot.dtype != torch.float32 or rot.stride(-1) != 1:
+            rot = rot.float().contiguous()
+        rot_head_stride = rot.stride(0) if rot.dim() == 3 else 0
+        rot_row_stride = rot.stride(-2)
+    else:
+        rot, rot_head_stride, rot_row_stride = partial_out, 0, 0
+    lse_target = lse_out if lse_out is not None else partial_lse
+    lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
+    rows = groups * q_len
+    block_m = 16 if rows <= 16 else 32
+    grid = (triton.cdiv(rows, block_m), batch * kv_heads)
+    _merge_kernel[grid](
+        partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
+        out, sob, soh, sol, lse_target, *lse_strides,
+        q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
+        D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+        num_warps=4,
+    )
