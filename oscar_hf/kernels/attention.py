@@ -144,27 +144,59 @@ def _qdot(a, b, DT: tl.constexpr):
 
 
 @triton.jit
+def _rotated_quarter(q, r_base, srkp, srkr, c: tl.constexpr, D: tl.constexpr, QW: tl.constexpr,
+                     UPCAST_DOTS: tl.constexpr):
+    """Columns [c*QW, (c+1)*QW) of `q @ R` in float32, with R given as two 16-bit halves (hi + lo): products of
+    the exact 16-bit query with a 16-bit pair whose sum carries R to ~2^-17 relative."""
+    offs_d = tl.arange(0, D)
+    offs = offs_d[:, None] * srkr + c * QW + tl.arange(0, QW)[None, :]
+    r_hi = tl.load(r_base + offs)
+    r_lo = tl.load(r_base + srkp + offs)
+    if UPCAST_DOTS:
+        q32 = q.to(tl.float32)
+        out = tl.dot(q32, r_hi.to(tl.float32), input_precision="ieee")
+        return tl.dot(q32, r_lo.to(tl.float32), acc=out, input_precision="ieee")
+    else:
+        return tl.dot(q, r_lo, acc=tl.dot(q, r_hi))
+
+
+@triton.jit
 def _quant_split(
-    q_ptr, sqb, sqh, sql,
+    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
     kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
     vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
     m_ptr, smb, sml, smc,
     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
+    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
 ):
     """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis.
+
+    The rotated query is `q @ R_K` computed here (`ROT_Q`, 16-bit queries) or read from `qr_ptr` (float32, or the
+    query itself when there is no rotation); the softmax scaling is folded into it before the float16 rounding.
 
     score = scale_t * (q·code_t - zero_t * sum(q)); out = sum_t p_t scale_t code_t - sum_t p_t scale_t zero_t.
     Returns the four quarter accumulators [M, D/4] (zero-point term already removed), row sum and row max.
     """
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
-    q_rows = q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sql
-    q0 = tl.load(q_rows + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
-    q1 = tl.load(q_rows + QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
-    q2 = tl.load(q_rows + 2 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
-    q3 = tl.load(q_rows + 3 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+    if ROT_Q:
+        q_full = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh
+                         + qi[:, None].to(tl.int64) * sql + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+        r_base = rk_ptr + kvh.to(tl.int64) * srkh
+        q0 = (_rotated_quarter(q_full, r_base, srkp, srkr, 0, D, QW, UPCAST_DOTS) * scaling).to(DT)
+        q1 = (_rotated_quarter(q_full, r_base, srkp, srkr, 1, D, QW, UPCAST_DOTS) * scaling).to(DT)
+        q2 = (_rotated_quarter(q_full, r_base, srkp, srkr, 2, D, QW, UPCAST_DOTS) * scaling).to(DT)
+        q3 = (_rotated_quarter(q_full, r_base, srkp, srkr, 3, D, QW, UPCAST_DOTS) * scaling).to(DT)
+    else:
+        q_rows = qr_ptr + b.to(tl.int64) * srb + h[:, None].to(tl.int64) * srh + qi[:, None].to(tl.int64) * srl
+        q0 = (tl.load(q_rows + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scaling).to(DT)
+        q1 = (tl.load(q_rows + QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scaling).to(DT)
+        q2 = (tl.load(q_rows + 2 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+              * scaling).to(DT)
+        q3 = (tl.load(q_rows + 3 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+              * scaling).to(DT)
     q_sum = (tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1)
              + tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1))
     kc_base = kc_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
@@ -200,7 +232,7 @@ def _quant_split(
         qc += _qdot(q2, tl.trans(_plane(kb_lo, kb_hi, 2, BITS, DT)), DT)
         qc += _qdot(q3, tl.trans(_plane(kb_lo, kb_hi, 3, BITS, DT)), DT)
         s = (qc - q_sum[:, None] * k_zero[None, :]) * k_scale[None, :]
-        s = _scores_to_log2(s, scaling, softcap, HAS_SOFTCAP)
+        s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
         s = _apply_mask(s, m_ptr, smb, sml, smc, b, qi, hist_col0 + offs_n, tok_ok, HAS_MASK, MASK_BOOL)
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
 
@@ -220,7 +252,7 @@ def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.cons
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_rows[:, None] + offs[None, :], out, mask=row_ok[:, None])
     if WRITE_LSE:
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * _LN2)
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * _LN2)
         tl.store(lse_rows, lse, mask=row_ok)
 
 
@@ -232,12 +264,14 @@ def _attention_partials_kernel(
     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
+    rk_ptr, srkp, srkh, srkr,
     o_ptr, lse_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -266,12 +300,12 @@ def _attention_partials_kernel(
         hi = tl.minimum(lo + hist_split_len, N)
         if HIST_QUANT:
             acc0, acc1, acc2, acc3, l_i, m_i = _quant_split(
-                qr_ptr, srb, srh, srl,
+                q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
                 hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
                 hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
                 m_ptr, smb, sml, smc,
                 b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT)
+                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS)
             QW: tl.constexpr = D // 4
             _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True)
             _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False)
@@ -355,6 +389,7 @@ def attention_partials(
     values: torch.Tensor | None,
     history: HistoryTensors | None,
     rotated_query: torch.Tensor | None,
+    key_rotation_halves: torch.Tensor | None,
     mask: torch.Tensor | None,
     plan: SplitPlan,
     scaling: float,
@@ -367,7 +402,9 @@ def attention_partials(
     kv_heads: int,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
-    `plan.dense_splits == 0`); `rotated_query` `[B, Hq, Lq, D]` float32 (needed with a history);
+    `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
+    as hi + lo in the query's 16-bit dtype: the kernel rotates the query, quantized history only) or
+    `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
     `partial_out` / `partial_lse`: contiguous float32 `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]`."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
@@ -388,6 +425,14 @@ def attention_partials(
         hvz = history.value_scale_zero if quantized else partial_lse
     if rotated_query is None:
         rotated_query = query
+    rot_q = key_rotation_halves is not None and quantized and hist_len > 0
+    if rot_q:
+        rk = key_rotation_halves
+        rk_strides = (rk.stride(0), rk.stride(1) if rk.dim() == 4 else 0, rk.stride(-2))
+        if rk.dtype != query.dtype or rk.stride(-1) != 1:
+            raise ValueError("key_rotation_halves must be contiguous along its rows and in the query dtype")
+    else:
+        rk, rk_strides = query, (0, 0, 0)
     if mask is None:
         m, m_strides, mask_bool = query, (0, 0, 0), True
     else:
@@ -407,11 +452,12 @@ def attention_partials(
         hk, hk.stride(0), hk.stride(1), hk.stride(2), hkz, *hkz_strides,
         hv, hv.stride(0), hv.stride(1), hv.stride(2), hvz, *hvz_strides,
         m, *m_strides,
+        rk, *rk_strides,
         partial_out, partial_lse,
         q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
         plan.dense_split_len, plan.history_split_len, plan.total_splits,
         scaling, 1.0 if softcap is None else softcap,
         D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
         BLOCK_NQ=BLOCK_N_HISTORY, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
-        HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS, num_warps=4 if plan.block_m <= 16 else 8,
+        HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS, num_warps=4 if plan.block_m <= 16 else 8,
     )

@@ -1,15 +1,18 @@
 """`TritonBackend`: the kernel implementation of the backend operations (see `oscar_hf.backend`).
 
-Inputs the kernels do not cover (head_dim not a power of two in [16, 256], key and value head sizes that differ,
+Inputs the kernels do not cover (head_dim not a power of two in [64, 256], key and value head sizes that differ,
 per-head masks) fall back to the PyTorch reference, which defines the semantics either way.
 
-Decode (`tiered_attention`) per layer: the query rotation (one small float32 matmul), one stage-1 launch covering
-the BF16 tiers and the quantized history (`kernels/attention.py`) and one stage-2 launch that merges the splits,
+Decode (`tiered_attention`) per layer: one stage-1 launch covering the BF16 tiers and the quantized history
+(`kernels/attention.py`, which also rotates the query by R_K for 16-bit models; float32 queries are rotated by a
+float32 matmul beforehand) and one stage-2 launch that merges the splits,
 un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`kernels/merge.py`). The split
 scratch is reused across calls (no allocation that grows with the history), and nothing synchronizes the host.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -21,7 +24,8 @@ from .merge import merge_splits
 
 
 def _kernel_head_dim(dim: int) -> bool:
-    return 16 <= dim <= 256 and dim & (dim - 1) == 0
+    """Head sizes the kernels take: powers of two from 64 (a quarter of a row feeds a 16-wide dot) to 256."""
+    return 64 <= dim <= 256 and dim & (dim - 1) == 0
 
 
 class TritonBackend(ReferenceBackend):
@@ -44,6 +48,7 @@ class TritonBackend(ReferenceBackend):
         self.min_history_tokens = min_history_tokens
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._programs: dict[torch.device, int] = {}
+        self._halves: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
     def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out) -> None:
@@ -70,8 +75,7 @@ class TritonBackend(ReferenceBackend):
         tensors = _history_tensors(history)
         if tensors is None or not self._supported(query, None, None, mask, history):
             return super().history_attention(query, history, key_rotation, value_rotation, mask, scaling, softcap)
-        rotated = _rotate_query(query, key_rotation, history.num_heads)
-        return self._partial(query, None, None, tensors, rotated, value_rotation, mask, scaling, softcap,
+        return self._partial(query, None, None, tensors, key_rotation, value_rotation, mask, scaling, softcap,
                              causal=False, gap_start=0, hist_col0=0, kv_heads=history.num_heads)
 
     def merge(self, parts):
@@ -88,9 +92,11 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                         scaling, softcap=None):
+                         scaling, softcap=None, out=None):
         """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
-        `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (see `ReferenceBackend`)."""
+        `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (see `ReferenceBackend`).
+
+        `out`: an optional `[B, Lq, Hq, D]` tensor to write into (tests poison it first)."""
         hist_len = history.length if history is not None else 0
         tensors = _history_tensors(history) if hist_len else None
         if (hist_len and tensors is None) or not self._supported(query, key, value, mask, history if hist_len else None):
@@ -98,26 +104,34 @@ class TritonBackend(ReferenceBackend):
                                             value_rotation, scaling, softcap)
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
-        rotated = _rotate_query(query, key_rotation, kv_heads) if hist_len else None
-        out = torch.empty((batch, q_len, q_heads, dim), dtype=query.dtype, device=query.device)
-        self._run(query, key, value, tensors, rotated, value_rotation if hist_len else None, mask, scaling, softcap,
+        if out is None:
+            out = torch.empty((batch, q_len, q_heads, dim), dtype=query.dtype, device=query.device)
+        self._run(query, key, value, tensors, key_rotation, value_rotation if hist_len else None, mask, scaling, softcap,
                   causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
                   kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None)
         return out
 
     # ------------------------------------------------------------------------------------------ internals
-    def _partial(self, query, key, value, tensors, rotated, value_rotation, mask, scaling, softcap, causal,
+    def _partial(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
                  gap_start, hist_col0, kv_heads=None):
         batch, q_heads, q_len, dim = query.shape
         out = torch.empty((batch, q_heads, q_len, dim), dtype=torch.float32, device=query.device)
         lse = torch.empty((batch, q_heads, q_len), dtype=torch.float32, device=query.device)
-        self._run(query, key, value, tensors, rotated, value_rotation, mask, scaling, softcap, causal, gap_start,
+        self._run(query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal, gap_start,
                   hist_col0, kv_heads or key.shape[1], out, "bhld", lse)
         return out, lse
 
-    def _run(self, query, key, value, tensors, rotated, value_rotation, mask, scaling, softcap, causal, gap_start,
-             hist_col0, kv_heads, out, out_layout, lse_out):
+    def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
+             gap_start, hist_col0, kv_heads, out, out_layout, lse_out):
         batch, q_heads, q_len, dim = query.shape
+        rotated = halves = None
+        if tensors is not None:
+            if key_rotation is None:
+                rotated = query
+            elif tensors.quantized and query.dtype in (torch.bfloat16, torch.float16):
+                halves = self._rotation_halves(key_rotation, query.dtype)
+            else:
+                rotated = _rotate_query(query, key_rotation, kv_heads)
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.length if tensors is not None else 0
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len)
@@ -130,9 +144,21 @@ class TritonBackend(ReferenceBackend):
             if lse_out is not None:
                 lse_out.fill_(float("-inf"))
             return
-        attention_partials(query, key, value, tensors, rotated, mask, plan, scaling, softcap, causal, gap_start,
-                           hist_col0, partial_out, partial_lse, kv_heads)
+        attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads)
         merge_splits(partial_out, partial_lse, out, out_layout, value_rotation, plan.dense_splits, kv_heads, lse_out)
+
+    def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """R as `[2, ...]` in `dtype`: a rounded copy and the rounded remainder (cached per rotation tensor)."""
+        key = (id(rotation), dtype)
+        cached = self._halves.get(key)
+        if cached is not None and cached[0]() is rotation:
+            return cached[1]
+        r = rotation.float()
+        hi = r.to(dtype)
+        halves = torch.stack([hi, (r - hi.float()).to(dtype)]).contiguous()
+        self._halves[key] = (weakref.ref(rotation), halves)
+        return halves
 
     def plan(self, device, batch, kv_heads, rows, dense_len, hist_len) -> SplitPlan:
         return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device),

@@ -147,8 +147,8 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16) -> None:
             raise ValueError(f"scale_zero_out must be {(batch, heads, n, 2)}, got {tuple(sz.shape)}")
     if n == 0:
         return
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim={d}: the kernels need a power of two >= 16")
+    if d & (d - 1) or not 64 <= d <= 256:
+        raise ValueError(f"head_dim={d}: the kernels need a power of two from 64 to 256")
     args = [_tensor_args(bits, *p) for p in pairs]
     if len(args) == 1:
         args.append(args[0])

@@ -1,0 +1,239 @@
+"""Stage 1 + stage 2 attention kernels against the reference partials (`oscar_hf.partials`).
+
+Runs on CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there) and on a CUDA device at
+real shapes. Fresh random inputs each run; the split scratch and the outputs are poisoned (NaN) before launch.
+
+Tolerances (norm-wise relative error of the output, absolute error of the log-sum-exp), against the float32
+reference on the same inputs:
+- float32 queries: 2e-5 / 2e-5 (the kernels compute in float32 throughout);
+- bfloat16, quantized history partial: 4e-3 / 4e-3 (float16 copies of the rotated query and of p*scale);
+- bfloat16, dense tier and whole layer: 1.5e-2 / 4e-3 (bf16 P·V as in flash-attention, bf16 output).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (when this file runs alone)
+
+triton = pytest.importorskip("triton", reason="the kernels need triton")
+
+from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.history import FullPrecisionHistory, QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
+
+DEVICE = kernel_device()
+ON_GPU = DEVICE.type == "cuda"
+
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+
+# (batch, kv heads, history tokens, dense tokens): small under the interpreter, decode-sized on the GPU
+BATCH, KV_HEADS, HISTORY, DENSE = (4, 8, 6000, 330) if ON_GPU else (2, 2, 150, 40)
+SINK = 5
+PREFILL = 200 if ON_GPU else 12
+
+TOLERANCE = {torch.float32: (2e-5, 2e-5), "history": (4e-3, 4e-3), "dense": (1.5e-2, 4e-3)}
+
+
+def _kernel_backend():
+    """A Triton backend that cuts even these small inputs into several splits, its scratch poisoned."""
+    backend = TritonBackend(target_programs=256, min_dense_tokens=16, min_history_tokens=32)
+    backend._workspace(DEVICE, 1 << 22).fill_(float("nan"))
+    return backend
+
+
+def _orthogonal(dim, heads=None):
+    shape = (heads, dim, dim) if heads else (dim, dim)
+    q, _ = torch.linalg.qr(torch.randn(shape, dtype=torch.float64))
+    return q.float().to(DEVICE)
+
+
+def _rotations(kind, dim):
+    if kind is None:
+        return None, None
+    heads = KV_HEADS if kind == "per_head" else None
+    return _orthogonal(dim, heads), _orthogonal(dim, heads)
+
+
+def _history(dim, bits, scale_dtype, rotations, dtype, tokens=HISTORY, quantize=True):
+    cfg = OscarConfig(bits=bits, scale_dtype=scale_dtype)
+    if quantize:
+        history = QuantizedHistory(BATCH, KV_HEADS, dim, dim, cfg, DEVICE)
+    else:
+        history = FullPrecisionHistory(BATCH, KV_HEADS, dim, dim, dtype, DEVICE)
+    keys = (torch.randn(BATCH, KV_HEADS, tokens, dim, device=DEVICE) * 1.5).to(dtype)
+    values = torch.randn(BATCH, KV_HEADS, tokens, dim, device=DEVICE).to(dtype)
+    history.append(keys, values, rotations[0], rotations[1], ReferenceBackend())
+    return history
+
+
+def _query(groups, q_len, dim, dtype):
+    return (torch.randn(BATCH, KV_HEADS * groups, q_len, dim, device=DEVICE) * 1.5).to(dtype)
+
+
+def _assert_close(out, ref, tolerance, what):
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    assert err <= tolerance, f"{what}: relative error {err:.2e} > {tolerance:.1e}"
+
+
+def _assert_lse(lse, ref, tolerance):
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref)), "fully masked rows differ"
+    finite = torch.isfinite(ref)
+    assert (lse[finite] - ref[finite]).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize(
+    "dim,bits,scale_dtype,groups,rotation,dtype",
+    [
+        (128, 2, torch.float16, 4, "shared", torch.bfloat16),
+        (64, 2, torch.float16, 2, "per_head", torch.bfloat16),
+        (256, 2, torch.float32, 1, "shared", torch.bfloat16),
+        (128, 4, torch.float16, 4, None, torch.bfloat16),
+        (128, 2, torch.bfloat16, 2, "per_head", torch.float32),
+        (64, 4, torch.float32, 4, "shared", torch.float32),
+    ],
+)
+def test_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype):
+    rotations = _rotations(rotation, dim)
+    history = _history(dim, bits, scale_dtype, rotations, dtype)
+    query = _query(groups, 1, dim, dtype)
+    mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
+    mask[0, ..., : HISTORY // 2] = False  # a row whose first half is padding
+    scaling = dim**-0.5
+    out, lse = _kernel_backend().history_attention(query, history, *rotations, mask, scaling)
+    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, scaling)
+    out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["history"]
+    _assert_close(out, ref, out_tol, "history partial")
+    _assert_lse(lse, ref_lse, lse_tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_dense_partial_matches_reference(dtype, mask_kind):
+    dim, groups = 128, 4
+    query = _query(groups, 1, dim, dtype)
+    keys = torch.randn(BATCH, KV_HEADS, DENSE, dim, device=DEVICE).to(dtype)
+    values = torch.randn(BATCH, KV_HEADS, DENSE, dim, device=DEVICE).to(dtype)
+    mask = None
+    if mask_kind is not None:
+        allowed = torch.rand(BATCH, 1, 1, DENSE, device=DEVICE) > 0.3
+        mask = allowed if mask_kind == "bool" else torch.where(allowed, 0.0, -1e4).to(dtype) * torch.rand_like(allowed, dtype=dtype)
+    out, lse = _kernel_backend().dense_attention(query, keys, values, mask, dim**-0.5)
+    ref, ref_lse = ReferenceBackend().dense_attention(query, keys, values, mask, dim**-0.5)
+    out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["dense"]
+    _assert_close(out, ref, out_tol, "dense partial")
+    _assert_lse(lse, ref_lse, lse_tol)
+
+
+def test_merge_matches_reference_and_handles_empty_partials():
+    shape = (BATCH, KV_HEADS * 2, 3, 64)
+    parts = []
+    for i in range(3):
+        out = torch.randn(shape, device=DEVICE)
+        lse = torch.randn(shape[:-1], device=DEVICE) * 3
+        if i == 0:
+            lse[0] = float("-inf")
+            out[0] = 0.0
+        parts.append((out, lse))
+    parts[1][1][0, 0] = float("-inf")
+    parts[2][1][0, 0] = float("-inf")
+    parts[1][0][0, 0] = 0.0
+    parts[2][0][0, 0] = 0.0
+    out, lse = _kernel_backend().merge(parts)
+    ref, ref_lse = ReferenceBackend().merge(parts)
+    _assert_close(out, ref, 1e-6, "merge")
+    _assert_lse(lse, ref_lse, 1e-5)
+    assert (out[0, 0] == 0).all() and torch.isinf(lse[0, 0]).all()
+
+
+def _tiered_case(dim, groups, q_len, dtype, rotation, bits=2, scale_dtype=torch.float16, quantize=True):
+    rotations = _rotations(rotation, dim)
+    history = _history(dim, bits, scale_dtype, rotations, dtype, quantize=quantize)
+    query = _query(groups, q_len, dim, dtype)
+    dense_len = DENSE + q_len
+    keys = torch.randn(BATCH, KV_HEADS, dense_len + 9, dim, device=DEVICE).to(dtype)[:, :, :dense_len]
+    values = torch.randn(BATCH, KV_HEADS, dense_len + 9, dim, device=DEVICE).to(dtype)[:, :, :dense_len]
+    return rotations, history, query, keys, values
+
+
+def _left_padded_mask(q_len, kv_len, pads):
+    """HF's bool mask for left padding: `pads[b]` leading columns masked, causal over the last `q_len` columns."""
+    cols = torch.arange(kv_len, device=DEVICE)
+    rows = torch.arange(kv_len - q_len, kv_len, device=DEVICE)
+    causal = cols[None, :] <= rows[:, None]
+    padded = cols[None, :] >= torch.tensor(pads, device=DEVICE)[:, None]
+    return (causal[None] & padded[:, None, :])[:, None]
+
+
+def _run_tiered(query, keys, values, mask, history, rotations, softcap=None):
+    scaling = query.shape[-1] ** -0.5
+    batch, q_heads, q_len, dim = query.shape
+    out = torch.full((batch, q_len, q_heads, dim), float("nan"), dtype=query.dtype, device=DEVICE)
+    got = _kernel_backend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap,
+                                             out=out)
+    assert got is out
+    ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
+    return out, ref
+
+
+@pytest.mark.parametrize(
+    "dim,groups,dtype,rotation,softcap",
+    [
+        (128, 4, torch.bfloat16, "shared", None),
+        (64, 2, torch.bfloat16, "per_head", None),
+        (256, 1, torch.bfloat16, None, None),
+        (128, 4, torch.float32, "per_head", 30.0),
+    ],
+)
+def test_decode_step_matches_reference(dim, groups, dtype, rotation, softcap):
+    """One decode query per row over sink | history | recent, rows left-padded by different amounts (the pads
+    of the second row reach into the history columns)."""
+    rotations, history, query, keys, values = _tiered_case(dim, groups, 1, dtype, rotation)
+    mask = _left_padded_mask(1, HISTORY + keys.shape[2], [0, SINK + 7] + [2] * (BATCH - 2))
+    out, ref = _run_tiered(query, keys, values, mask, history, rotations, softcap)
+    tol = TOLERANCE[torch.float32][0] if dtype == torch.float32 else TOLERANCE["dense"][0]
+    _assert_close(out, ref, tol, "decode step")
+
+
+def test_decode_step_without_mask_and_with_4bit_history():
+    rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared", bits=4)
+    out, ref = _run_tiered(query, keys, values, None, history, rotations)
+    _assert_close(out, ref, TOLERANCE["dense"][0], "decode step, 4 bits")
+
+
+@pytest.mark.parametrize("explicit_mask", [False, True])
+def test_chunked_prefill_matches_reference(explicit_mask):
+    """A chunk of queries over the quantized history and the BF16 tiers, causal among the chunk's own tokens;
+    with the explicit mask one row is left-padded so that its first queries see nothing at all."""
+    rotations, history, query, keys, values = _tiered_case(128, 4, PREFILL, torch.bfloat16, "shared")
+    mask = None
+    if explicit_mask:
+        kv_len = HISTORY + keys.shape[2]
+        mask = _left_padded_mask(PREFILL, kv_len, [0] * (BATCH - 1) + [kv_len - PREFILL + 3])
+    out, ref = _run_tiered(query, keys, values, mask, history, rotations)
+    _assert_close(out, ref, TOLERANCE["dense"][0], "chunked prefill")
+    if explicit_mask:
+        assert (out[-1, :3] == 0).all()  # queries with no visible key give 0, not NaN
+
+
+def test_unquantized_history_matches_reference():
+    rotations, history, query, keys, values = _tiered_case(64, 2, 1, torch.float32, "shared", quantize=False)
+    out, ref = _run_tiered(query, keys, values, None, history, rotations)
+    _assert_close(out, ref, TOLERANCE[torch.float32][0], "unquantized history")
+
+
+def test_split_plan_covers_every_token_once():
+    from oscar_hf.kernels.attention import plan_splits
+
+    for tokens in (1, 63, 64, 65, 5000, 100_000):
+        for batch in (1, 8, 32):
+            plan = plan_splits(batch, 8, 4, 330, tokens, 528)
+            assert plan.history_splits * plan.history_split_len >= tokens
+            assert (plan.history_splits - 1) * plan.history_split_len < tokens
+            assert plan.history_split_len % 64 == 0 and plan.total_splits <= 256
+            assert batch * 8 * plan.history_splits >= min(528, batch * 8 * math.ceil(tokens / 512))

@@ -1,0 +1,118 @@
+"""OscarCache end to end with the Triton backend: `generate` gives the reference backend's tokens.
+
+On CPU the kernels run through Triton's interpreter on a tiny random model and a short prompt; on a CUDA device
+the same comparison runs at a 32k-token context (against the reference backend on the GPU and on the CPU), and the
+decode path is checked to never synchronize the host.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (when this file runs alone)
+
+triton = pytest.importorskip("triton", reason="the kernels need triton")
+
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import oscar_hf.layer  # noqa: E402
+from oscar_hf import OscarCache  # noqa: E402
+from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.compat import cache_argument_name  # noqa: E402
+from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
+
+DEVICE = kernel_device()
+ON_GPU = DEVICE.type == "cuda"
+
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+
+
+def _tiny_model(device, seed=0):
+    """2 layers, GQA 4:2, head_dim 64. The output head is scaled up so that greedy choices are decisive (random
+    weights otherwise give near-ties that any rounding flips)."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=65536,
+                         tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def _generate(model, input_ids, attention_mask, backend, new_tokens, **options):
+    """Greedy tokens through an OscarCache whose layers use `backend`."""
+    original = oscar_hf.layer.backend_for
+    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
+    try:
+        cache = OscarCache(model, rotations="hadamard", **options)
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False,
+                             **{cache_argument_name(model): cache})
+    finally:
+        oscar_hf.layer.backend_for = original
+    return out[:, input_ids.shape[1]:], cache
+
+
+def _left_padded_batch(lengths, vocab, device):
+    width = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), width), device=device)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+        ids[row, : width - length] = 0
+    return ids, mask
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU-sized variant; the GPU runs the 32k-context one")
+def test_generate_with_kernels_matches_reference_tokens_cpu():
+    model = _tiny_model(DEVICE)
+    ids, mask = _left_padded_batch([40, 33], model.config.vocab_size, DEVICE)
+    options = dict(sink_tokens=4, recent_tokens=16, demote_block=4)
+    got, cache = _generate(model, ids, mask, TritonBackend(), 10, **options)
+    ref, _ = _generate(model, ids, mask, ReferenceBackend(), 10, **options)
+    assert cache.layers[0].history_length > 0
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_generate_32k_context_matches_reference_tokens_gpu():
+    model = _tiny_model(DEVICE)
+    ids, mask = _left_padded_batch([32768, 32768 - 1000], model.config.vocab_size, DEVICE)
+    new = 24
+    got, cache = _generate(model, ids, mask, TritonBackend(), new)
+    assert cache.layers[0].history_length > 30000
+    ref_gpu, _ = _generate(model, ids, mask, ReferenceBackend(), new)
+    assert torch.equal(got, ref_gpu)
+    cpu_model = _tiny_model("cpu")
+    ref_cpu, _ = _generate(cpu_model, ids.cpu(), mask.cpu(), ReferenceBackend(), new)
+    assert torch.equal(got.cpu(), ref_cpu)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_decode_path_never_synchronizes_the_host():
+    """update + attention + settle (with demotions) for many steps under CUDA's sync debug mode 'error'."""
+    from oscar_hf.attention import tiered_attention
+
+    model = _tiny_model(DEVICE)
+    cache = OscarCache(model, rotations="hadamard", sink_tokens=8, recent_tokens=32, demote_block=8)
+    layer = cache.layers[0]
+    batch, heads, dim = 2, 2, 64
+    layer.update(torch.randn(batch, heads, 500, dim, device=DEVICE), torch.randn(batch, heads, 500, dim, device=DEVICE))
+    layer.settle(None)  # the first demotion reads the padding once (a sync by design)
+    layer.backend = TritonBackend()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            keys, values = layer.update(torch.randn(batch, heads, 1, dim, device=DEVICE),
+                                        torch.randn(batch, heads, 1, dim, device=DEVICE))
+            segment = layer.open_segment()
+            query = torch.randn(batch, 4, 1, dim, device=DEVICE)
+            tiered_attention(query, keys, values, None, segment, dim**-0.5)
+            layer.settle(None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert layer.history_length > 450

@@ -1,0 +1,128 @@
+"""The demotion kernel against the reference quantizer (`oscar_hf.quantize`).
+
+Runs on CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there) and on a CUDA device
+at real shapes. Inputs are fresh random draws each run; outputs are poisoned before every launch.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (when this file runs alone)
+
+triton = pytest.importorskip("triton", reason="the kernels need triton")
+
+from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.history import QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
+from oscar_hf.quantize import quantize_pack, quantize_rows, unpack_codes  # noqa: E402
+from oscar_hf.rotation import hadamard_matrix, rotate  # noqa: E402
+
+DEVICE = kernel_device()
+ON_GPU = DEVICE.type == "cuda"
+TOKENS = 300 if ON_GPU else 21  # not a multiple of the kernel's token block
+HEADS = 8 if ON_GPU else 2
+BATCH = 3 if ON_GPU else 2
+
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.demote import demote_rows  # noqa: E402
+
+
+def _rows(batch, heads, tokens, dim, dtype):
+    """Random rows with the awkward cases mixed in: all-zero, constant and near-constant rows with a large offset
+    (the float16 zero-point floor), as a strided view into a larger buffer."""
+    buffer = torch.randn(batch, heads, tokens + 7, dim, device=DEVICE) * torch.rand(batch, heads, 1, 1, device=DEVICE) * 4
+    x = buffer[:, :, 3 : 3 + tokens]
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 2.5
+    x[-1, -1, 2] = 3000.0 + 1e-3 * torch.randn(dim, device=DEVICE)
+    return x.to(dtype)
+
+
+def _poisoned(batch, heads, tokens, dim, bits, scale_dtype):
+    codes = torch.full((batch, heads, tokens + 5, dim * bits // 8), 0xA5, dtype=torch.uint8, device=DEVICE)
+    scale_zero = torch.full((batch, heads, tokens + 5, 2), float("nan"), dtype=scale_dtype, device=DEVICE)
+    return codes[:, :, 2 : 2 + tokens], scale_zero[:, :, 2 : 2 + tokens]
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_demote_without_rotation_is_bit_exact(dim, bits, scale_dtype):
+    x = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16 if dim != 128 else torch.float32)
+    for clip in (0.92, None):
+        codes, scale_zero = _poisoned(BATCH, HEADS, TOKENS, dim, bits, scale_dtype)
+        demote_rows([(x, None, clip, codes, scale_zero)], bits)
+        ref_codes, ref_scale_zero = quantize_pack(x.float(), bits, clip, scale_dtype)
+        assert torch.equal(codes, ref_codes)
+        assert torch.equal(scale_zero, ref_scale_zero)
+
+
+def _orthogonal(dim, heads=None):
+    shape = (heads, dim, dim) if heads else (dim, dim)
+    q, _ = torch.linalg.qr(torch.randn(shape, dtype=torch.float64))
+    return q.float().to(DEVICE)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_demote_with_rotation_differs_only_at_rounding_ties(per_head, dim):
+    """`x @ R` sums in another order than torch's matmul: a code may differ by one, and only where the reference's
+    `x / scale + zero + 0.5` sits within float rounding of an integer."""
+    bits, clip = 2, 0.96
+    x = _rows(BATCH, HEADS, TOKENS * (4 if not ON_GPU else 1), dim, torch.bfloat16)
+    rotation = _orthogonal(dim, HEADS if per_head else None)
+    codes, scale_zero = _poisoned(*x.shape, bits, torch.float16)
+    demote_rows([(x, rotation, clip, codes, scale_zero)], bits)
+
+    rotated = rotate(x, rotation)
+    ref_codes, ref_scale_zero = quantize_rows(rotated, bits, clip, torch.float16)
+    got = unpack_codes(codes, bits)
+    mismatch = got != ref_codes
+    assert mismatch.float().mean().item() <= 1e-3
+    assert ((got.int() - ref_codes.int()).abs() <= 1).all()
+    if mismatch.any():
+        # the reference's pre-rounding value, recomputed in float64 from its own scale and zero point
+        from oscar_hf.quantize import clip_rows
+        clipped = clip_rows(rotated, clip).double()
+        lo, hi = clipped.amin(-1, keepdim=True), clipped.amax(-1, keepdim=True)
+        scale = (hi - lo) / 3
+        position = (clipped - lo) / scale + 0.5
+        distance = (position - position.round()).abs()
+        assert (distance[mismatch] < 1e-4).all()
+    torch.testing.assert_close(scale_zero.float(), ref_scale_zero.float(), rtol=2e-3, atol=1e-6)
+
+
+def test_demote_kv_writes_keys_and_values_in_one_launch():
+    dim, bits = 128 if ON_GPU else 64, 2
+    cfg = OscarConfig(scale_dtype="float16")
+    keys = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16)
+    values = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16) * 0.5
+    histories = []
+    for backend in (TritonBackend(), ReferenceBackend()):
+        history = QuantizedHistory(BATCH, HEADS, dim, dim, cfg, DEVICE)
+        history._reserve(TOKENS + 3)
+        for name in history._names:
+            getattr(history, name).fill_(0xA5 if name.endswith("codes") else float("nan"))
+        history.append(keys, values, None, None, backend)
+        histories.append(history)
+    kernel, reference = histories
+    for name in kernel._names:
+        assert torch.equal(getattr(kernel, name)[:, :, :TOKENS], getattr(reference, name)[:, :, :TOKENS]), name
+
+
+def test_demote_with_hadamard_matches_reference_codes_mostly():
+    """The preset rotation (a Hadamard), through the backend op the cache calls. Random rows only: a Hadamard maps
+    a constant row onto one axis, and the exact zeros elsewhere become order-dependent rounding noise."""
+    dim, bits = 128, 2
+    x = torch.randn(BATCH, HEADS, TOKENS, dim, device=DEVICE).to(torch.bfloat16)
+    rotation = hadamard_matrix(dim, torch.float32).to(DEVICE)
+    codes, scale_zero = _poisoned(BATCH, HEADS, TOKENS, dim, bits, torch.float16)
+    TritonBackend().demote(x, rotation, 0.92, bits, codes, scale_zero)
+    ref_codes, _ = quantize_rows(rotate(x, rotation), bits, 0.92, torch.float16)
+    got = unpack_codes(codes, bits)
+    assert (got != ref_codes).float().mean().item() <= 1e-3
+    assert ((got.int() - ref_codes.int()).abs() <= 1).all()
