@@ -73,22 +73,31 @@ def test_generate_with_kernels_matches_reference_tokens_cpu():
     options = dict(sink_tokens=4, recent_tokens=16, demote_block=4)
     got, cache = _generate(model, ids, mask, TritonBackend(), 10, **options)
     ref, _ = _generate(model, ids, mask, ReferenceBackend(), 10, **options)
+    assert cache.layers[0].backend.name == "triton"
     assert cache.layers[0].history_length > 0
     assert torch.equal(got, ref)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_generate_32k_context_matches_reference_tokens_gpu():
+    """Two left-padded rows at a 32k-token context: the kernels' tokens equal the reference backend's on the GPU."""
     model = _tiny_model(DEVICE)
     ids, mask = _left_padded_batch([32768, 32768 - 1000], model.config.vocab_size, DEVICE)
-    new = 24
-    got, cache = _generate(model, ids, mask, TritonBackend(), new)
+    got, cache = _generate(model, ids, mask, TritonBackend(), 24)
+    assert cache.layers[0].backend.name == "triton"
     assert cache.layers[0].history_length > 30000
-    ref_gpu, _ = _generate(model, ids, mask, ReferenceBackend(), new)
-    assert torch.equal(got, ref_gpu)
-    cpu_model = _tiny_model("cpu")
-    ref_cpu, _ = _generate(cpu_model, ids.cpu(), mask.cpu(), ReferenceBackend(), new)
-    assert torch.equal(got.cpu(), ref_cpu)
+    ref, _ = _generate(model, ids, mask, ReferenceBackend(), 24)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_generate_32k_context_matches_cpu_reference_tokens():
+    """One 32k-token row: the kernels on the GPU give the tokens of the reference path on the CPU."""
+    model = _tiny_model(DEVICE)
+    ids, mask = _left_padded_batch([32768], model.config.vocab_size, DEVICE)
+    got, _ = _generate(model, ids, None, TritonBackend(), 24)
+    ref, _ = _generate(_tiny_model("cpu"), ids.cpu(), None, ReferenceBackend(), 24)
+    assert torch.equal(got.cpu(), ref)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")

@@ -1,0 +1,221 @@
+"""Decode attention of one layer: OSCAR (BF16 sink + recent, INT2 history, merge) vs PyTorch SDPA over BF16 K/V.
+
+    python bench/attention.py --out bench/results/attention.json [--sweep]
+
+Shape: 32 query / 8 KV heads (Qwen3-8B), head_dim 128 and 64; context 4k, 32k, 100k; batch 1, 8, 32. OSCAR's
+layer holds 64 sink + 256 recent + 1 new token in BF16 and the rest as 2-bit codes with float16 (scale, zero)
+per row, Hadamard-rotated. Both sides read the same random K/V (the history is demoted from it by the demotion
+kernel, timed too). Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed before every call).
+
+"GB/s" counts the bytes that must be read once: OSCAR = codes + scale/zero of K and V for the history, plus the
+BF16 tiers; SDPA = BF16 K and V. "% copy" divides that by the device-to-device copy bandwidth measured in the same
+process (bytes read + written by `Tensor.copy_`). "INT2 %copy" is the history bytes alone over the OSCAR time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.history import QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.attention import LaunchConfig  # noqa: E402
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.rotation import hadamard_matrix  # noqa: E402
+
+Q_HEADS, KV_HEADS, SINK, RECENT = 32, 8, 64, 256
+CONTEXTS = (4096, 32768, 100_000)
+BATCHES = (1, 8, 32)
+
+
+def bench(fn, rep=60):
+    return do_bench(fn, warmup=15, rep=rep, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy."""
+    src = torch.empty(1 << 31, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), rep=200)
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3)
+
+
+class Case:
+    """Random BF16 K/V of one layer and its OSCAR tiers (history demoted by the kernel)."""
+
+    def __init__(self, batch: int, context: int, dim: int, backend: TritonBackend):
+        dev = torch.device("cuda")
+        self.batch, self.context, self.dim = batch, context, dim
+        self.query = torch.randn(batch, Q_HEADS, 1, dim, device=dev, dtype=torch.bfloat16)
+        self.keys = torch.randn(batch, KV_HEADS, context, dim, device=dev, dtype=torch.bfloat16)
+        self.values = torch.randn(batch, KV_HEADS, context, dim, device=dev, dtype=torch.bfloat16)
+        self.rotation = hadamard_matrix(dim, torch.float32).to(dev)
+        dense = SINK + RECENT + 1
+        self.history_len = context - dense
+        idx = torch.cat([torch.arange(SINK), torch.arange(SINK + self.history_len, context)]).to(dev)
+        self.dense_keys = self.keys.index_select(2, idx).contiguous()
+        self.dense_values = self.values.index_select(2, idx).contiguous()
+        self.history = QuantizedHistory(batch, KV_HEADS, dim, dim, OscarConfig(), dev)
+        self.history._reserve(self.history_len)
+        mid = slice(SINK, SINK + self.history_len)
+        self.demote_args = (self.keys[:, :, mid], self.values[:, :, mid], self.rotation, self.rotation, 0.96, 0.92, 2,
+                            self.history.key_codes[:, :, : self.history_len],
+                            self.history.key_scale_zero[:, :, : self.history_len],
+                            self.history.value_codes[:, :, : self.history_len],
+                            self.history.value_scale_zero[:, :, : self.history_len])
+        backend.demote_kv(*self.demote_args)
+        self.history.length = self.history_len
+
+    def oscar(self, backend):
+        return backend.tiered_attention(self.query, self.dense_keys, self.dense_values, None, self.history, SINK,
+                                        self.rotation, self.rotation, self.dim**-0.5)
+
+    def sdpa(self):
+        return F.scaled_dot_product_attention(self.query, self.keys, self.values, scale=self.dim**-0.5,
+                                              enable_gqa=True)
+
+    def dense_triton(self, backend):
+        return backend.dense_attention(self.query, self.dense_keys, self.dense_values, None, self.dim**-0.5)
+
+    def dense_torch(self):
+        groups = Q_HEADS // KV_HEADS
+        k = self.dense_keys.repeat_interleave(groups, dim=1)
+        v = self.dense_values.repeat_interleave(groups, dim=1)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(self.query, k, v, None, True,
+                                                                      scale=self.dim**-0.5)[:2]
+
+    def bytes_history(self) -> int:
+        per_row = 2 * (self.dim * 2 // 8 + 2 * 2)  # K and V: codes + fp16 (scale, zero)
+        return self.batch * KV_HEADS * self.history_len * per_row
+
+    def bytes_dense(self) -> int:
+        return self.batch * KV_HEADS * (SINK + RECENT + 1) * self.dim * 2 * 2
+
+    def bytes_sdpa(self) -> int:
+        return self.batch * KV_HEADS * self.context * self.dim * 2 * 2
+
+
+def check(case: Case, backend: TritonBackend) -> float:
+    """Relative error of OSCAR's output against SDPA over the same (unquantized) K/V: quantization error, a sanity
+    check that both attend to the same tokens (not a kernel-correctness test: tests/ does that)."""
+    a = case.oscar(backend).float().transpose(1, 2)
+    b = case.sdpa().float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def run_cell(batch, context, dim, backend, copy_bw, with_dense):
+    case = Case(batch, context, dim, backend)
+    row = dict(batch=batch, context=context, dim=dim, history=case.history_len)
+    row["oscar_ms"] = bench(lambda: case.oscar(backend))
+    row["sdpa_ms"] = bench(case.sdpa)
+    row["speedup"] = row["sdpa_ms"] / row["oscar_ms"]
+    total = case.bytes_history() + case.bytes_dense()
+    row["oscar_GBps"] = total / (row["oscar_ms"] * 1e-3) / 1e9
+    row["oscar_copy_frac"] = total / (row["oscar_ms"] * 1e-3) / copy_bw
+    row["int2_copy_frac"] = case.bytes_history() / (row["oscar_ms"] * 1e-3) / copy_bw
+    row["sdpa_GBps"] = case.bytes_sdpa() / (row["sdpa_ms"] * 1e-3) / 1e9
+    row["sdpa_copy_frac"] = case.bytes_sdpa() / (row["sdpa_ms"] * 1e-3) / copy_bw
+    row["rel_err_vs_sdpa"] = check(case, backend)
+    demote_ms = bench(lambda: backend.demote_kv(*case.demote_args), rep=30)
+    rows = 2 * batch * KV_HEADS * case.history_len
+    row["demote_ms"] = demote_ms
+    row["demote_Mrows_per_s"] = rows / (demote_ms * 1e-3) / 1e6
+    if with_dense:
+        row["dense_triton_ms"] = bench(lambda: case.dense_triton(backend))
+        row["dense_torch_ms"] = bench(case.dense_torch)
+    del case
+    torch.cuda.empty_cache()
+    return row
+
+
+def sweep(copy_bw):
+    """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig)."""
+    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s)
+               for b, w, s in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+                               (256, 8, 2), (64, 2, 2)]]
+    out = []
+    for batch, context in [(1, 100_000), (8, 100_000), (32, 32768), (1, 4096)]:
+        for cfg in configs:
+            backend = TritonBackend(launch=cfg)
+            try:
+                case = Case(batch, context, 128, backend)
+                ms = bench(lambda: case.oscar(backend))
+                frac = case.bytes_history() / (ms * 1e-3) / copy_bw
+                out.append(dict(batch=batch, context=context, config=cfg.__dict__, ms=ms, int2_copy_frac=frac))
+                print(f"sweep bs={batch} ctx={context} {cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}: "
+                      f"{ms:.3f} ms, INT2 {100 * frac:.0f}% of copy", flush=True)
+                del case
+            except Exception as exc:  # a configuration that does not compile or fit
+                print(f"sweep {cfg}: {type(exc).__name__}: {exc}", flush=True)
+            torch.cuda.empty_cache()
+    return out
+
+
+def table(rows, copy_bw):
+    lines = [f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", "",
+             "| d | ctx | bs | OSCAR ms | SDPA ms | speedup | OSCAR GB/s | OSCAR %copy | INT2 %copy | SDPA GB/s "
+             "| SDPA %copy | dense Triton ms | dense torch ms | demote Mrows/s | rel err vs SDPA |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['dim']} | {r['context']} | {r['batch']} | {r['error']} |")
+            continue
+        lines.append(
+            f"| {r['dim']} | {r['context']} | {r['batch']} | {r['oscar_ms']:.3f} | {r['sdpa_ms']:.3f} | "
+            f"{r['speedup']:.2f}x | {r['oscar_GBps']:.0f} | {100 * r['oscar_copy_frac']:.0f}% | "
+            f"{100 * r['int2_copy_frac']:.0f}% | {r['sdpa_GBps']:.0f} | {100 * r['sdpa_copy_frac']:.0f}% | "
+            f"{r.get('dense_triton_ms', math.nan):.3f} | {r.get('dense_torch_ms', math.nan):.3f} | "
+            f"{r['demote_Mrows_per_s']:.0f} | {r['rel_err_vs_sdpa']:.3f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--sweep", action="store_true", help="also time stage-1 launch configurations")
+    parser.add_argument("--dims", default="128,64")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    sweep_rows = sweep(copy_bw) if args.sweep else []
+    backend = TritonBackend()
+    rows = []
+    for dim in [int(d) for d in args.dims.split(",")]:
+        for context in CONTEXTS:
+            for batch in BATCHES:
+                try:
+                    row = run_cell(batch, context, dim, backend, copy_bw, with_dense=dim == 128)
+                except Exception as exc:
+                    row = dict(batch=batch, context=context, dim=dim, error=f"{type(exc).__name__}: {exc}"[:200])
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    text = table(rows, copy_bw)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                           device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           copy_bandwidth=copy_bw, rows=rows, sweep=sweep_rows, table=text), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

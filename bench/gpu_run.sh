@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: kernel tests at real shapes, then the benchmarks. Usage: bench/gpu_run.sh OUT_DIR [parts]
+# parts: any of tests,attention,sweep,generate (default: all). Logs and JSON land in OUT_DIR.
+set -o pipefail
+out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}
+parts=${2:-tests,attention,sweep,generate}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
+if [[ $parts == *tests* ]]; then
+  python3 -m pytest -q -rs tests/test_kernels_demote.py tests/test_kernels_attention.py tests/test_kernels_cache.py 2>&1 | tee "$out/tests.log"
+fi
+if [[ $parts == *attention* ]]; then
+  sweep=""; [[ $parts == *sweep* ]] && sweep="--sweep"
+  python3 bench/attention.py $sweep --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
+fi
+if [[ $parts == *generate* ]]; then
+  python3 bench/generate.py --max-batch --host-profile --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
+fi
