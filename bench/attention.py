@@ -36,6 +36,7 @@ from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.rotation import hadamard_matrix  # noqa: E402
 
 Q_HEADS, KV_HEADS, SINK, RECENT = 32, 8, 64, 256
+DEVICE = "cuda"
 CONTEXTS = (4096, 32768, 100_000)
 BATCHES = (1, 8, 32)
 
@@ -59,7 +60,7 @@ class Case:
     """Random BF16 K/V of one layer and its OSCAR tiers (history demoted by the kernel)."""
 
     def __init__(self, batch: int, context: int, dim: int, backend: TritonBackend):
-        dev = torch.device("cuda")
+        dev = torch.device(DEVICE)
         self.batch, self.context, self.dim = batch, context, dim
         self.query = torch.randn(batch, Q_HEADS, 1, dim, device=dev, dtype=torch.bfloat16)
         self.keys = torch.randn(batch, KV_HEADS, context, dim, device=dev, dtype=torch.bfloat16)
@@ -145,25 +146,54 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 
 def sweep(copy_bw):
     """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig)."""
-    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s)
-               for b, w, s in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
-                               (256, 8, 2), (64, 2, 2)]]
+    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a)
+               for b, w, s, a in [(64, 4, 2, True), (64, 4, 2, False), (64, 4, 3, True), (128, 4, 2, True),
+                                  (128, 4, 3, True), (128, 8, 3, True), (256, 8, 2, True), (128, 4, 2, False)]]
     out = []
     for batch, context in [(1, 100_000), (8, 100_000), (32, 32768), (1, 4096)]:
+        case = Case(batch, context, 128, TritonBackend())
         for cfg in configs:
             backend = TritonBackend(launch=cfg)
+            name = f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{'asm' if cfg.asm_unpack else 'plain'}"
             try:
-                case = Case(batch, context, 128, backend)
                 ms = bench(lambda: case.oscar(backend))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw
                 out.append(dict(batch=batch, context=context, config=cfg.__dict__, ms=ms, int2_copy_frac=frac))
-                print(f"sweep bs={batch} ctx={context} {cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}: "
-                      f"{ms:.3f} ms, INT2 {100 * frac:.0f}% of copy", flush=True)
-                del case
+                print(f"sweep bs={batch} ctx={context} {name}: {ms:.3f} ms, INT2 {100 * frac:.0f}% of copy",
+                      flush=True)
             except Exception as exc:  # a configuration that does not compile or fit
-                print(f"sweep {cfg}: {type(exc).__name__}: {exc}", flush=True)
-            torch.cuda.empty_cache()
+                print(f"sweep {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        del case
+        torch.cuda.empty_cache()
     return out
+
+
+def best_config(rows) -> LaunchConfig:
+    """The configuration with the lowest sum over the sweep cells of time / best time of the cell."""
+    best_ms = {}
+    for r in rows:
+        key = (r["batch"], r["context"])
+        best_ms[key] = min(best_ms.get(key, math.inf), r["ms"])
+    scores = {}
+    for r in rows:
+        name = json.dumps(r["config"], sort_keys=True)
+        scores.setdefault(name, []).append(r["ms"] / best_ms[(r["batch"], r["context"])])
+    complete = {k: sum(v) for k, v in scores.items() if len(v) == len(best_ms)}
+    return LaunchConfig(**json.loads(min(complete, key=complete.get))) if complete else LaunchConfig()
+
+
+def usable_backend(launch: LaunchConfig) -> TritonBackend:
+    """`launch`, or the same without inline PTX if that does not compile here."""
+    backend = TritonBackend(launch=launch)
+    try:
+        case = Case(1, 4096, 128, backend)
+        case.oscar(backend)
+        torch.cuda.synchronize()
+        return backend
+    except Exception as exc:
+        print(f"launch config {launch} failed ({type(exc).__name__}: {str(exc)[:300]}); without inline PTX",
+              flush=True)
+        return TritonBackend(launch=LaunchConfig(**{**launch.__dict__, "asm_unpack": False}))
 
 
 def table(rows, copy_bw):
@@ -189,13 +219,19 @@ def main():
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time stage-1 launch configurations")
     parser.add_argument("--dims", default="128,64")
+    parser.add_argument("--launch-out", default=None, help="write the launch config used (JSON) here")
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     sweep_rows = sweep(copy_bw) if args.sweep else []
-    backend = TritonBackend()
+    launch = best_config(sweep_rows) if sweep_rows else LaunchConfig()
+    backend = usable_backend(launch)
+    print(f"launch config for the table: {backend.launch}", flush=True)
+    if args.launch_out:
+        with open(args.launch_out, "w") as f:
+            json.dump(backend.launch.__dict__, f)
     rows = []
     for dim in [int(d) for d in args.dims.split(",")]:
         for context in CONTEXTS:
@@ -214,7 +250,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                            device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           copy_bandwidth=copy_bw, rows=rows, sweep=sweep_rows, table=text), f, indent=1)
+                           copy_bandwidth=copy_bw, launch=backend.launch.__dict__, rows=rows, sweep=sweep_rows,
+                           table=text), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -275,10 +275,21 @@ def main():
     parser.add_argument("--max-batch", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, times nothing)")
+    parser.add_argument("--launch-config", default=None, help="stage-1 LaunchConfig as JSON (bench/attention.py "
+                        "--launch-out writes the one it measured best)")
     args = parser.parse_args()
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
+    if args.launch_config and os.path.exists(args.launch_config):
+        import oscar_hf.backend
+        from oscar_hf.kernels.attention import LaunchConfig
+        from oscar_hf.kernels.backend import TritonBackend
+
+        with open(args.launch_config) as f:
+            launch = LaunchConfig(**json.load(f))
+        oscar_hf.backend._BACKENDS["triton:4096"] = TritonBackend(launch=launch)
+        print(f"launch config: {launch}", flush=True)
     model = build_model(args.smoke)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     print(f"device {name}, weights {_allocated() / GB:.1f} GB", flush=True)

@@ -12,8 +12,9 @@ if [[ $parts == *tests* ]]; then
 fi
 if [[ $parts == *attention* ]]; then
   sweep=""; [[ $parts == *sweep* ]] && sweep="--sweep"
-  python3 bench/attention.py $sweep --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
+  python3 bench/attention.py $sweep --out "$out/attention.json" --launch-out "$out/launch.json" 2>&1 | tee "$out/attention.log"
 fi
 if [[ $parts == *generate* ]]; then
-  python3 bench/generate.py --max-batch --host-profile --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
+  launch=""; [[ -f "$out/launch.json" ]] && launch="--launch-config $out/launch.json"
+  python3 bench/generate.py --max-batch --host-profile $launch --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
 fi

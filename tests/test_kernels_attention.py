@@ -39,9 +39,9 @@ PREFILL = 200 if ON_GPU else 12
 TOLERANCE = {torch.float32: (2e-5, 2e-5), "history": (4e-3, 4e-3), "dense": (1.5e-2, 4e-3)}
 
 
-def _kernel_backend():
+def _kernel_backend(launch=None):
     """A Triton backend that cuts even these small inputs into several splits, its scratch poisoned."""
-    backend = TritonBackend(target_programs=256, min_dense_tokens=16, min_history_tokens=32)
+    backend = TritonBackend(target_programs=256, min_dense_tokens=16, min_history_tokens=32, launch=launch)
     backend._workspace(DEVICE, 1 << 22).fill_(float("nan"))
     return backend
 
@@ -110,6 +110,21 @@ def test_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotat
     out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["history"]
     _assert_close(out, ref, out_tol, "history partial")
     _assert_lse(lse, ref_lse, lse_tol)
+
+
+@pytest.mark.parametrize("block_n,asm_unpack", [(64, False), (128, True)])
+def test_history_partial_other_launch_configs(block_n, asm_unpack):
+    """The unpacking without inline PTX (the GPU default uses it for 2-bit codes) and longer tiles."""
+    from oscar_hf.kernels.attention import LaunchConfig
+
+    rotations = _rotations("shared", 128)
+    history = _history(128, 2, torch.float16, rotations, torch.bfloat16)
+    query = _query(4, 1, 128, torch.bfloat16)
+    launch = LaunchConfig(block_n_history=block_n, asm_unpack=asm_unpack)
+    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, None, 128**-0.5)
+    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, None, 128**-0.5)
+    _assert_close(out, ref, TOLERANCE["history"][0], "history partial")
+    _assert_lse(lse, ref_lse, TOLERANCE["history"][1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

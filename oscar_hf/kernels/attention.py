@@ -136,11 +136,65 @@ def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.const
 
 
 @triton.jit
-def _qdot(a, b, DT: tl.constexpr):
-    if DT == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
+def _unpack2_asm(packed):
+    """The four 2-bit planes of uint8 codes as exact float16 values, 4 bytes per call: bytes are spread to 16-bit
+    lanes (prmt), each plane is masked into the mantissa of 1024.0 (lop3: (x & 3) | 0x6400) and 1024 subtracted
+    (sub.f16x2): ~1.5 instructions per code instead of shift, mask and convert each."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi, t, magic, mask;
+        mov.b32 magic, 0x64006400;
+        mov.b32 mask, 0x00030003;
+        prmt.b32 lo, $8, 0, 0x4140;
+        prmt.b32 hi, $8, 0, 0x4342;
+        lop3.b32 $0, lo, mask, magic, 0xEA;
+        lop3.b32 $1, hi, mask, magic, 0xEA;
+        sub.f16x2 $0, $0, magic;
+        sub.f16x2 $1, $1, magic;
+        shr.b32 t, lo, 2;
+        lop3.b32 $2, t, mask, magic, 0xEA;
+        shr.b32 t, hi, 2;
+        lop3.b32 $3, t, mask, magic, 0xEA;
+        sub.f16x2 $2, $2, magic;
+        sub.f16x2 $3, $3, magic;
+        shr.b32 t, lo, 4;
+        lop3.b32 $4, t, mask, magic, 0xEA;
+        shr.b32 t, hi, 4;
+        lop3.b32 $5, t, mask, magic, 0xEA;
+        sub.f16x2 $4, $4, magic;
+        sub.f16x2 $5, $5, magic;
+        shr.b32 t, lo, 6;
+        lop3.b32 $6, t, mask, magic, 0xEA;
+        shr.b32 t, hi, 6;
+        lop3.b32 $7, t, mask, magic, 0xEA;
+        sub.f16x2 $6, $6, magic;
+        sub.f16x2 $7, $7, magic;
+        }
+        """,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr):
+    if ASM_UNPACK:
+        return _unpack2_asm(lo_bytes)
     else:
-        return tl.dot(a, b)
+        return (_plane(lo_bytes, hi_bytes, 0, BITS, DT), _plane(lo_bytes, hi_bytes, 1, BITS, DT),
+                _plane(lo_bytes, hi_bytes, 2, BITS, DT), _plane(lo_bytes, hi_bytes, 3, BITS, DT))
+
+
+@triton.jit
+def _qdot(a, b, acc, DT: tl.constexpr):
+    if DT == tl.float32:
+        return tl.dot(a, b, acc=acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc=acc)
 
 
 @triton.jit
@@ -169,7 +223,7 @@ def _quant_split(
     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr,
 ):
     """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis.
 
@@ -227,10 +281,12 @@ def _quant_split(
         v_scale = tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0.0).to(tl.float32)
         v_zero = tl.load(vz_base + offs_n * swt + 1, mask=tok_ok, other=0.0).to(tl.float32)
 
-        qc = _qdot(q0, tl.trans(_plane(kb_lo, kb_hi, 0, BITS, DT)), DT)
-        qc += _qdot(q1, tl.trans(_plane(kb_lo, kb_hi, 1, BITS, DT)), DT)
-        qc += _qdot(q2, tl.trans(_plane(kb_lo, kb_hi, 2, BITS, DT)), DT)
-        qc += _qdot(q3, tl.trans(_plane(kb_lo, kb_hi, 3, BITS, DT)), DT)
+        k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
+        qc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        qc = _qdot(q0, tl.trans(k0), qc, DT)
+        qc = _qdot(q1, tl.trans(k1), qc, DT)
+        qc = _qdot(q2, tl.trans(k2), qc, DT)
+        qc = _qdot(q3, tl.trans(k3), qc, DT)
         s = (qc - q_sum[:, None] * k_zero[None, :]) * k_scale[None, :]
         s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
         s = _apply_mask(s, m_ptr, smb, sml, smc, b, qi, hist_col0 + offs_n, tok_ok, HAS_MASK, MASK_BOOL)
@@ -238,10 +294,11 @@ def _quant_split(
 
         pv = (p * v_scale[None, :]).to(DT)
         zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[None, :], axis=1)
-        acc0 = _qdot(pv, _plane(vb_lo, vb_hi, 0, BITS, DT), DT) + acc0 * alpha[:, None]
-        acc1 = _qdot(pv, _plane(vb_lo, vb_hi, 1, BITS, DT), DT) + acc1 * alpha[:, None]
-        acc2 = _qdot(pv, _plane(vb_lo, vb_hi, 2, BITS, DT), DT) + acc2 * alpha[:, None]
-        acc3 = _qdot(pv, _plane(vb_lo, vb_hi, 3, BITS, DT), DT) + acc3 * alpha[:, None]
+        v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
+        acc0 = _qdot(pv, v0, acc0 * alpha[:, None], DT)
+        acc1 = _qdot(pv, v1, acc1 * alpha[:, None], DT)
+        acc2 = _qdot(pv, v2, acc2 * alpha[:, None], DT)
+        acc3 = _qdot(pv, v3, acc3 * alpha[:, None], DT)
     zero_acc = zero_acc[:, None]
     return acc0 - zero_acc, acc1 - zero_acc, acc2 - zero_acc, acc3 - zero_acc, l_i, m_i
 
@@ -271,7 +328,7 @@ def _attention_partials_kernel(
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -305,7 +362,7 @@ def _attention_partials_kernel(
                 hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
                 m_ptr, smb, sml, smc,
                 b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS)
+                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS, ASM_UNPACK)
             QW: tl.constexpr = D // 4
             _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True)
             _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False)
@@ -328,12 +385,26 @@ BLOCK_N_HISTORY = 64
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """Stage-1 tile and launch parameters: history tokens per tile, warps and pipeline stages, for decode-sized
+    row blocks (`BLOCK_M = 16`) and for chunks of queries."""
+
+    block_n_history: int = BLOCK_N_HISTORY
+    num_warps: int = 4
+    num_stages: int = 2
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 2
+    asm_unpack: bool = True  # 2-bit codes to float16 by inline PTX (GPU, 16-bit queries; ignored elsewhere)
+
+
+@dataclass(frozen=True)
 class SplitPlan:
     """How the keys are cut: `dense_splits` splits of `dense_split_len` dense keys, then `history_splits` of
     `history_split_len` history tokens, for `row_blocks` blocks of `block_m` query rows."""
 
     block_m: int
     row_blocks: int
+    block_n_history: int
     dense_splits: int
     dense_split_len: int
     history_splits: int
@@ -353,15 +424,16 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
 
 
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
-                min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128) -> SplitPlan:
+                min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128,
+                block_n_history: int = BLOCK_N_HISTORY) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
     the minimums; `rows` = query heads per KV head x query length."""
     block_m = 16 if rows <= 16 else 64
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
     dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, BLOCK_N_DENSE, max_splits)
-    hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, BLOCK_N_HISTORY, max_splits)
-    return SplitPlan(block_m, row_blocks, dense_splits, dense_len_each, hist_splits, hist_len_each)
+    hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, block_n_history, max_splits)
+    return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each)
 
 
 @dataclass(frozen=True)
@@ -400,6 +472,7 @@ def attention_partials(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     kv_heads: int,
+    config: LaunchConfig = LaunchConfig(),
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
@@ -443,6 +516,7 @@ def attention_partials(
     hkz_strides = hkz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
+    decode = plan.block_m <= 16
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
     _attention_partials_kernel[grid](
         query, query.stride(0), query.stride(1), query.stride(2),
@@ -458,6 +532,9 @@ def attention_partials(
         plan.dense_split_len, plan.history_split_len, plan.total_splits,
         scaling, 1.0 if softcap is None else softcap,
         D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
-        BLOCK_NQ=BLOCK_N_HISTORY, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
-        HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS, num_warps=4 if plan.block_m <= 16 else 8,
+        BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
+        HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
+        ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS,
+        num_warps=config.num_warps if decode else config.prefill_num_warps,
+        num_stages=config.num_stages if decode else config.prefill_num_stages,
     )

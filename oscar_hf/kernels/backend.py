@@ -18,7 +18,7 @@ import torch
 
 from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
-from .attention import HistoryTensors, SplitPlan, attention_partials, plan_splits
+from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, plan_splits
 from .demote import demote_rows
 from .merge import merge_splits
 
@@ -36,13 +36,15 @@ class TritonBackend(ReferenceBackend):
         target_programs: programs per stage-1 launch to aim for (default: 4 per multiprocessor).
         min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
             splits on small inputs).
+        launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`).
     """
 
     name = "triton"
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
-                 min_dense_tokens: int = 256, min_history_tokens: int = 512):
+                 min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None):
         super().__init__(history_chunk=history_chunk)
+        self.launch = launch or LaunchConfig()
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
@@ -145,7 +147,7 @@ class TritonBackend(ReferenceBackend):
                 lse_out.fill_(float("-inf"))
             return
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads)
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, self.launch)
         merge_splits(partial_out, partial_lse, out, out_layout, value_rotation, plan.dense_splits, kv_heads, lse_out)
 
     def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +164,8 @@ class TritonBackend(ReferenceBackend):
 
     def plan(self, device, batch, kv_heads, rows, dense_len, hist_len) -> SplitPlan:
         return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device),
-                           self.min_dense_tokens, self.min_history_tokens)
+                           self.min_dense_tokens, self.min_history_tokens,
+                           block_n_history=self.launch.block_n_history)
 
     def _target(self, device: torch.device) -> int:
         if self.target_programs is not None:
