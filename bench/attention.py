@@ -5,7 +5,9 @@
 Shape: 32 query / 8 KV heads (Qwen3-8B), head_dim 128 and 64; context 4k, 32k, 100k; batch 1, 8, 32. OSCAR's
 layer holds 64 sink + 256 recent + 1 new token in BF16 and the rest as 2-bit codes with float16 (scale, zero)
 per row, Hadamard-rotated. Both sides read the same random K/V (the history is demoted from it by the demotion
-kernel, timed too). Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed before every call).
+kernel, timed too). Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed before every call) over
+CUDA-graph replays of the call (GPU time; "eager" columns time the plain calls, host launch overhead included, and
+"host us" is the Python/launch time per call).
 
 "GB/s" counts the bytes that must be read once: OSCAR = codes + scale/zero of K and V for the history, plus the
 BF16 tiers; SDPA = BF16 K and V. "% copy" divides that by the device-to-device copy bandwidth measured in the same
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,29 @@ BATCHES = (1, 8, 32)
 
 def bench(fn, rep=60):
     return do_bench(fn, warmup=15, rep=rep, return_mode="median")
+
+
+def graphed(fn):
+    """`fn` captured in a CUDA graph (after a warm-up call): replaying it times the GPU work without the host's
+    launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def host_us(fn, calls=200) -> float:
+    """Host microseconds per call of `fn` (launches queued, not waited for)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
 
 
 def copy_bandwidth() -> float:
@@ -122,9 +148,14 @@ def check(case: Case, backend: TritonBackend) -> float:
 def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     case = Case(batch, context, dim, backend)
     row = dict(batch=batch, context=context, dim=dim, history=case.history_len)
-    row["oscar_ms"] = bench(lambda: case.oscar(backend))
-    row["sdpa_ms"] = bench(case.sdpa)
+    row["oscar_eager_ms"] = bench(lambda: case.oscar(backend))
+    row["sdpa_eager_ms"] = bench(case.sdpa)
+    row["oscar_ms"] = bench(graphed(lambda: case.oscar(backend)))
+    row["sdpa_ms"] = bench(graphed(case.sdpa))
+    row["oscar_host_us"] = host_us(lambda: case.oscar(backend))
+    row["sdpa_host_us"] = host_us(case.sdpa)
     row["speedup"] = row["sdpa_ms"] / row["oscar_ms"]
+    row["speedup_eager"] = row["sdpa_eager_ms"] / row["oscar_eager_ms"]
     total = case.bytes_history() + case.bytes_dense()
     row["oscar_GBps"] = total / (row["oscar_ms"] * 1e-3) / 1e9
     row["oscar_copy_frac"] = total / (row["oscar_ms"] * 1e-3) / copy_bw
@@ -137,8 +168,8 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     row["demote_ms"] = demote_ms
     row["demote_Mrows_per_s"] = rows / (demote_ms * 1e-3) / 1e6
     if with_dense:
-        row["dense_triton_ms"] = bench(lambda: case.dense_triton(backend))
-        row["dense_torch_ms"] = bench(case.dense_torch)
+        row["dense_triton_ms"] = bench(graphed(lambda: case.dense_triton(backend)))
+        row["dense_torch_ms"] = bench(graphed(case.dense_torch))
     del case
     torch.cuda.empty_cache()
     return row
@@ -146,17 +177,19 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 
 def sweep(copy_bw):
     """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig)."""
-    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a)
-               for b, w, s, a in [(64, 4, 2, True), (64, 4, 2, False), (64, 4, 3, True), (128, 4, 2, True),
-                                  (128, 4, 3, True), (128, 8, 3, True), (256, 8, 2, True), (128, 4, 2, False)]]
+    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p)
+               for b, w, s, a, p in [(128, 4, 3, True, 4), (128, 4, 4, True, 4), (128, 4, 3, True, 8),
+                                     (128, 4, 3, True, 16), (256, 4, 3, True, 4), (64, 4, 4, True, 8),
+                                     (128, 4, 3, False, 4), (128, 8, 4, True, 8)]]
     out = []
     for batch, context in [(1, 100_000), (8, 100_000), (32, 32768), (1, 4096)]:
         case = Case(batch, context, 128, TritonBackend())
         for cfg in configs:
             backend = TritonBackend(launch=cfg)
-            name = f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{'asm' if cfg.asm_unpack else 'plain'}"
+            name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{'asm' if cfg.asm_unpack else 'plain'}"
+                    f"/{cfg.programs_per_sm}")
             try:
-                ms = bench(lambda: case.oscar(backend))
+                ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw
                 out.append(dict(batch=batch, context=context, config=cfg.__dict__, ms=ms, int2_copy_frac=frac))
                 print(f"sweep bs={batch} ctx={context} {name}: {ms:.3f} ms, INT2 {100 * frac:.0f}% of copy",
@@ -199,8 +232,9 @@ def usable_backend(launch: LaunchConfig) -> TritonBackend:
 def table(rows, copy_bw):
     lines = [f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", "",
              "| d | ctx | bs | OSCAR ms | SDPA ms | speedup | OSCAR GB/s | OSCAR %copy | INT2 %copy | SDPA GB/s "
-             "| SDPA %copy | dense Triton ms | dense torch ms | demote Mrows/s | rel err vs SDPA |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| SDPA %copy | OSCAR eager ms | SDPA eager ms | eager speedup | OSCAR host us | SDPA host us "
+             "| dense Triton ms | dense torch ms | demote Mrows/s | rel err vs SDPA |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['dim']} | {r['context']} | {r['batch']} | {r['error']} |")
@@ -209,6 +243,8 @@ def table(rows, copy_bw):
             f"| {r['dim']} | {r['context']} | {r['batch']} | {r['oscar_ms']:.3f} | {r['sdpa_ms']:.3f} | "
             f"{r['speedup']:.2f}x | {r['oscar_GBps']:.0f} | {100 * r['oscar_copy_frac']:.0f}% | "
             f"{100 * r['int2_copy_frac']:.0f}% | {r['sdpa_GBps']:.0f} | {100 * r['sdpa_copy_frac']:.0f}% | "
+            f"{r['oscar_eager_ms']:.3f} | {r['sdpa_eager_ms']:.3f} | {r['speedup_eager']:.2f}x | "
+            f"{r['oscar_host_us']:.0f} | {r['sdpa_host_us']:.0f} | "
             f"{r.get('dense_triton_ms', math.nan):.3f} | {r.get('dense_torch_ms', math.nan):.3f} | "
             f"{r['demote_Mrows_per_s']:.0f} | {r['rel_err_vs_sdpa']:.3f} |")
     return "\n".join(lines)

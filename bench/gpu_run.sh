@@ -8,11 +8,18 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
 if [[ $parts == *tests* ]]; then
-  python3 -m pytest -q -rs tests/test_kernels_demote.py tests/test_kernels_attention.py tests/test_kernels_cache.py 2>&1 | tee "$out/tests.log"
+  for f in tests/test_kernels_demote.py tests/test_kernels_attention.py tests/test_kernels_cache.py; do
+    python3 -m pytest -q -rs --tb=short "$f" 2>&1 | tee -a "$out/tests.log"
+  done
 fi
 if [[ $parts == *attention* ]]; then
   sweep=""; [[ $parts == *sweep* ]] && sweep="--sweep"
   python3 bench/attention.py $sweep --out "$out/attention.json" --launch-out "$out/launch.json" 2>&1 | tee "$out/attention.log"
+fi
+if [[ $parts == *ncu* ]]; then
+  timeout 120 ncu --clock-control none -k regex:_attention_partials --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+    --section LaunchStats python3 bench/profile_stage1.py 2>&1 | tee "$out/ncu.log"
 fi
 if [[ $parts == *generate* ]]; then
   launch=""; [[ -f "$out/launch.json" ]] && launch="--launch-config $out/launch.json"

@@ -57,7 +57,9 @@ def quantize_rows(
     lo = x.amin(dim=-1)
     hi = x.amax(dim=-1)
     floor = torch.clamp(lo.abs() * (levels / zero_limit(scale_dtype)), min=SCALE_FLOOR)
-    scale = torch.maximum(hi - lo, floor) / levels
+    # divide by a tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal (not IEEE), which
+    # would make this reference differ between devices by an ulp
+    scale = torch.maximum(hi - lo, floor) / torch.full_like(hi, levels)
     zero = -lo / scale
     codes = torch.floor(x / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).to(torch.uint8)
     scale_zero = torch.stack([scale, zero], dim=-1).to(scale_dtype)

@@ -190,6 +190,19 @@ def _planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK
 
 
 @triton.jit
+def _scale_zero(word, SZ_DT: tl.constexpr):
+    """(scale, zero) in float32 from one (scale, zero) pair read as a single integer (int32 for 16-bit pairs,
+    int64 for float32 pairs): one load per token instead of two strided ones."""
+    if SZ_DT == tl.float32:
+        scale = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        zero = ((word >> 32) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        scale = (word & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32)
+        zero = ((word >> 16) & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
 def _qdot(a, b, acc, DT: tl.constexpr):
     if DT == tl.float32:
         return tl.dot(a, b, acc=acc, input_precision="ieee")
@@ -223,7 +236,7 @@ def _quant_split(
     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
 ):
     """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis.
 
@@ -276,10 +289,8 @@ def _quant_split(
         else:
             kb_hi = kb_lo
             vb_hi = vb_lo
-        k_scale = tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0.0).to(tl.float32)
-        k_zero = tl.load(kz_base + offs_n * szt + 1, mask=tok_ok, other=0.0).to(tl.float32)
-        v_scale = tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0.0).to(tl.float32)
-        v_zero = tl.load(vz_base + offs_n * swt + 1, mask=tok_ok, other=0.0).to(tl.float32)
+        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT)
+        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT)
 
         k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
         qc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -328,7 +339,7 @@ def _attention_partials_kernel(
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -362,7 +373,8 @@ def _attention_partials_kernel(
                 hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
                 m_ptr, smb, sml, smc,
                 b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS, ASM_UNPACK)
+                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS, ASM_UNPACK,
+                SZ_DT)
             QW: tl.constexpr = D // 4
             _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True)
             _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False)
@@ -389,12 +401,13 @@ class LaunchConfig:
     """Stage-1 tile and launch parameters: history tokens per tile, warps and pipeline stages, for decode-sized
     row blocks (`BLOCK_M = 16`) and for chunks of queries."""
 
-    block_n_history: int = BLOCK_N_HISTORY
+    block_n_history: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     prefill_num_warps: int = 8
     prefill_num_stages: int = 2
     asm_unpack: bool = True  # 2-bit codes to float16 by inline PTX (GPU, 16-bit queries; ignored elsewhere)
+    programs_per_sm: int = 4  # stage-1 programs to aim for per multiprocessor (sets the split count)
 
 
 @dataclass(frozen=True)
@@ -434,6 +447,9 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, BLOCK_N_DENSE, max_splits)
     hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, block_n_history, max_splits)
     return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each)
+
+
+_SCALE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -488,14 +504,20 @@ def attention_partials(
             raise ValueError("attention_partials needs a unit stride along head_dim")
     if keys is None:
         keys = values = query
-    if history is None or hist_len == 0:
-        hk = hv = query
-        hkz = hvz = partial_lse
+    sz_dt = tl.float16
+    if history is None or hist_len == 0:  # typed placeholders: the history branch still compiles
+        hk = hv = partial_lse.view(torch.uint8)
+        hkz = hvz = partial_lse.view(torch.int32)
         quantized, bits = True, 2
     else:
         hk, hv, quantized, bits = history.keys, history.values, history.quantized, history.bits
-        hkz = history.key_scale_zero if quantized else partial_lse
-        hvz = history.value_scale_zero if quantized else partial_lse
+        if quantized:
+            sz_dt = _SCALE_DTYPES[history.key_scale_zero.dtype]
+            word = torch.int64 if history.key_scale_zero.dtype == torch.float32 else torch.int32
+            hkz = history.key_scale_zero.view(word)
+            hvz = history.value_scale_zero.view(word)
+        else:
+            hkz = hvz = partial_lse.view(torch.int32)
     if rotated_query is None:
         rotated_query = query
     rot_q = key_rotation_halves is not None and quantized and hist_len > 0
@@ -534,7 +556,8 @@ def attention_partials(
         D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
         BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
         HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
-        ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS,
+        ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
+        SZ_DT=sz_dt,
         num_warps=config.num_warps if decode else config.prefill_num_warps,
         num_stages=config.num_stages if decode else config.prefill_num_stages,
     )

@@ -33,7 +33,8 @@ class TritonBackend(ReferenceBackend):
 
     Args:
         history_chunk: passed to the reference fallback.
-        target_programs: programs per stage-1 launch to aim for (default: 4 per multiprocessor).
+        target_programs: programs per stage-1 launch to aim for (default: `launch.programs_per_sm` per
+            multiprocessor).
         min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
             splits on small inputs).
         launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`).
@@ -172,7 +173,7 @@ class TritonBackend(ReferenceBackend):
             return self.target_programs
         if device not in self._programs:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-            self._programs[device] = 4 * sms
+            self._programs[device] = self.launch.programs_per_sm * sms
         return self._programs[device]
 
     def _workspace(self, device: torch.device, numel: int) -> torch.Tensor:
