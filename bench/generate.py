@@ -78,8 +78,13 @@ def build_model(smoke=False):
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     config = Qwen3Config(**options)
     torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build in bf16 directly (no float32 copy of 8B weights)
+    try:
+        with torch.device(DEVICE):
+            model = Qwen3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.generation_config.pad_token_id = config.eos_token_id
     return model
 
@@ -200,6 +205,8 @@ def max_batch(model, kind, context, rows, budget):
         return None
     (b0, p0), (b1, p1) = points[0], points[-1]
     per_seq = (p1 - p0) / (b1 - b0)
+    if per_seq <= 0:
+        return None
     fixed = p0 - b0 * per_seq
     batch = int((budget - fixed) / per_seq)
     print(f"{kind} {context}: fixed {fixed:.1f} GB + {per_seq:.2f} GB/seq -> predicted max batch {batch}", flush=True)

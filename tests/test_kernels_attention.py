@@ -42,7 +42,8 @@ TOLERANCE = {torch.float32: (2e-5, 2e-5), "history": (4e-3, 4e-3), "dense": (1.5
 def _kernel_backend(launch=None):
     """A Triton backend that cuts even these small inputs into several splits, its scratch poisoned."""
     backend = TritonBackend(target_programs=256, min_dense_tokens=16, min_history_tokens=32, launch=launch)
-    backend._workspace(DEVICE, 1 << 22).fill_(float("nan"))
+    for buffer in backend._workspace(DEVICE, 1 << 22, 1 << 16):
+        buffer.fill_(float("nan"))
     return backend
 
 

@@ -10,9 +10,9 @@ dense rows for an unquantized history. The history partials stay in the rotated 
 applies `R_Vᵀ`.
 
 One program handles `BLOCK_M` query rows of one KV head (rows are (query position, head of the GQA group) pairs,
-so all query heads of a group share one read of K/V) and one split. Decode uses `BLOCK_M = 16` and many splits
-(flash-decoding); a chunk of queries (chunked prefill) uses larger row blocks and a few splits, so memory stays
-linear in the number of queries (no `[Lq, N]` score matrix is materialized).
+so all query heads of a group share one read of K/V) and one split. Decode uses `BLOCK_M = 16` rows and many splits
+(flash-decoding); a chunk of queries (chunked prefill) uses more row blocks of 16 and fewer splits, dequantizing
+tiles on the fly, so memory stays linear in the number of queries (no `[Lq, N]` score matrix is materialized).
 
 Masks: an optional `[B or 1, 1, Lq, Ld + N]` bool (True = attend) or additive float mask over the logical
 columns: dense key j maps to column `j + N * (j >= gap_start)`, history key t to `hist_col0 + t`. Without a mask,
@@ -26,6 +26,7 @@ flash-attention, float32 IEEE dots for float32 models).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -398,14 +399,12 @@ BLOCK_N_HISTORY = 64
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Stage-1 tile and launch parameters: history tokens per tile, warps and pipeline stages, for decode-sized
-    row blocks (`BLOCK_M = 16`) and for chunks of queries."""
+    """Stage-1 tile and launch parameters: history tokens per tile, warps and pipeline stages (chosen by the
+    sweep in bench/attention.py on the H200)."""
 
     block_n_history: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    prefill_num_warps: int = 8
-    prefill_num_stages: int = 2
     asm_unpack: bool = True  # 2-bit codes to float16 by inline PTX (GPU, 16-bit queries; ignored elsewhere)
     programs_per_sm: int = 4  # stage-1 programs to aim for per multiprocessor (sets the split count)
 
@@ -436,12 +435,17 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
     return triton.cdiv(tokens, length), length
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
                 min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128,
                 block_n_history: int = BLOCK_N_HISTORY) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
-    the minimums; `rows` = query heads per KV head x query length."""
-    block_m = 16 if rows <= 16 else 64
+    the minimums; `rows` = query heads per KV head x query length. Every layer of a decode step asks the same
+    question, hence the cache.
+
+    Rows come in blocks of 16 for decode and for chunks of queries alike: a 64-row variant (8 warps) faulted
+    with an illegal address on the H200 and was dropped (not isolated; see bench/RESULTS.md)."""
+    block_m = 16
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
     dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, BLOCK_N_DENSE, max_splits)
@@ -494,7 +498,8 @@ def attention_partials(
     `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
     as hi + lo in the query's 16-bit dtype: the kernel rotates the query, quantized history only) or
     `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
-    `partial_out` / `partial_lse`: contiguous float32 `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]`."""
+    `partial_out` / `partial_lse`: float32 buffers of at least `B*Hq*Lq*S*D` / `B*Hq*Lq*S` elements, laid out
+    as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -538,15 +543,14 @@ def attention_partials(
     hkz_strides = hkz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
-    decode = plan.block_m <= 16
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
     _attention_partials_kernel[grid](
         query, query.stride(0), query.stride(1), query.stride(2),
         rotated_query, rotated_query.stride(0), rotated_query.stride(1), rotated_query.stride(2),
         keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
         values.stride(2),
-        hk, hk.stride(0), hk.stride(1), hk.stride(2), hkz, *hkz_strides,
-        hv, hv.stride(0), hv.stride(1), hv.stride(2), hvz, *hvz_strides,
+        hk, *(hk.stride()[:3] if hist_len else (0, 0, 0)), hkz, *hkz_strides,
+        hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
         m, *m_strides,
         rk, *rk_strides,
         partial_out, partial_lse,
@@ -558,6 +562,5 @@ def attention_partials(
         HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
         ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
         SZ_DT=sz_dt,
-        num_warps=config.num_warps if decode else config.prefill_num_warps,
-        num_stages=config.num_stages if decode else config.prefill_num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -49,7 +49,7 @@ class TritonBackend(ReferenceBackend):
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
-        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._programs: dict[torch.device, int] = {}
         self._halves: dict[tuple, tuple] = {}
 
@@ -91,7 +91,7 @@ class TritonBackend(ReferenceBackend):
         partial_lse = torch.stack([lse.float() for _, lse in parts], dim=3)
         out = torch.empty(out0.shape, dtype=torch.float32, device=out0.device)
         lse = torch.empty(out0.shape[:-1], dtype=torch.float32, device=out0.device)
-        merge_splits(partial_out, partial_lse, out, out_layout="bhld", lse_out=lse)
+        merge_splits(partial_out, partial_lse, len(parts), out, out_layout="bhld", lse_out=lse)
         return out, lse
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
@@ -138,18 +138,17 @@ class TritonBackend(ReferenceBackend):
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.length if tensors is not None else 0
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len)
-        rows = batch * q_heads * q_len * plan.total_splits
-        scratch = self._workspace(query.device, rows * (dim + 1))
-        partial_out = scratch[: rows * dim].view(batch, q_heads, q_len, plan.total_splits, dim)
-        partial_lse = scratch[rows * dim : rows * (dim + 1)].view(batch, q_heads, q_len, plan.total_splits)
         if plan.total_splits == 0:  # nothing to attend: an empty softmax
             out.zero_()
             if lse_out is not None:
                 lse_out.fill_(float("-inf"))
             return
+        rows = batch * q_heads * q_len * plan.total_splits
+        partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
                            gap_start, hist_col0, partial_out, partial_lse, kv_heads, self.launch)
-        merge_splits(partial_out, partial_lse, out, out_layout, value_rotation, plan.dense_splits, kv_heads, lse_out)
+        merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
+                     kv_heads, lse_out)
 
     def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """R as `[2, ...]` in `dtype`: a rounded copy and the rounded remainder (cached per rotation tensor)."""
@@ -176,14 +175,18 @@ class TritonBackend(ReferenceBackend):
             self._programs[device] = self.launch.programs_per_sm * sms
         return self._programs[device]
 
-    def _workspace(self, device: torch.device, numel: int) -> torch.Tensor:
-        """A float32 scratch of at least `numel` elements, reused across calls on the same device (the stage-2
-        launch consumes it before the next stage-1 launch on the stream)."""
-        buffer = self._scratch.get(device)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
-            self._scratch[device] = buffer
-        return buffer
+    def _workspace(self, device: torch.device, out_numel: int, lse_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat float32 scratch for the split outputs and log-sum-exps, reused across calls on the same device
+        (the stage-2 launch consumes it before the next stage-1 launch on the stream); grows, never shrinks."""
+        buffers = self._scratch.get(device)
+        if buffers is None or buffers[0].numel() < out_numel or buffers[1].numel() < lse_numel:
+            old_out, old_lse = buffers if buffers is not None else (None, None)
+            out_size = max(out_numel, 1 << 16, old_out.numel() if old_out is not None else 0)
+            lse_size = max(lse_numel, 1 << 12, old_lse.numel() if old_lse is not None else 0)
+            buffers = (torch.empty(out_size, dtype=torch.float32, device=device),
+                       torch.empty(lse_size, dtype=torch.float32, device=device))
+            self._scratch[device] = buffers
+        return buffers
 
     @staticmethod
     def _supported(query, key, value, mask, history=None) -> bool:

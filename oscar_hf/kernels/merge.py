@@ -84,6 +84,7 @@ def _merge_kernel(
 def merge_splits(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
+    splits: int,
     out: torch.Tensor,
     out_layout: str = "blhd",
     value_rotation: torch.Tensor | None = None,
@@ -91,17 +92,21 @@ def merge_splits(
     kv_heads: int | None = None,
     lse_out: torch.Tensor | None = None,
 ) -> None:
-    """Merge `partial_out` `[B, Hq, Lq, S, D]` / `partial_lse` `[B, Hq, Lq, S]` (contiguous float32) into `out`.
+    """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
+    `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
 
-    `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides.
-    Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or `[kv_heads, D, D]`).
-    `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
+    `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides; its
+    shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
+    `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
     """
-    batch, q_heads, q_len, splits, dim = partial_out.shape
+    if out_layout == "blhd":
+        batch, q_len, q_heads, dim = out.shape
+    else:
+        batch, q_heads, q_len, dim = out.shape
     kv_heads = kv_heads or q_heads
     groups = q_heads // kv_heads
-    if not partial_out.is_contiguous() or not partial_lse.is_contiguous():
-        raise ValueError("merge_splits needs contiguous partials")
+    if partial_out.numel() < batch * q_heads * q_len * splits * dim:
+        raise ValueError("merge_splits: partial_out is too small for the output shape")
     if out.stride(-1) != 1:
         raise ValueError("merge_splits needs a unit stride along head_dim of the output")
     sob, s1, s2 = out.stride(0), out.stride(1), out.stride(2)
@@ -118,7 +123,7 @@ def merge_splits(
     lse_target = lse_out if lse_out is not None else partial_lse
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
     rows = groups * q_len
-    block_m = 16 if rows <= 16 else 32
+    block_m = 16
     grid = (triton.cdiv(rows, block_m), batch * kv_heads)
     _merge_kernel[grid](
         partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
