@@ -4,10 +4,11 @@
 
 The model is built from Qwen3-8B's public config (no download) with random bf16 weights. Each cache is filled with
 random K/V for `context` tokens (OscarCache through its own update + demotion path, i.e. the demotion kernel; no
-prefill forward), then `model.generate` continues from it with greedy decoding. The decode step time is
-`(T(n2) - T(n1)) / (n2 - n1)` for two `generate` calls of n1 and n2 new tokens on the same cache, so the
-fixed cost of a call cancels out; tokens/s = batch / step time. Peak GB = `torch.cuda.max_memory_allocated`
-during the timed calls (weights included); cache GB = memory the filled cache holds.
+prefill forward), then `model.generate` continues from it with greedy decoding: a 6-token warm-up call, then
+a call whose 16 decode steps are timed one by one (a stopping criterion that synchronizes and stamps the time
+after each step; `generate` synchronizes every step anyway); step ms = the median; tokens/s = batch / step time.
+Peak GB = `torch.cuda.max_memory_allocated` during the decode calls (weights included); cache GB = memory the
+filled cache holds (OscarCache: allocated capacity, including spare room).
 
 "Max batch at budget": the largest batch whose predicted peak (weights + activations + per-sequence cache, from
 the measured points) fits `--budget-gb`, then measured at that batch (stepping down on out-of-memory); job
@@ -100,9 +101,10 @@ def fill_oscar(model, batch, context, chunk=8192):
         while done < context:
             n = min(chunk, context - done)
             layer.update(k[:, :, :n], v[:, :, :n])
+            if done == 0:  # one exact allocation, as a one-shot prefill makes; room for the timed steps' demotions
+                layer.history._reserve(context + 64)
             layer.settle(None)
             done += n
-        layer.history._reserve(4096)  # headroom, as a long generate would have: no regrowth in the timed steps
     return cache
 
 
@@ -138,23 +140,39 @@ def set_attention(model, kind):
         model.set_attn_implementation("sdpa")
 
 
-def decode_step(model, cache, batch, context, n1=3, n2=13):
-    """(ms per decode step, peak bytes) from two generate calls continuing `cache`."""
+class StepTimer:
+    """A stopping criterion that never stops generation and records when each decode step finished (after a
+    device synchronization; `generate` synchronizes every step anyway for its own stopping check)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        _sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def decode_step(model, cache, batch, context, warmup=6, steps=16):
+    """(median ms per decode step, peak bytes) over `steps` timed steps of one `generate` call that continues
+    `cache`, after a `warmup`-token call (kernel compilation, allocator growth)."""
+    from transformers import StoppingCriteriaList
+
     name = cache_argument_name(model)
-    times = []
     _reset_peak()
-    for n in (n1, n2):
+    result = None
+    for n, timed in ((warmup, False), (steps + 1, True)):
         start_len = cache.get_seq_length()
         ids = torch.randint(10, 1000, (batch, start_len + 1), device=DEVICE)
+        timer = StepTimer()
         _sync()
-        t0 = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, **{name: cache})
-        _sync()
-        times.append(time.perf_counter() - t0)
+                       do_sample=False, stopping_criteria=StoppingCriteriaList([timer]), **{name: cache})
+        if timed:
+            deltas = sorted(b - a for a, b in zip(timer.times, timer.times[1:]))
+            result = (1e3 * deltas[len(deltas) // 2], 1e3 * sum(deltas) / len(deltas))
         del ids
-    step = (times[1] - times[0]) / (n2 - n1)
-    return 1e3 * step, _peak()
+    return result, _peak()
 
 
 def cache_bytes(cache) -> int:
@@ -178,9 +196,9 @@ def measure(model, kind, batch, context):
     _sync()
     fill_s = time.perf_counter() - t0
     held = _allocated() - base
-    step_ms, peak = decode_step(model, cache, batch, context)
-    row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, tokens_per_s=batch / step_ms * 1e3,
-               peak_GB=peak / GB, cache_GB=held / GB, fill_s=fill_s)
+    (step_ms, mean_ms), peak = decode_step(model, cache, batch, context)
+    row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
+               tokens_per_s=batch / step_ms * 1e3, peak_GB=peak / GB, cache_GB=held / GB, fill_s=fill_s)
     del cache
     _empty_cache()
     return row
@@ -256,17 +274,19 @@ def host_profile(model, steps=50, context=4096, batch=1):
 
 
 def table(rows):
-    lines = ["| cache | ctx | bs | step ms | tokens/s | peak GB | cache GB | DynamicCache step / this step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| cache | ctx | bs | step ms (median) | step ms (mean) | tokens/s | peak GB | cache GB "
+             "| DynamicCache step / this step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     dyn = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["cache"] == "dynamic" and "error" not in r}
     for r in rows:
         tag = " (max batch)" if r.get("max_batch_at_budget") else ""
         if "error" in r:
-            lines.append(f"| {r['cache']}{tag} | {r['context']} | {r['batch']} | {r['error']} | | | | |")
+            lines.append(f"| {r['cache']}{tag} | {r['context']} | {r['batch']} | {r['error']} | | | | | |")
             continue
         ref = dyn.get((r["context"], r["batch"]))
         ratio = f"{ref / r['step_ms']:.2f}x" if ref else ""
         lines.append(f"| {r['cache']}{tag} | {r['context']} | {r['batch']} | {r['step_ms']:.1f} | "
+                     f"{r.get('mean_step_ms', math.nan):.1f} | "
                      f"{r['tokens_per_s']:.1f} | {r['peak_GB']:.1f} | {r['cache_GB']:.2f} | {ratio} |")
     return "\n".join(lines)
 

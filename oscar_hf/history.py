@@ -2,8 +2,9 @@
 
 `QuantizedHistory` stores packed codes `[B, H, capacity, d * bits / 8]` (uint8) and per-row (scale, zero)
 `[B, H, capacity, 2]` (scale dtype) for keys and values. `FullPrecisionHistory` stores rotated rows in the model
-dtype (the `none` method: same tiers and merge, no quantization). Both grow by at least half their size, so
-appending costs amortized O(new tokens), never a copy of the whole history per step.
+dtype (the `none` method: same tiers and merge, no quantization). Both grow by at least an eighth of their size
+(geometric, so appending costs amortized O(new tokens), never a copy of the whole history per step; an eighth
+rather than a half so that spare capacity stays under 12.5% of a long context's history).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _grown(buffer: torch.Tensor | None, used: int, needed: int, shape_tail: tupl
     """`buffer` with room for `needed` tokens along dim 2 (reallocated and copied when too small)."""
     if buffer is not None and buffer.shape[2] >= needed:
         return buffer
-    capacity = needed if buffer is None else max(needed, buffer.shape[2] + buffer.shape[2] // 2, 64)
+    capacity = needed if buffer is None else max(needed, buffer.shape[2] + buffer.shape[2] // 8, 64)
     fresh = torch.empty((batch, heads, capacity, *shape_tail), dtype=dtype, device=device)
     if buffer is not None and used:
         fresh[:, :, :used] = buffer[:, :, :used]

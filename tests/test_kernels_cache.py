@@ -125,3 +125,16 @@ def test_decode_path_never_synchronizes_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert layer.history_length > 450
+
+
+def test_history_grows_by_an_eighth():
+    """Spare history capacity stays under 12.5% (amortized growth without wasting half of a long context)."""
+    from oscar_hf.config import OscarConfig
+    from oscar_hf.history import QuantizedHistory
+
+    history = QuantizedHistory(1, 2, 64, 64, OscarConfig(), torch.device("cpu"))
+    keys = torch.randn(1, 2, 1000, 64)
+    history.append(keys, keys, None, None, ReferenceBackend())
+    assert history.key_codes.shape[2] == 1000
+    history.append(keys[:, :, :8], keys[:, :, :8], None, None, ReferenceBackend())
+    assert history.key_codes.shape[2] == 1000 + 1000 // 8

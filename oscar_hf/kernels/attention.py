@@ -9,6 +9,9 @@ Splits `[0, dense_splits)` cover the dense keys `[B, Hkv, Ld, D]` (model dtype, 
 dense rows for an unquantized history. The history partials stay in the rotated basis: stage 2 (`merge.py`)
 applies `R_Vᵀ`.
 
+Lengths and split sizes are not specialized on (`do_not_specialize`): a decode step must never meet a new
+compilation because a length became a multiple of 16.
+
 One program handles `BLOCK_M` query rows of one KV head (rows are (query position, head of the GQA group) pairs,
 so all query heads of a group share one read of K/V) and one split. Decode uses `BLOCK_M = 16` rows and many splits
 (flash-decoding); a chunk of queries (chunked prefill) uses more row blocks of 16 and fewer splits, dequantizing
@@ -325,7 +328,8 @@ def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.cons
         tl.store(lse_rows, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Ld", "N", "gap_start", "hist_col0", "dense_splits", "dense_split_len",
+                                "hist_split_len", "total_splits"])
 def _attention_partials_kernel(
     q_ptr, sqb, sqh, sql,
     qr_ptr, srb, srh, srl,

@@ -88,7 +88,7 @@ def _demote_tensor(
     tl.store(z_base + 1, round_to(zero, z_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _demote_kernel(
     kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt, k_clip, k_floor,
     vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor,

@@ -23,7 +23,7 @@ import triton.language as tl
 from .common import round_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_splits", "plain_splits"])
 def _merge_kernel(
     o_ptr, lse_ptr, r_ptr, srh, srr,
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
