@@ -71,3 +71,19 @@ def smollm2():
     from oscar_hf.assets import load_smollm2
 
     return load_smollm2()
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 96, head_dim: int = 32):
+    """A random 2-layer Llama with GQA 4:2 and head_dim 32, float32, eval mode (quality-harness tests)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tiny_llama_model():
+    return tiny_llama()
