@@ -73,3 +73,27 @@ def test_bits_per_element_counts_what_is_stored(tiny_model, captured):
     bf16_tokens, history = layer.bf16_length, layer.history_length
     expected = (bf16_tokens * 16 + history * (2 + 2 * 16 / 32)) / 40  # INT2 codes + fp16 (scale, zero) per row
     assert bits_per_element(oscar, 40, 1, 2, 32, bf16_model=True) == pytest.approx(expected)
+
+
+def test_chunks_of_the_demotion_block_are_decode_exact(tiny_model):
+    # With forwards of b tokens after a prefill that is a multiple of b, demotion happens on the same boundaries
+    # as in decoding, so both the replay and the chunked scoring equal their token-by-token versions.
+    from oscar_hf.diagnostics.run import chunked_logits
+
+    layout = dict(sink_tokens=4, recent_tokens=8, demote_block=4)
+    torch.manual_seed(6)
+    ids = torch.randint(0, tiny_model.config.vocab_size, (1, 48))
+    layers, _ = capture_attention_inputs(tiny_model, ids)
+    by_token = replay_layer_errors(layers, OscarCache(tiny_model.config, method="hadamard", **layout), 16, 1,
+                                   progress=False)
+    by_block = replay_layer_errors(layers, OscarCache(tiny_model.config, method="hadamard", **layout), 16, 4,
+                                   progress=False)
+    for a, b in zip(by_token, by_block):
+        assert b.attention_kl == pytest.approx(a.attention_kl, rel=1e-4)
+        assert b.output_relative_mse == pytest.approx(a.output_relative_mse, rel=1e-4)
+    template = OscarCache(tiny_model.config, method="hadamard", **layout)
+    decoded = simulate_logits(tiny_model, ids, template, prefill=16)[0, 16:]
+    chunked = chunked_logits(tiny_model, ids, OscarCache(tiny_model, method="hadamard", **layout), 16, 4)
+    assert (decoded - chunked).abs().max().item() < 1e-5
+    off_block = chunked_logits(tiny_model, ids, OscarCache(tiny_model, method="hadamard", **layout), 16, 6)
+    assert (decoded - off_block).abs().max().item() > 1e-4

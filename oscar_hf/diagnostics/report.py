@@ -1,0 +1,115 @@
+"""Markdown report, JSON results and matplotlib per-layer plots of a diagnostics run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .run import MethodResult
+
+PANELS = (
+    ("key_mse", "K reconstruction MSE"),
+    ("value_mse", "V reconstruction MSE"),
+    ("attention_kl", "attention-score KL(P || P̂)"),
+    ("output_relative_mse", "attention-block output rel. MSE"),
+)
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, int):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e4):
+        return f"{value:.2e}"
+    return f"{value:.{digits}f}"
+
+
+def results_table(results: list[MethodResult]) -> str:
+    """The side-by-side table (markdown)."""
+    header = ("| method | bits/elem (fp32 run) | bits/elem (BF16 model) | ppl | next-token KL | top-1 | "
+              "decode-eq. ppl | decode-eq. KL | mean attn KL | mean out relMSE | greedy agree |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.label} | failed: {r.error} |" + " |" * (header.count("|") - 3))
+            continue
+        lines.append("| " + " | ".join([
+            r.label, _fmt(r.bits_per_element, 2), _fmt(r.bits_per_element_bf16, 2), _fmt(r.perplexity, 2),
+            _fmt(r.next_token_kl), _fmt(r.top1_agreement), _fmt(r.decode_perplexity, 2),
+            _fmt(r.decode_next_token_kl), _fmt(r.mean_attention_kl), _fmt(r.mean_output_relative_mse),
+            _fmt(r.greedy_agreement),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def plot_layers(results: list[MethodResult], path: str) -> str:
+    """Per-layer curves per method, one panel per error (log scale); the BF16 reference is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    for ax, (key, title) in zip(axes, PANELS):
+        for r in results:
+            if r.error or r.name == "bf16" or not r.layers:
+                continue
+            xs = [e.layer_idx for e in r.layers]
+            ys = [max(getattr(e, key), 1e-12) for e in r.layers]
+            ax.plot(xs, ys, marker=".", label=r.name)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: list[MethodResult], out_dir: str, title: str, command: str, settings: dict) -> str:
+    """Write report.md, results.json and layers.png into `out_dir`; returns the report path."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"settings": settings, "command": command, "results": [r.as_dict() for r in results]}, f, indent=1)
+    plot = plot_layers(results, os.path.join(out_dir, "layers.png"))
+    lines = [
+        f"# {title}", "", f"Command: `{command}`", "",
+        "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), "",
+        results_table(results), "",
+        "- ppl / next-token KL / top-1: through the real cache, a prefill forward then chunked forwards; KL and "
+        "top-1 against BF16 (DynamicCache) on the same tokens.",
+        "- decode-eq.: decode-equivalent simulation (prefill, then token by token), OSCAR methods only; the BF16 row "
+        "is the cache-free forward.",
+        "- mean attn KL / out relMSE: mean over layers of the per-layer errors with decode-style queries over the "
+        "cache's real tier layout (full-precision inputs per layer).",
+        "- bits/elem: bytes the cache holds after the text (codes, scales, zeros, norms, full-precision windows) "
+        "per cached K/V element; 'BF16 model' counts float32 tensors at 16 bits.",
+        "- greedy agree: leading tokens of a greedy continuation of the whole text equal to BF16's.",
+        "", f"![per-layer errors]({os.path.basename(plot)})", "",
+        "## Per-layer errors", "",
+    ]
+    for r in results:
+        if r.error or not r.layers:
+            continue
+        lines += [f"### {r.label}", "", "| layer | attn KL | out relMSE | K MSE | V MSE | K relMSE | V relMSE |",
+                  "|---|---|---|---|---|---|---|"]
+        for e in r.layers:
+            lines.append(f"| {e.layer_idx} | {_fmt(e.attention_kl)} | {_fmt(e.output_relative_mse)} | "
+                         f"{_fmt(e.key_mse)} | {_fmt(e.value_mse)} | {_fmt(e.key_relative_mse)} | "
+                         f"{_fmt(e.value_relative_mse)} |")
+        lines.append("")
+    lines += ["## Timings (s)", "", "| method | " + " | ".join(["capture", "chunked_scoring", "decode_simulation",
+                                                                 "layer_replay", "greedy"]) + " |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} | " + " | ".join(_fmt(r.seconds.get(k), 1) for k in
+                                                   ("capture", "chunked_scoring", "decode_simulation",
+                                                    "layer_replay", "greedy")) + " |")
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
