@@ -70,17 +70,29 @@ def decoded_loglikelihood(model, context, continuation) -> float:
 
 
 @pytest.fixture(scope="module")
-def monkey_chdir():
+def repo_cwd():
     old = os.getcwd()
     os.chdir(REPO)  # the task YAML names its jsonl relative to the repository root
     yield
     os.chdir(old)
 
 
-def test_multiple_choice_scores_equal_token_by_token_decoding(model_and_tokenizer, monkey_chdir):
+@pytest.fixture(scope="module")
+def batch_one(model_and_tokenizer, repo_cwd):
+    """(lm, multiple-choice samples, rolling samples) scored one request at a time."""
     model, tokenizer = model_and_tokenizer
     lm = oscar_lm(model, tokenizer, batch_size=1)
-    samples = evaluate(lm, "tiny_oscar_mc")["samples"]["tiny_oscar_mc"]
+    return lm, evaluate(lm, "tiny_oscar_mc", limit=4)["samples"]["tiny_oscar_mc"], \
+        evaluate(lm, "tiny_oscar_ppl", limit=3)["samples"]["tiny_oscar_ppl"]
+
+
+def scores(mc, ppl):
+    return [r[0][0] for s in mc for r in s["resps"]] + [s["resps"][0][0] for s in ppl]
+
+
+def test_multiple_choice_scores_equal_token_by_token_decoding(model_and_tokenizer, batch_one):
+    model, _ = model_and_tokenizer
+    lm, samples, _ = batch_one
     checked = 0
     for sample in samples:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
@@ -88,33 +100,32 @@ def test_multiple_choice_scores_equal_token_by_token_decoding(model_and_tokenize
             assert len(ctx_ids) > sum(LAYOUT.values())  # long enough for a quantized history
             assert resp[0][0] == pytest.approx(decoded_loglikelihood(model, ctx_ids, cont_ids), abs=1e-4)
             checked += 1
-    assert checked == 18
+    assert checked == 12
 
 
-def test_batches_give_the_same_scores_and_quantization_matters(model_and_tokenizer, monkey_chdir):
+def test_rolling_loglikelihood_decodes_every_token(model_and_tokenizer, batch_one):
     model, tokenizer = model_and_tokenizer
-    scores = {}
-    for name, kwargs in (("b1", dict(batch_size=1)), ("b3", dict(batch_size=3)),
-                         ("off", dict(batch_size=3, ll_mode="off"))):
-        lm = oscar_lm(model, tokenizer, **kwargs)
-        mc = evaluate(lm, "tiny_oscar_mc")["samples"]["tiny_oscar_mc"]
-        ppl = evaluate(lm, "tiny_oscar_ppl")["samples"]["tiny_oscar_ppl"]
-        scores[name] = [r[0][0] for s in mc for r in s["resps"]] + [s["resps"][0][0] for s in ppl]
-    assert scores["b3"] == pytest.approx(scores["b1"], abs=1e-4)
-    assert max(abs(a - b) for a, b in zip(scores["off"], scores["b1"])) > 1e-3
+    lm, _, samples = batch_one
+    for sample in samples:
+        ids = tokenizer(sample["arguments"][0][0]).input_ids
+        # lm-eval's rolling window: the prefix token, then every token of the document is predicted
+        expected = decoded_loglikelihood(model, [lm.prefix_token_id], ids)
+        assert sample["resps"][0][0] == pytest.approx(expected, abs=1e-4)
 
 
-def test_rolling_loglikelihood_decodes_every_token(model_and_tokenizer, monkey_chdir):
+def test_batches_give_the_same_scores_and_quantization_matters(model_and_tokenizer, batch_one, repo_cwd):
     model, tokenizer = model_and_tokenizer
-    lm = oscar_lm(model, tokenizer, batch_size=2)
-    sample = evaluate(lm, "tiny_oscar_ppl", limit=1)["samples"]["tiny_oscar_ppl"][0]
-    ids = tokenizer(sample["arguments"][0][0]).input_ids
-    # lm-eval's rolling window: the prefix token, then every token of the document is predicted
-    expected = decoded_loglikelihood(model, [lm.prefix_token_id], ids)
-    assert sample["resps"][0][0] == pytest.approx(expected, abs=1e-4)
+    _, mc, ppl = batch_one
+    batched = oscar_lm(model, tokenizer, batch_size=3)
+    got = scores(evaluate(batched, "tiny_oscar_mc", limit=4)["samples"]["tiny_oscar_mc"],
+                 evaluate(batched, "tiny_oscar_ppl", limit=3)["samples"]["tiny_oscar_ppl"])
+    assert got == pytest.approx(scores(mc, ppl), abs=1e-4)
+    plain = oscar_lm(model, tokenizer, batch_size=3, ll_mode="off")
+    off = scores(evaluate(plain, "tiny_oscar_mc", limit=4)["samples"]["tiny_oscar_mc"], [])
+    assert max(abs(a - b) for a, b in zip(off, scores(mc, []))) > 1e-3  # a plain forward misses the history
 
 
-def test_generation_runs_through_a_fresh_oscar_cache_per_call(model_and_tokenizer, monkey_chdir):
+def test_generation_runs_through_a_fresh_oscar_cache_per_call(model_and_tokenizer, repo_cwd):
     model, tokenizer = model_and_tokenizer
     lm = oscar_lm(model, tokenizer, batch_size=1)
     samples = evaluate(lm, "tiny_oscar_gen", limit=3)["samples"]["tiny_oscar_gen"]

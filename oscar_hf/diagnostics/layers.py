@@ -115,8 +115,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, f
     groups = hq // hkv
     scores = (q[0].reshape(hkv, groups * n, d) @ k[0].float().transpose(-1, -2)).mul_(scaling)
     scores = scores.view(hq, n, lk)
-    rows = torch.arange(first_query, first_query + n)[:, None]
-    mask = torch.arange(lk)[None, :] <= rows
+    rows = torch.arange(first_query, first_query + n, device=q.device)[:, None]
+    mask = torch.arange(lk, device=q.device)[None, :] <= rows
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     out = (probs.view(hkv, groups * n, lk) @ v[0].float()).view(hq, n, -1)
     return scores, mask, out.transpose(0, 1).reshape(n, -1)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+from .layers import LayerErrors
 from .run import MethodResult
 
 PANELS = (
@@ -75,7 +76,10 @@ def write_report(results: list[MethodResult], out_dir: str, title: str, command:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"settings": settings, "command": command, "results": [r.as_dict() for r in results]}, f, indent=1)
-    plot = plot_layers(results, os.path.join(out_dir, "layers.png"))
+    try:
+        plot = plot_layers(results, os.path.join(out_dir, "layers.png"))
+    except ImportError:  # matplotlib is part of the [eval] extra; re-render later with `python -m ...report`
+        plot = "layers.png"
     lines = [
         f"# {title}", "", f"Command: `{command}`", "",
         "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), "",
@@ -113,3 +117,40 @@ def write_report(results: list[MethodResult], out_dir: str, title: str, command:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def load_results(path: str) -> tuple[list[MethodResult], dict]:
+    """(results, file dict) from a results.json written by `write_report`."""
+    with open(path) as f:
+        data = json.load(f)
+    results = []
+    for d in data["results"]:
+        layers = [LayerErrors(**e) for e in d.pop("layers")]
+        results.append(MethodResult(**d, layers=layers))
+    return results, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render report.md and layers.png from a results.json (e.g. one produced on another machine)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m oscar_hf.diagnostics.report")
+    p.add_argument("results_json", nargs="+", help="one or more results.json (rows merged by method, first wins)")
+    p.add_argument("--out", default=None, help="folder (default: the first JSON's folder)")
+    p.add_argument("--title", default="KV-cache quality")
+    args = p.parse_args(argv)
+    merged: dict[str, MethodResult] = {}
+    commands, settings = [], {}
+    for path in args.results_json:
+        results, data = load_results(path)
+        commands.append(data["command"])
+        settings = settings or data["settings"]
+        for r in results:
+            merged.setdefault(r.name, r)
+    out = args.out or os.path.dirname(os.path.abspath(args.results_json[0]))
+    print(write_report(list(merged.values()), out, args.title, " ; ".join(commands), settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
