@@ -14,9 +14,10 @@ import shlex
 import sys
 
 import torch
+import transformers
 
 from .methods import DEFAULT_METHODS, builtin_methods
-from .report import write_report
+from .report import write_report, write_results_json
 from .run import RunSettings, run_methods
 
 
@@ -86,11 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     ids = load_text_ids(tokenizer, args.text, args.tokens).to(args.device)
     settings = RunSettings(tokens=args.tokens, prefill=args.prefill, chunk=args.chunk,
                            replay_chunk=args.replay_chunk, generate=args.generate, progress=not args.no_progress)
-    results = run_methods(model, ids, [available[n] for n in names], settings)
     command = "python -m oscar_hf.diagnostics " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    path = write_report(results, args.out, f"KV-cache quality: {args.model}, {args.text}, {args.tokens} tokens",
-                        command, {**vars(settings), "model": args.model, "dtype": args.dtype,
-                                  "rotations": args.rotations, **options})
+    title = f"KV-cache quality: {args.model}, {args.text}, {args.tokens} tokens"
+    meta = {**vars(settings), "model": args.model, "dtype": args.dtype, "rotations": args.rotations,
+            "device": args.device, "transformers": transformers.__version__, "torch": torch.__version__, **options}
+
+    def save_partial(results):
+        write_results_json(results, args.out, command, meta)
+
+    results = run_methods(model, ids, [available[n] for n in names], settings, on_result=save_partial)
+    path = write_report(results, args.out, title, command, meta)
     print(open(path).read().split("\n## Per-layer")[0])
     return 0
 

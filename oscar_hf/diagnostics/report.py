@@ -71,11 +71,17 @@ def plot_layers(results: list[MethodResult], path: str) -> str:
     return path
 
 
+def write_results_json(results: list[MethodResult], out_dir: str, command: str, settings: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump({"settings": settings, "command": command, "results": [r.as_dict() for r in results]}, f, indent=1)
+    return path
+
+
 def write_report(results: list[MethodResult], out_dir: str, title: str, command: str, settings: dict) -> str:
     """Write report.md, results.json and layers.png into `out_dir`; returns the report path."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"settings": settings, "command": command, "results": [r.as_dict() for r in results]}, f, indent=1)
+    write_results_json(results, out_dir, command, settings)
     try:
         plot = plot_layers(results, os.path.join(out_dir, "layers.png"))
     except ImportError:  # matplotlib is part of the [eval] extra; re-render later with `python -m ...report`

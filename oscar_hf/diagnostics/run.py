@@ -88,8 +88,12 @@ def chunked_logits(model, ids: torch.Tensor, cache, prefill: int, chunk: int, pr
 
 
 @torch.no_grad()
-def run_methods(model, input_ids: torch.Tensor, methods: list[Method], settings: RunSettings) -> list[MethodResult]:
-    """Evaluate `methods` on `input_ids` `[1, tokens]`; the first method must be the BF16 reference."""
+def run_methods(model, input_ids: torch.Tensor, methods: list[Method], settings: RunSettings,
+                on_result=None) -> list[MethodResult]:
+    """Evaluate `methods` on `input_ids` `[1, tokens]`; the first method must be the BF16 reference.
+
+    `on_result(results_so_far)` is called after each method (e.g. to save partial results of a long run).
+    """
     if not methods or methods[0].name != "bf16":
         raise ValueError("the first method must be 'bf16', the reference of every KL and agreement number")
     ids = input_ids[:, : settings.tokens]
@@ -108,6 +112,7 @@ def run_methods(model, input_ids: torch.Tensor, methods: list[Method], settings:
 
     reference = None
     reference_tokens = None
+    done: set[str] = set()
     for method in tqdm(methods, desc="methods", disable=not settings.progress):
         r = results[method.name]
         try:
@@ -121,6 +126,9 @@ def run_methods(model, input_ids: torch.Tensor, methods: list[Method], settings:
         if method.name == "bf16":
             reference, reference_tokens = r._chunked_logits, r.greedy_tokens
         r._chunked_logits = None
+        if on_result is not None:
+            on_result([results[m.name] for m in methods if m.name in done or m is method])
+        done.add(method.name)
     return [results[m.name] for m in methods]
 
 

@@ -1,0 +1,72 @@
+"""Passkey prompts are built as specified and scored end to end; reports round-trip through results.json."""
+
+from __future__ import annotations
+
+import os
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from oscar_hf.diagnostics.methods import builtin_methods
+from oscar_hf.diagnostics.report import load_results, write_report
+from oscar_hf.diagnostics.run import RunSettings, run_methods
+from oscar_hf.passkey import INTRO, NEEDLE, QUESTION, make_probe, make_probes, run_passkey, summary_table
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    chars = sorted(set(string.printable))
+    vocab = {c: i for i, c in enumerate(["[UNK]", "[EOS]", *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+
+
+def test_probe_has_the_requested_length_and_the_key_at_its_depth():
+    tokenizer = char_tokenizer()
+    needle = NEEDLE.format(key="12345")
+    for depth in (0.1, 0.5, 0.9):
+        probe = make_probe(tokenizer, 4010, depth, "12345")
+        assert probe.length == 4000 and probe.input_ids.shape == (1, 4000)  # a multiple of 32, at most 4010
+        text = tokenizer.decode(probe.input_ids[0])
+        assert text.startswith(INTRO) and text.endswith(QUESTION) and text.count(needle) == 1
+        haystack = len(text) - len(INTRO) - len(needle) - len(QUESTION)
+        assert abs((text.index(needle) - len(INTRO)) / haystack - depth) < 0.03  # within one filler sentence
+    keys = [p.key for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]
+    assert len(set(keys)) == 4 and all(len(k) == 5 and k.isdigit() for k in keys)
+    assert keys == [p.key for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]  # reproducible
+
+
+def test_passkey_runs_every_method_and_scores_hits(tiny_model):
+    tokenizer = char_tokenizer()
+    model = tiny_model.__class__(tiny_model.config.__class__(**{**tiny_model.config.to_dict(), "vocab_size": 128}))
+    model.eval()
+    methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
+    probes = make_probes(tokenizer, [480], [0.5])
+    results = run_passkey(model, tokenizer, probes, [methods["bf16"], methods["oscar"]], max_new_tokens=5,
+                          progress=False)
+    assert [r.method for r in results] == ["bf16", "oscar"]
+    assert all(r.hit == (r.key in r.output) for r in results)
+    plain = run_passkey(model, tokenizer, probes, [methods["oscar"]], max_new_tokens=5, shared_prefill=False,
+                        progress=False)
+    assert plain[0].output == results[1].output
+    assert summary_table(results, {}).splitlines()[2].startswith("| bf16 | ")
+
+
+def test_report_round_trips_through_results_json(tiny_model, tmp_path):
+    methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
+    ids = torch.randint(0, tiny_model.config.vocab_size, (1, 40))
+    results = run_methods(tiny_model, ids, [methods["bf16"], methods["identity"]],
+                          RunSettings(tokens=40, prefill=16, chunk=4, replay_chunk=4, generate=4, progress=False))
+    report = write_report(results, str(tmp_path), "tiny", "cmd", {"tokens": 40})
+    assert os.path.isfile(tmp_path / "layers.png") and "| naive INT2" in open(report).read()
+    loaded, data = load_results(str(tmp_path / "results.json"))
+    assert [r.name for r in loaded] == ["bf16", "identity"] and data["command"] == "cmd"
+    assert loaded[1].perplexity == pytest.approx(results[1].perplexity)
+    assert loaded[1].layers[0].attention_kl == pytest.approx(results[1].layers[0].attention_kl)
+    assert results[0].next_token_kl == 0.0 and results[1].next_token_kl > 0
+    # chunks of the demotion block after a block-aligned prefill are decode-exact (see run.py)
+    assert results[1].perplexity == pytest.approx(results[1].decode_perplexity, rel=1e-5)
