@@ -3,16 +3,17 @@
 
 Why it is exact. A history token is quantized per row (one token of one KV head), so its dequantized key/value
 `K̂_p, V̂_p` do not depend on when or by whom it is read. What changes from query to query is only *which* cached
-tokens are quantized, and that follows from the demotion schedule of `layer.py`: after every forward, once the
-recent window (the tokens after the S-token sink and the history) holds more than `R + b - 1` tokens, the oldest
-are demoted so that exactly R remain. A forward attends to its own tokens in BF16, because demotion runs after it.
+tokens are quantized, and that follows from the demotion schedule of `layer.py`, which runs after every forward
+(so a forward always attends to its own tokens in BF16): with S sink tokens, R = `recent_tokens` and
+b = `demote_block`, a multi-token forward (prefill or chunk) leaves at most R tokens in the recent window, and a
+single-token (decode) forward demotes only once the window exceeds R + b - 1, then down to R.
 
 So with forwards `[0, P)` (the prefill), then `[P, P + c)`, `[P + c, P + 2c)`, ... (c = 1: decoding), the query at
 position t, computed in the forward that starts at `s`, sees positions `S <= p < S + N_s` quantized and every other
-`p <= t` in BF16, where `N_s` is the history length left by the forwards before `s` (`history_lengths`). For
-decoding with `P >= S` this has the closed form (r0 = P - S recent tokens after the prefill)
+`p <= t` in BF16, where `N_s` is the history length left by the forwards before `s` (`history_lengths`). For a
+prefill of P > 1 tokens followed by decoding this has the closed form
 
-    N_P = r0 - R if r0 >= R + b else 0
+    N_P = max(0, P - S - R)
     N_t = N_P + b * floor(max(0, t - S - N_P - R) / b)      for t >= P;   N_t = 0 for t < P.
 
 The simulation computes two score matrices per layer (`q·K` and `q·K̂`, the latter in the rotated basis, as
@@ -55,7 +56,9 @@ def history_lengths(length: int, prefill: int, sink: int, recent: int, block: in
     """History length N seen by each query position `[length]` (long), for a prefill of `prefill` tokens followed
     by forwards of `chunk` tokens (1: decoding), under `OscarLayer`'s demotion schedule.
 
-    Query t sees positions `[sink, sink + N[t])` quantized. Mirrors `OscarLayer.settle` step by step.
+    Query t sees positions `[sink, sink + N[t])` quantized. Mirrors `OscarLayer.settle` step by step: after a
+    forward of n tokens the recent window may hold R tokens (n > 1) or R + b - 1 tokens (n = 1); beyond that it is
+    demoted down to R.
     """
     if length < 0 or chunk < 1 or block < 1:
         raise ValueError(f"length={length}, chunk={chunk}, block={block}: expected length >= 0, chunk >= 1, block >= 1")
@@ -66,7 +69,7 @@ def history_lengths(length: int, prefill: int, sink: int, recent: int, block: in
     for start, end in zip(bounds[:-1], bounds[1:]):
         out[start:end] = history
         recent_count = max(0, end - sink) - history
-        if recent_count > recent + block - 1:
+        if recent_count > recent + (block - 1 if end - start == 1 else 0):
             history += recent_count - recent
     return out
 

@@ -14,25 +14,25 @@ LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 
 @pytest.mark.parametrize("prompt_length", [9, 30])
 @pytest.mark.parametrize("kind", ["bf16", "hadamard", "identity"])
-def test_shared_prefill_equals_plain_generate(tiny_model, kind, prompt_length):
+def test_shared_prefill_equals_plain_generate(tiny_llama_model, kind, prompt_length):
     torch.manual_seed(4)
-    prompt = torch.randint(1, tiny_model.config.vocab_size, (1, prompt_length))
+    prompt = torch.randint(1, tiny_llama_model.config.vocab_size, (1, prompt_length))
 
     def fresh():
         if kind == "bf16":
-            return DynamicCache(config=tiny_model.config)
-        return OscarCache(tiny_model, method=kind, **LAYOUT)
+            return DynamicCache(config=tiny_llama_model.config)
+        return OscarCache(tiny_llama_model, method=kind, **LAYOUT)
 
-    plain = greedy_through_cache(tiny_model, fresh(), 20, prompt=prompt)
-    shared = greedy_through_cache(tiny_model, fresh(), 20, prefill=full_precision_prefill(tiny_model, prompt))
+    plain = greedy_through_cache(tiny_llama_model, fresh(), 20, prompt=prompt)
+    shared = greedy_through_cache(tiny_llama_model, fresh(), 20, prefill=full_precision_prefill(tiny_llama_model, prompt))
     assert shared == plain and len(plain) == 20
 
 
-def test_quantized_history_changes_the_greedy_continuation(tiny_model):
+def test_quantized_history_changes_the_greedy_continuation(tiny_llama_model):
     # guards the test above against passing trivially: in this setup the INT2 history changes the tokens
     torch.manual_seed(4)
-    prompt = torch.randint(1, tiny_model.config.vocab_size, (1, 30))
-    prefill = full_precision_prefill(tiny_model, prompt)
-    bf16 = greedy_through_cache(tiny_model, DynamicCache(config=tiny_model.config), 20, prefill=prefill)
-    naive = greedy_through_cache(tiny_model, OscarCache(tiny_model, method="identity", **LAYOUT), 20, prefill=prefill)
+    prompt = torch.randint(1, tiny_llama_model.config.vocab_size, (1, 30))
+    prefill = full_precision_prefill(tiny_llama_model, prompt)
+    bf16 = greedy_through_cache(tiny_llama_model, DynamicCache(config=tiny_llama_model.config), 20, prefill=prefill)
+    naive = greedy_through_cache(tiny_llama_model, OscarCache(tiny_llama_model, method="identity", **LAYOUT), 20, prefill=prefill)
     assert bf16 != naive

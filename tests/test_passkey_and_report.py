@@ -40,9 +40,9 @@ def test_probe_has_the_requested_length_and_the_key_at_its_depth():
     assert keys == [p.key for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]  # reproducible
 
 
-def test_passkey_runs_every_method_and_scores_hits(tiny_model):
+def test_passkey_runs_every_method_and_scores_hits(tiny_llama_model):
     tokenizer = char_tokenizer()
-    model = tiny_model.__class__(tiny_model.config.__class__(**{**tiny_model.config.to_dict(), "vocab_size": 128}))
+    model = tiny_llama_model.__class__(tiny_llama_model.config.__class__(**{**tiny_llama_model.config.to_dict(), "vocab_size": 128}))
     model.eval()
     methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
     probes = make_probes(tokenizer, [480], [0.5])
@@ -56,10 +56,10 @@ def test_passkey_runs_every_method_and_scores_hits(tiny_model):
     assert summary_table(results, {}).splitlines()[2].startswith("| bf16 | ")
 
 
-def test_report_round_trips_through_results_json(tiny_model, tmp_path):
+def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
     methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
-    ids = torch.randint(0, tiny_model.config.vocab_size, (1, 40))
-    results = run_methods(tiny_model, ids, [methods["bf16"], methods["identity"]],
+    ids = torch.randint(0, tiny_llama_model.config.vocab_size, (1, 40))
+    results = run_methods(tiny_llama_model, ids, [methods["bf16"], methods["identity"]],
                           RunSettings(tokens=40, prefill=16, chunk=4, replay_chunk=4, generate=4, progress=False))
     report = write_report(results, str(tmp_path), "tiny", "cmd", {"tokens": 40})
     assert os.path.isfile(tmp_path / "layers.png") and "| naive INT2" in open(report).read()

@@ -33,13 +33,16 @@ def test_history_lengths_follow_the_demotion_schedule():
     # a long prefill demotes at once down to R, then in blocks of b
     n = history_lengths(40, prefill=30, sink=4, recent=8, block=3)
     assert n[:30].tolist() == [0] * 30 and n[30].item() == 18 and n[32].item() == 18 and n[33].item() == 21
+    # a multi-token forward trims the window to R at once, a single-token one only past R + b - 1
+    n = history_lengths(30, prefill=14, sink=4, recent=8, block=3)
+    assert n[13].item() == 0 and n[14].item() == 2 and n[16].item() == 2 and n[17].item() == 5
     # chunked forwards: every query of a chunk sees the history left by the forwards before it
     n = history_lengths(40, prefill=16, sink=4, recent=8, block=3, chunk=6)
     assert n[16:22].tolist() == [4] * 6 and n[22:28].tolist() == [10] * 6
 
 
 @pytest.mark.parametrize("method", ["hadamard", "identity", "quarot", "none"])
-@pytest.mark.parametrize("prefill", [6, 21])
+@pytest.mark.parametrize("prefill", [6, 14, 21])
 def test_simulation_equals_token_by_token_decoding(tiny_llama_model, method, prefill):
     torch.manual_seed(1)
     ids = torch.randint(0, tiny_llama_model.config.vocab_size, (1, 48))
