@@ -9,6 +9,7 @@ import os
 from .layers import LayerErrors
 from .run import MethodResult
 
+OSCAR_LAYOUT_ROWS = ("identity", "quarot", "clip", "hadamard", "oscar", "oscar4")
 PANELS = (
     ("key_mse", "K reconstruction MSE"),
     ("value_mse", "V reconstruction MSE"),
@@ -46,7 +47,9 @@ def results_table(results: list[MethodResult]) -> str:
 
 
 def plot_layers(results: list[MethodResult], path: str) -> str:
-    """Per-layer curves per method, one panel per error (log scale); the BF16 reference is left out."""
+    """Per-layer curves per method, one panel per error (log scale); the BF16 reference is left out.
+
+    Solid lines: OSCAR-layout rows; dashed: peer caches. Layers with zero error (kept exact) are gaps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,8 +61,9 @@ def plot_layers(results: list[MethodResult], path: str) -> str:
             if r.error or r.name == "bf16" or not r.layers:
                 continue
             xs = [e.layer_idx for e in r.layers]
-            ys = [max(getattr(e, key), 1e-12) for e in r.layers]
-            ax.plot(xs, ys, marker=".", label=r.name)
+            ys = [getattr(e, key) if getattr(e, key) > 0 else math.nan for e in r.layers]  # exact layers: gaps
+            style = "-" if r.name in OSCAR_LAYOUT_ROWS else "--"
+            ax.plot(xs, ys, style, marker=".", label=r.name)
         ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("layer")
@@ -103,7 +107,7 @@ def write_report(results: list[MethodResult], out_dir: str, title: str, command:
         "## Per-layer errors", "",
     ]
     for r in results:
-        if r.error or not r.layers:
+        if r.error or not r.layers or r.name == "bf16":
             continue
         lines += [f"### {r.label}", "", "| layer | attn KL | out relMSE | K MSE | V MSE | K relMSE | V relMSE |",
                   "|---|---|---|---|---|---|---|"]
