@@ -47,9 +47,15 @@ def model_and_tokenizer():
     return tiny_llama(seed=7, vocab=64), tiny_tokenizer()
 
 
+_TASK_MANAGER = None
+
+
 def evaluate(lm, task, limit=None):
-    return simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(include_path=TASKS), limit=limit,
-                           log_samples=True, bootstrap_iters=0)
+    global _TASK_MANAGER
+    if _TASK_MANAGER is None:  # index only the local tasks (the built-in index takes many seconds)
+        _TASK_MANAGER = TaskManager(include_path=TASKS, include_defaults=False)
+    return simple_evaluate(model=lm, tasks=[task], task_manager=_TASK_MANAGER, limit=limit, log_samples=True,
+                           bootstrap_iters=0)
 
 
 def oscar_lm(model, tokenizer, **kwargs):
