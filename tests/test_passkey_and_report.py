@@ -70,3 +70,20 @@ def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
     assert results[0].next_token_kl == 0.0 and results[1].next_token_kl > 0
     # chunks of the demotion block after a block-aligned prefill are decode-exact (see run.py)
     assert results[1].perplexity == pytest.approx(results[1].decode_perplexity, rel=1e-5)
+
+
+def test_a_rotations_folder_drops_into_the_oscar_rows(tiny_llama_model, tmp_path):
+    from oscar_hf import Rotations
+    from oscar_hf.rotation import hadamard_matrix
+
+    # any orthogonal per-layer rotations saved in the library's format stand in for calibrated ones
+    torch.manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))
+    r = (q @ hadamard_matrix(32)).float()
+    Rotations({0: r, 1: r}, {0: r, 1: r}, metadata={"objective": "test"}).save_pretrained(tmp_path)
+    methods = builtin_methods(rotations=str(tmp_path), sink_tokens=4, recent_tokens=8, demote_block=4)
+    assert methods["oscar"].label == "OSCAR (calibrated)"
+    cache = methods["oscar"].build(tiny_llama_model)
+    assert cache.oscar_config.method == "oscar" and torch.allclose(cache.layers[0].key_rotation, r)
+    assert methods["oscar4"].build(tiny_llama_model).oscar_config.bits == 4
+    assert builtin_methods()["oscar"].build(tiny_llama_model).oscar_config.method == "hadamard"
