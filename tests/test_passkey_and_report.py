@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import string
 
@@ -62,7 +63,9 @@ def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
     results = run_methods(tiny_llama_model, ids, [methods["bf16"], methods["identity"]],
                           RunSettings(tokens=40, prefill=16, chunk=4, replay_chunk=4, generate=4, progress=False))
     report = write_report(results, str(tmp_path), "tiny", "cmd", {"tokens": 40})
-    assert os.path.isfile(tmp_path / "layers.png") and "| naive INT2" in open(report).read()
+    assert "| naive INT2" in open(report).read()
+    if importlib.util.find_spec("matplotlib") is not None:  # plots need the [eval] extra; the report does not
+        assert os.path.isfile(tmp_path / "layers.png")
     loaded, data = load_results(str(tmp_path / "results.json"))
     assert [r.name for r in loaded] == ["bf16", "identity"] and data["command"] == "cmd"
     assert loaded[1].perplexity == pytest.approx(results[1].perplexity)
