@@ -9,6 +9,7 @@ would store), then computes the attention with transformers' SDPA path, so the f
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
@@ -88,11 +89,13 @@ def feed(
     Sequences longer than `chunk_tokens` are fed in chunks through a `DynamicCache`, so the attention of a chunk
     sees `[1, Hq, chunk, d]` queries against all earlier keys: activation memory grows with the chunk, not with the
     square of the context. Observers therefore receive the newest `Lq` positions as queries and all positions as keys.
+    Only the last position's logits are computed (`logits_to_keep=1`) where the model accepts it.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens}: expected >= 1")
     device = input_device(model)
     argument = cache_argument_name(model)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
     description = progress if isinstance(progress, str) else "calibration"
     bar = tqdm(total=total_tokens, desc=description, unit="tok", disable=not progress)
     fed = 0
@@ -103,11 +106,11 @@ def feed(
             ids = ids.to(device)
             length = ids.shape[1]
             if length <= chunk_tokens:
-                model(input_ids=ids, use_cache=False)
+                model(input_ids=ids, use_cache=False, **extra)
             else:
                 cache = DynamicCache(config=model.config)
                 for start in range(0, length, chunk_tokens):
-                    model(input_ids=ids[:, start : start + chunk_tokens], use_cache=True, **{argument: cache})
+                    model(input_ids=ids[:, start : start + chunk_tokens], use_cache=True, **{argument: cache}, **extra)
                 del cache
             fed += length
             bar.update(length)

@@ -153,8 +153,9 @@ def attention_blocks(query, key, scaling: float, query_positions, key_positions,
                      softcap: float | None = None):
     """Causal softmax probabilities of `query` `[B, Hq, Lq, d]` over `key` `[B, Hkv, Lk, d]`, a block of queries at a time.
 
-    Yields `(rows, probs)`: the query slice and float32 probabilities `[B, Hkv, groups, rows, Lk]`. A block holds at
-    most `max_elements` probabilities (32 MiB by default), whatever the context length.
+    Yields `(rows, probs)`: the query slice and float32 probabilities `[B, Hkv, groups, rows, Lk]` (the caller may
+    modify them in place). A block holds at most `max_elements` probabilities (32 MiB by default), whatever the
+    context length.
     """
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -164,12 +165,11 @@ def attention_blocks(query, key, scaling: float, query_positions, key_positions,
     for start in range(0, q_len, block):
         rows = slice(start, min(start + block, q_len))
         q = query[:, :, rows].float().reshape(batch, kv_heads, groups, -1, dim)
-        scores = (q @ keys_t) * scaling  # [B, Hkv, g, b, Lk]
+        scores = torch.matmul(q, keys_t).mul_(scaling)  # [B, Hkv, g, b, Lk]
         if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        causal = key_positions[None, :] <= query_positions[rows, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        yield rows, torch.softmax(scores, dim=-1)
+            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        future = key_positions[None, :] > query_positions[rows, None]
+        yield rows, torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
 
 
 def observe_layer(
@@ -194,14 +194,16 @@ def observe_layer(
     q_len, k_len = query.shape[2], key.shape[2]
     device = query.device
     key_positions = torch.arange(k_len, device=device)
-    query_positions = key_positions[k_len - q_len :]
-    new_keys = query_positions >= tiers.first_key  # this call's own tokens that count as keys/values
-    counted_queries = query_positions >= tiers.first_query
+    # Counted queries and this call's counted keys are suffixes of the call's positions.
+    first_new = k_len - q_len
+    first_query_row = min(q_len, max(0, tiers.first_query - first_new))
+    first_key_row = min(q_len, max(0, tiers.first_key - first_new))
+    counted_query = query[:, :, first_query_row:]
 
     if "query" in needs:
-        moments["query"].update(group_queries(query[:, :, counted_queries], kv_heads))
-    new_k = key[:, :, k_len - q_len :][:, :, new_keys]
-    new_v = value[:, :, k_len - q_len :][:, :, new_keys]
+        moments["query"].update(group_queries(counted_query, kv_heads))
+    new_k = key[:, :, first_new + first_key_row :]
+    new_v = value[:, :, first_new + first_key_row :]
     if "key" in needs:
         moments["key"].update(rows_per_head(new_k))
     if "value" in needs:
@@ -211,21 +213,21 @@ def observe_layer(
         sigma = query_moment_for_sst.to(device=device, dtype=torch.float64)
         weights = ((k_rows @ sigma) * k_rows).sum(-1)  # [Hkv, N] = k_tᵀ Σ_Q k_t
         moments["sst"].update(rows_per_head(new_v), weights)
-    if not needs & {"softmax_diag", "softmax_sv"} or not counted_queries.any():
+    if not needs & {"softmax_diag", "softmax_sv"} or counted_query.shape[2] == 0:
         return
 
     batch = query.shape[0]
+    query_positions = key_positions[first_new + first_query_row :]
     mass = torch.zeros(batch, kv_heads, k_len, dtype=torch.float64, device=device)
-    v32 = value.float()
-    for rows, probs in attention_blocks(query, key, scaling, query_positions, key_positions, max_elements, softcap):
-        counted = tiers.pair_mask(query_positions[rows], key_positions).to(probs.dtype)
-        probs = probs * counted  # [B, Hkv, g, b, Lk], only counted pairs
-        if "softmax_diag" in needs:
-            mass += probs.square().sum(dim=(2, 3), dtype=torch.float64)
+    v32 = value.float()[:, :, None]  # [B, Hkv, 1, Lk, d]
+    for rows, probs in attention_blocks(counted_query, key, scaling, query_positions, key_positions, max_elements,
+                                        softcap):
+        probs.masked_fill_(~tiers.pair_mask(query_positions[rows], key_positions), 0.0)  # counted pairs only
         if "softmax_sv" in needs:
-            keep = counted_queries[rows]
-            out = (probs[:, :, :, keep] @ v32[:, :, None])  # [B, Hkv, g, b', d]
+            out = probs @ v32  # [B, Hkv, g, b, d]
             moments["softmax_sv"].update(out.transpose(0, 1).reshape(kv_heads, -1, out.shape[-1]))
+        if "softmax_diag" in needs:
+            mass += probs.square_().sum(dim=(2, 3)).to(torch.float64)
     if "softmax_diag" in needs:
         moments["softmax_diag"].update(rows_per_head(value), mass.transpose(0, 1).reshape(kv_heads, -1))
 

@@ -1,0 +1,134 @@
+"""Evaluate rotation sets on held-out Shakespeare (EVALUATION_PLAYS) with SmolLM2-135M.
+
+  proxy: per-layer attention-score KL and attention-output relative MSE (calibrate.attention_error), one BF16
+         forward per sequence, every configuration measured on the same inputs;
+  ppl:   perplexity, next-token KL vs BF16 and top-1 agreement through OscarCache (oscar_hf.scoring.compare_caches,
+         prefill 512 then chunks of 64), plus the cache's stored bits per element.
+
+Configurations are named `<key objective>/<value objective>/<shared|head>/<all|tiered>` from a moments file of
+collect_smollm2.py, or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
+clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py.
+
+  python experiments/calibration/evaluate_smollm2.py --moments out/moments_20k.pt --mode proxy \
+      --configs hadamard identity qqt/sst/shared/all --plays lear_gut.txt --tokens 2048 --out out/proxy.json
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import DynamicCache
+
+from calibrate.attention_error import AttentionErrorProbe, Candidate
+from calibrate.capture import capturing, feed
+from calibrate.clip_search import apply_clip_ratios
+from calibrate.pipeline import calibration_layers, rotations_from_moments
+from oscar_hf import OscarCache, Rotations
+from oscar_hf.assets import load_smollm2, play_tokens
+from oscar_hf.scoring import compare_caches
+
+DEFAULT_CLIPS = (0.96, 0.92)
+
+
+def parse_ratio(text):
+    return None if text == "none" else float(text)
+
+
+def build(name, moments, layers, kv_heads, head_dim):
+    """(rotations or None, method, key clip, value clip) of a configuration name."""
+    base, _, override = name.partition("@")
+    key_clip, value_clip = DEFAULT_CLIPS
+    method = "oscar"
+    if base == "identity":
+        rotations, method, key_clip, value_clip = None, "identity", None, None
+    elif base == "clip":
+        rotations, method = None, "clip"
+    elif base in ("hadamard", "quarot"):
+        rotations, method = Rotations.hadamard(layers, head_dim), base
+        if base == "quarot":
+            key_clip = value_clip = None
+    elif base.startswith("file:"):
+        rotations = Rotations.from_pretrained(base[5:])
+    else:
+        key_obj, value_obj, grouping, tiers = base.split("/")
+        rotations = rotations_from_moments(moments[tiers], key_obj, value_obj, grouping == "head", layers, kv_heads,
+                                           head_dim)
+    if override.startswith("clips="):
+        choice = json.load(open(override[6:]))
+        key_clip = {int(i): r for i, r in choice["key"].items()} if isinstance(choice["key"], dict) else choice["key"]
+        value_clip = ({int(i): r for i, r in choice["value"].items()} if isinstance(choice["value"], dict)
+                      else choice["value"])
+    elif override:
+        parts = dict(p.split("=") for p in override.split(","))
+        key_clip = parse_ratio(parts.get("k", str(key_clip)))
+        value_clip = parse_ratio(parts.get("v", str(value_clip)))
+    return rotations, method, key_clip, value_clip
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moments")
+    parser.add_argument("--mode", choices=["proxy", "ppl"], required=True)
+    parser.add_argument("--configs", nargs="+", required=True)
+    parser.add_argument("--plays", nargs="+", default=["lear_gut.txt"])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_smollm2()
+    layers, kv_heads, head_dim = calibration_layers(model)
+    moments = torch.load(args.moments)["moments"] if args.moments else None
+    built = {name: build(name, moments, layers, kv_heads, head_dim) for name in args.configs}
+    sequences = [play_tokens(tokenizer, play, args.tokens) for play in args.plays]
+    start = time.time()
+    results = {"args": vars(args), "configs": {}}
+    if args.mode == "proxy":
+        candidates = {name: Candidate(r, k, v) for name, (r, _, k, v) in built.items()}
+        probe = AttentionErrorProbe(candidates, layers, sink=64, recent=256)
+        with capturing(model, probe):
+            feed(model, sequences, chunk_tokens=args.tokens)
+        summary = probe.summary()
+        for name in args.configs:
+            per_layer = probe.errors[name]
+            results["configs"][name] = {**summary[name], "layers": {i: {"kl": e.kl, "rel_mse": e.rel_mse}
+                                                                    for i, e in sorted(per_layer.items())}}
+            print(f"{name:45s} attn-KL {summary[name]['kl']:.4f}  out-relMSE {summary[name]['rel_mse']:.4f}")
+    else:
+        def factory(rotations, method, key_clip, value_clip):
+            def make():
+                if method == "identity":
+                    cache = OscarCache(model, rotations="identity", method="identity")
+                elif rotations is None:
+                    cache = OscarCache(model, rotations="identity", method=method)
+                else:
+                    cache = OscarCache(model, rotations=rotations, method=method)
+                return apply_clip_ratios(cache, key_clip, value_clip)
+            return make
+
+        factories = {"bf16": lambda: DynamicCache(config=model.config)}
+        factories.update({name: factory(*spec) for name, spec in built.items()})
+        totals = {name: [0.0, 0.0, 0.0, 0] for name in factories}
+        for ids in sequences:
+            scores = compare_caches(model, ids, factories, prefill=args.prefill, chunk=args.chunk, progress=False)
+            for name, s in scores.items():
+                t = totals[name]
+                t[0] += s.nll * s.tokens; t[1] += s.kl * s.tokens; t[2] += s.top1_agreement * s.tokens; t[3] += s.tokens
+        probe_cache = factories[args.configs[0]]()
+        model(input_ids=sequences[0], use_cache=True, cache=probe_cache)
+        bits = probe_cache.bits_per_element()
+        for name, (nll, kl, top1, n) in totals.items():
+            row = {"ppl": float(torch.tensor(nll / n).exp()), "kl": kl / n, "top1": top1 / n, "tokens": n}
+            results["configs"][name] = row
+            print(f"{name:45s} ppl {row['ppl']:.2f}  KL {row['kl']:.4f}  top1 {row['top1']:.4f}")
+        results["bits_per_element_at_context"] = bits
+        print(f"cache bits/element at {args.tokens} tokens (BF16 tiers included): {bits:.3f}")
+    results["seconds"] = time.time() - start
+    json.dump(results, open(args.out, "w"), indent=1)
+    print(f"{time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
