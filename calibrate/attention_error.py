@@ -50,6 +50,8 @@ class Candidate:
     bits: int = 2
     scale_dtype: torch.dtype = torch.float16
     quantizer: RowQuantizer = field(default=reference_fake_quantize)
+    quantize_keys: bool = True  # False keeps exact keys (to measure the value side alone)
+    quantize_values: bool = True
 
     def clips(self, layer_idx: int) -> tuple[ClipRatio, ClipRatio]:
         def pick(value):
@@ -131,8 +133,10 @@ class AttentionErrorProbe:
         for name, candidate in self.candidates.items():
             key_rotation, value_rotation = candidate.rotations_of(layer_idx)
             key_clip, value_clip = candidate.clips(layer_idx)
-            quantized[name] = (candidate.fake_quantize(k32, key_rotation, key_clip),
-                               candidate.fake_quantize(v32, value_rotation, value_clip))
+            quantized[name] = (
+                candidate.fake_quantize(k32, key_rotation, key_clip) if candidate.quantize_keys else k32,
+                candidate.fake_quantize(v32, value_rotation, value_clip) if candidate.quantize_values else v32,
+            )
             self.errors[name].setdefault(layer_idx, LayerError(heads=q_heads))
 
         def project(out):  # [B, Hkv, g, b, d] -> [B, b, hidden or Hq*d]
