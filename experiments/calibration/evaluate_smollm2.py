@@ -7,7 +7,9 @@
 
 Configurations are named `<key objective>/<value objective>/<shared|head>/<all|tiered>` from a moments file of
 collect_smollm2.py, or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
-clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py.
+clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py; a trailing
+`+lloyd` / `+gaussian_lm` swaps the row encoder (calibrate.encoders; same stored format), `+konly` / `+vonly`
+(proxy only) quantizes one side.
 
   python experiments/calibration/evaluate_smollm2.py --moments out/moments_20k.pt --mode proxy \
       --configs hadamard identity qqt/sst/shared/all --plays lear_gut.txt --tokens 2048 --out out/proxy.json
@@ -23,6 +25,11 @@ from transformers import DynamicCache
 from calibrate.attention_error import AttentionErrorProbe, Candidate
 from calibrate.capture import capturing, feed
 from calibrate.clip_search import apply_clip_ratios
+from calibrate.encoders import ENCODERS, fake_quantizer
+from oscar_hf.backend import ReferenceBackend
+from oscar_hf.layer import OscarLayer
+from oscar_hf.quantize import pack_codes
+from oscar_hf.rotation import rotate
 from calibrate.pipeline import calibration_layers, rotations_from_moments
 from oscar_hf import OscarCache, Rotations
 from oscar_hf.assets import load_smollm2, play_tokens
@@ -35,9 +42,45 @@ def parse_ratio(text):
     return None if text == "none" else float(text)
 
 
+class EncoderBackend(ReferenceBackend):
+    """The reference backend with another row encoder for demotion (experiment only; same stored format)."""
+
+    def __init__(self, encoder, history_chunk=4096):
+        super().__init__(history_chunk)
+        self.encoder = encoder
+
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out):
+        codes, scale_zero = self.encoder(rotate(x, rotation), bits, clip_ratio, scale_zero_out.dtype)
+        codes_out.copy_(pack_codes(codes, bits))
+        scale_zero_out.copy_(scale_zero)
+
+
+def install_encoder(cache, encoder):
+    """Make every OscarLayer of a fresh cache demote with `encoder`."""
+    backend = EncoderBackend(encoder)
+    for layer in cache.layers:
+        if isinstance(layer, OscarLayer):
+            original = layer.lazy_initialization
+
+            def init(keys, values, layer=layer, original=original):
+                original(keys, values)
+                layer.backend = backend
+
+            layer.lazy_initialization = init
+    return cache
+
+
+def split_options(name):
+    """(configuration without options, encoder name, quantize keys, quantize values)."""
+    parts = name.split("+")
+    options = set(parts[1:])
+    encoder = next((o for o in options if o in ENCODERS), "minmax")
+    return parts[0], encoder, "vonly" not in options, "konly" not in options
+
+
 def build(name, moments, layers, kv_heads, head_dim):
     """(rotations or None, method, key clip, value clip) of a configuration name."""
-    base, _, override = name.partition("@")
+    base, _, override = split_options(name)[0].partition("@")
     key_clip, value_clip = DEFAULT_CLIPS
     method = "oscar"
     if base == "identity":
@@ -86,7 +129,11 @@ def main():
     start = time.time()
     results = {"args": vars(args), "configs": {}}
     if args.mode == "proxy":
-        candidates = {name: Candidate(r, k, v) for name, (r, _, k, v) in built.items()}
+        candidates = {}
+        for name, (r, _, k, v) in built.items():
+            _, encoder, keys, values = split_options(name)
+            candidates[name] = Candidate(r, k, v, quantizer=fake_quantizer(ENCODERS[encoder]), quantize_keys=keys,
+                                         quantize_values=values)
         probe = AttentionErrorProbe(candidates, layers, sink=64, recent=256)
         with capturing(model, probe):
             feed(model, sequences, chunk_tokens=args.tokens)
@@ -97,7 +144,7 @@ def main():
                                                                     for i, e in sorted(per_layer.items())}}
             print(f"{name:45s} attn-KL {summary[name]['kl']:.4f}  out-relMSE {summary[name]['rel_mse']:.4f}")
     else:
-        def factory(rotations, method, key_clip, value_clip):
+        def factory(rotations, method, key_clip, value_clip, encoder):
             def make():
                 if method == "identity":
                     cache = OscarCache(model, rotations="identity", method="identity")
@@ -105,11 +152,12 @@ def main():
                     cache = OscarCache(model, rotations="identity", method=method)
                 else:
                     cache = OscarCache(model, rotations=rotations, method=method)
-                return apply_clip_ratios(cache, key_clip, value_clip)
+                cache = apply_clip_ratios(cache, key_clip, value_clip)
+                return cache if encoder == "minmax" else install_encoder(cache, ENCODERS[encoder])
             return make
 
         factories = {"bf16": lambda: DynamicCache(config=model.config)}
-        factories.update({name: factory(*spec) for name, spec in built.items()})
+        factories.update({name: factory(*spec, split_options(name)[1]) for name, spec in built.items()})
         totals = {name: [0.0, 0.0, 0.0, 0] for name in factories}
         for ids in sequences:
             scores = compare_caches(model, ids, factories, prefill=args.prefill, chunk=args.chunk, progress=False)
