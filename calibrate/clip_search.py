@@ -48,8 +48,8 @@ class ClipChoice:
         return {"key_clip_ratio": json.dumps(self.key), "value_clip_ratio": json.dumps(self.value)}
 
 
-def _probe(model, sequences, candidates, layer_ids, sink, recent, chunk_tokens, progress, label):
-    probe = AttentionErrorProbe(candidates, layer_ids, sink, recent)
+def _probe(model, sequences, candidates, layer_ids, sink, recent, chunk_tokens, progress, label, query_stride):
+    probe = AttentionErrorProbe(candidates, layer_ids, sink, recent, query_stride=query_stride)
     with capturing(model, probe):
         feed(model, sequences, chunk_tokens, progress=label if progress else False,
              total_tokens=sum(s.shape[-1] for s in sequences))
@@ -78,8 +78,12 @@ def search_clip_ratios(
     recent: int = 256,
     chunk_tokens: int = 4096,
     progress: bool = False,
+    query_stride: int = 4,
 ) -> ClipChoice:
-    """Search key then value clip ratios on `sequences` (held-out calibration text longer than `sink + recent`)."""
+    """Search key then value clip ratios on `sequences` (held-out calibration text longer than `sink + recent`).
+
+    Errors are measured on every `query_stride`-th query position (all keys count).
+    """
     if not sequences or max(s.shape[-1] for s in sequences) <= sink + recent + 1:
         raise ValueError(
             f"clip search needs held-out sequences longer than sink + recent + 1 = {sink + recent + 1} tokens "
@@ -90,12 +94,13 @@ def search_clip_ratios(
     base = Candidate(rotations, bits=bits, scale_dtype=scale_dtype)
 
     key_candidates = {str(r): dataclasses.replace(base, key_clip=r, value_clip=default_value_clip) for r in key_grid}
-    key_errors = _probe(model, sequences, key_candidates, layer_ids, sink, recent, chunk_tokens, progress, "clip search K")
+    key_errors = _probe(model, sequences, key_candidates, layer_ids, sink, recent, chunk_tokens, progress,
+                        "clip search K", query_stride)
     key_by_ratio = {r: key_errors[str(r)] for r in key_grid}
     key_choice = _choose(key_by_ratio, per_layer, layer_ids)
     value_candidates = {str(r): dataclasses.replace(base, key_clip=key_choice, value_clip=r) for r in value_grid}
     value_errors = _probe(model, sequences, value_candidates, layer_ids, sink, recent, chunk_tokens, progress,
-                          "clip search V")
+                          "clip search V", query_stride)
     value_by_ratio = {r: value_errors[str(r)] for r in value_grid}
     value_choice = _choose(value_by_ratio, per_layer, layer_ids)
     return ClipChoice(key_choice, value_choice, {"key": key_errors, "value": value_errors})

@@ -118,6 +118,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--query-stride", type=int, default=1, help="proxy: measure every n-th query")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -134,7 +135,7 @@ def main():
             _, encoder, keys, values = split_options(name)
             candidates[name] = Candidate(r, k, v, quantizer=fake_quantizer(ENCODERS[encoder]), quantize_keys=keys,
                                          quantize_values=values)
-        probe = AttentionErrorProbe(candidates, layers, sink=64, recent=256)
+        probe = AttentionErrorProbe(candidates, layers, sink=64, recent=256, query_stride=args.query_stride)
         with capturing(model, probe):
             feed(model, sequences, chunk_tokens=args.tokens)
         summary = probe.summary()
