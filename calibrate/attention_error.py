@@ -52,6 +52,8 @@ class Candidate:
     quantizer: RowQuantizer = field(default=reference_fake_quantize)
     quantize_keys: bool = True  # False keeps exact keys (to measure the value side alone)
     quantize_values: bool = True
+    # Experimental (calibrate.transforms): layer -> (A, A⁻ᵀ), keys stored as Q(k A), queries use q A⁻ᵀ.
+    key_transforms: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def clips(self, layer_idx: int) -> tuple[ClipRatio, ClipRatio]:
         def pick(value):
@@ -64,12 +66,22 @@ class Candidate:
             return None, None
         return self.rotations.for_layer(layer_idx)
 
-    def fake_quantize(self, x: torch.Tensor, rotation, clip: ClipRatio) -> torch.Tensor:
-        """`[B, H, L, d]` model basis -> float32 model basis, through the history's rotated, quantized form."""
+    def fake_quantize(self, x: torch.Tensor, rotation, clip: ClipRatio, inverse_transpose=None) -> torch.Tensor:
+        """`[B, H, L, d]` model basis -> float32 model basis, through the history's rotated, quantized form.
+
+        `inverse_transpose` (`A⁻ᵀ`) maps back for a non-orthogonal `rotation` `A` (default: `Rᵀ = R⁻¹`).
+        """
         if rotation is not None:
             rotation = rotation.to(x.device)
+        back = rotation if inverse_transpose is None else inverse_transpose.to(x.device)
         rotated = rotate(x, rotation)
-        return rotate(self.quantizer(rotated, self.bits, clip, self.scale_dtype), rotation, transpose=True)
+        return rotate(self.quantizer(rotated, self.bits, clip, self.scale_dtype), back, transpose=True)
+
+    def quantized_keys(self, keys: torch.Tensor, layer_idx: int, clip: ClipRatio) -> torch.Tensor:
+        if self.key_transforms is not None and layer_idx in self.key_transforms:
+            forward, query_side = self.key_transforms[layer_idx]
+            return self.fake_quantize(keys, forward, clip, query_side)
+        return self.fake_quantize(keys, self.rotations_of(layer_idx)[0], clip)
 
 
 @dataclass
@@ -140,7 +152,7 @@ class AttentionErrorProbe:
             key_rotation, value_rotation = candidate.rotations_of(layer_idx)
             key_clip, value_clip = candidate.clips(layer_idx)
             quantized[name] = (
-                candidate.fake_quantize(k32, key_rotation, key_clip) if candidate.quantize_keys else k32,
+                candidate.quantized_keys(k32, layer_idx, key_clip) if candidate.quantize_keys else k32,
                 candidate.fake_quantize(v32, value_rotation, value_clip) if candidate.quantize_values else v32,
             )
             self.errors[name].setdefault(layer_idx, LayerError(heads=q_heads))

@@ -83,3 +83,20 @@ def test_non_finite_moment_fails_clearly():
     bad = torch.full((1, 4, 4), float("nan"), dtype=torch.float64)
     with pytest.raises(ValueError, match="NaN or infinite"):
         rotation_from_moment(bad, per_head=False)
+
+
+def test_balanced_key_transform_keeps_scores_and_predicts_its_gain():
+    from calibrate.transforms import balanced_key_transform, predicted_gain
+
+    sk, _, _ = planted(seed=5)
+    sq = torch.linalg.inv(sk) * 7.0  # anti-aligned statistics: the case a rotation cannot help
+    forward, query_side = balanced_key_transform(sq, sk)
+    torch.testing.assert_close(query_side.T.double() @ forward.double(), torch.eye(16, dtype=torch.float64),
+                               atol=1e-5, rtol=0)  # (q A⁻ᵀ)·(k A) = q·k
+    expected = 16**2 / (sk.trace() * torch.linalg.inv(sk).trace())
+    torch.testing.assert_close(predicted_gain(sq, sk), expected, rtol=1e-8, atol=0)
+    assert predicted_gain(sk, sk).item() == pytest.approx(1.0)  # aligned statistics: nothing to gain
+    # The transformed keys have equal variance in every coordinate (the U·H equalization after M*^½).
+    covariance = forward.double().T @ sk @ forward.double()
+    diagonal = torch.diagonal(covariance)
+    torch.testing.assert_close(diagonal, diagonal.mean().expand(16), rtol=1e-6, atol=0)

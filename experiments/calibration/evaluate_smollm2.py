@@ -9,7 +9,9 @@ Configurations are named `<key objective>/<value objective>/<shared|head>/<all|t
 collect_smollm2.py, or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
 clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py; a trailing
 `+lloyd` / `+gaussian_lm` swaps the row encoder (calibrate.encoders; same stored format), `+konly` / `+vonly`
-(proxy only) quantizes one side.
+(proxy only) quantizes one side, `+balanced` / `+balanced0.5` (proxy only) stores keys through the experimental
+non-orthogonal transform of calibrate.transforms (per KV head, from the configuration's moments, full or half
+strength).
 
   python experiments/calibration/evaluate_smollm2.py --moments out/moments_20k.pt --mode proxy \
       --configs hadamard identity qqt/sst/shared/all --plays lear_gut.txt --tokens 2048 --out out/proxy.json
@@ -26,6 +28,7 @@ from calibrate.attention_error import AttentionErrorProbe, Candidate
 from calibrate.capture import capturing, feed
 from calibrate.clip_search import apply_clip_ratios
 from calibrate.encoders import ENCODERS, fake_quantizer
+from calibrate.transforms import balanced_key_transform
 from oscar_hf.backend import ReferenceBackend
 from oscar_hf.layer import OscarLayer
 from oscar_hf.quantize import pack_codes
@@ -133,8 +136,15 @@ def main():
         candidates = {}
         for name, (r, _, k, v) in built.items():
             _, encoder, keys, values = split_options(name)
+            transforms = None
+            strength = next((o[len("balanced"):] for o in name.split("+")[1:] if o.startswith("balanced")), None)
+            if strength is not None:
+                tiers = name.split("+")[0].split("@")[0].split("/")[-1]
+                tiers = tiers if tiers in moments else "all"
+                transforms = {i: balanced_key_transform(moments[tiers]["query"][i], moments[tiers]["key"][i],
+                                                        float(strength or 1.0)) for i in layers}
             candidates[name] = Candidate(r, k, v, quantizer=fake_quantizer(ENCODERS[encoder]), quantize_keys=keys,
-                                         quantize_values=values)
+                                         quantize_values=values, key_transforms=transforms)
         probe = AttentionErrorProbe(candidates, layers, sink=64, recent=256, query_stride=args.query_stride)
         with capturing(model, probe):
             feed(model, sequences, chunk_tokens=args.tokens)
