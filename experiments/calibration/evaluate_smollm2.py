@@ -9,9 +9,9 @@ Configurations are named `<key objective>/<value objective>/<shared|head>/<all|t
 collect_smollm2.py, or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
 clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py; a trailing
 `+lloyd` / `+gaussian_lm` swaps the row encoder (calibrate.encoders; same stored format), `+konly` / `+vonly`
-(proxy only) quantizes one side, `+balanced` / `+balanced0.5` (proxy only) stores keys through the experimental
+(proxy only) quantizes one side, `+balanced` / `+balanced0.5` stores keys through the experimental
 non-orthogonal transform of calibrate.transforms (per KV head, from the configuration's moments, full or half
-strength).
+strength; in the cache via a patched backend whose history attention uses the query-side transform).
 
   python experiments/calibration/evaluate_smollm2.py --moments out/moments_20k.pt --mode proxy \
       --configs hadamard identity qqt/sst/shared/all --plays lear_gut.txt --tokens 2048 --out out/proxy.json
@@ -31,11 +31,13 @@ from calibrate.encoders import ENCODERS, fake_quantizer
 from calibrate.transforms import balanced_key_transform
 from oscar_hf.backend import ReferenceBackend
 from oscar_hf.layer import OscarLayer
+from oscar_hf.partials import history_partial
 from oscar_hf.quantize import pack_codes
 from oscar_hf.rotation import rotate
 from calibrate.pipeline import calibration_layers, rotations_from_moments
 from oscar_hf import OscarCache, Rotations
 from oscar_hf.assets import load_smollm2, play_tokens
+from oscar_hf.compat import cache_argument_name
 from oscar_hf.scoring import compare_caches
 
 DEFAULT_CLIPS = (0.96, 0.92)
@@ -58,19 +60,48 @@ class EncoderBackend(ReferenceBackend):
         scale_zero_out.copy_(scale_zero)
 
 
-def install_encoder(cache, encoder):
-    """Make every OscarLayer of a fresh cache demote with `encoder`."""
-    backend = EncoderBackend(encoder)
+class TransformBackend(EncoderBackend):
+    """EncoderBackend whose history attention rotates queries by a layer's query-side transform `A⁻ᵀ`."""
+
+    def __init__(self, encoder, query_side, history_chunk=4096):
+        super().__init__(encoder, history_chunk)
+        self.query_side = query_side
+
+    def history_attention(self, query, history, key_rotation, value_rotation, mask, scaling, softcap=None):
+        return history_partial(query, history, self.query_side.to(query.device), value_rotation, mask, scaling,
+                               softcap, chunk=self.history_chunk)
+
+
+def install_encoder(cache, encoder, transforms=None):
+    """Make every OscarLayer of a fresh cache demote with `encoder`; with `transforms` (layer -> (A, A⁻ᵀ)) store
+    keys as `Q(k A)` and attend to them with `q A⁻ᵀ` (experiment only: the core applies orthogonal rotations)."""
     for layer in cache.layers:
         if isinstance(layer, OscarLayer):
+            if transforms is None:
+                backend = EncoderBackend(encoder)
+            else:
+                forward_side, query_side = transforms[layer.layer_idx]
+                layer.key_rotation = forward_side
+                backend = TransformBackend(encoder, query_side)
             original = layer.lazy_initialization
 
-            def init(keys, values, layer=layer, original=original):
+            def init(keys, values, layer=layer, original=original, backend=backend):
                 original(keys, values)
                 layer.backend = backend
 
             layer.lazy_initialization = init
     return cache
+
+
+def key_transforms(name, moments, layers):
+    """layer -> (A, A⁻ᵀ) for a `+balanced[strength]` configuration, else None."""
+    strength = next((o[len("balanced"):] for o in name.split("+")[1:] if o.startswith("balanced")), None)
+    if strength is None:
+        return None
+    tiers = name.split("+")[0].split("@")[0].split("/")[-1]
+    tiers = tiers if tiers in moments else "all"
+    return {i: balanced_key_transform(moments[tiers]["query"][i], moments[tiers]["key"][i], float(strength or 1.0))
+            for i in layers}
 
 
 def split_options(name):
@@ -136,13 +167,7 @@ def main():
         candidates = {}
         for name, (r, _, k, v) in built.items():
             _, encoder, keys, values = split_options(name)
-            transforms = None
-            strength = next((o[len("balanced"):] for o in name.split("+")[1:] if o.startswith("balanced")), None)
-            if strength is not None:
-                tiers = name.split("+")[0].split("@")[0].split("/")[-1]
-                tiers = tiers if tiers in moments else "all"
-                transforms = {i: balanced_key_transform(moments[tiers]["query"][i], moments[tiers]["key"][i],
-                                                        float(strength or 1.0)) for i in layers}
+            transforms = key_transforms(name, moments, layers)
             candidates[name] = Candidate(r, k, v, quantizer=fake_quantizer(ENCODERS[encoder]), quantize_keys=keys,
                                          quantize_values=values, key_transforms=transforms)
         probe = AttentionErrorProbe(candidates, layers, sink=64, recent=256, query_stride=args.query_stride)
@@ -155,7 +180,7 @@ def main():
                                                                     for i, e in sorted(per_layer.items())}}
             print(f"{name:45s} attn-KL {summary[name]['kl']:.4f}  out-relMSE {summary[name]['rel_mse']:.4f}")
     else:
-        def factory(rotations, method, key_clip, value_clip, encoder):
+        def factory(rotations, method, key_clip, value_clip, encoder, transforms):
             def make():
                 if method == "identity":
                     cache = OscarCache(model, rotations="identity", method="identity")
@@ -164,11 +189,14 @@ def main():
                 else:
                     cache = OscarCache(model, rotations=rotations, method=method)
                 cache = apply_clip_ratios(cache, key_clip, value_clip)
-                return cache if encoder == "minmax" else install_encoder(cache, ENCODERS[encoder])
+                if encoder == "minmax" and transforms is None:
+                    return cache
+                return install_encoder(cache, ENCODERS[encoder], transforms)
             return make
 
         factories = {"bf16": lambda: DynamicCache(config=model.config)}
-        factories.update({name: factory(*spec, split_options(name)[1]) for name, spec in built.items()})
+        factories.update({name: factory(*spec, split_options(name)[1], key_transforms(name, moments, layers))
+                          for name, spec in built.items()})
         totals = {name: [0.0, 0.0, 0.0, 0] for name in factories}
         for ids in sequences:
             scores = compare_caches(model, ids, factories, prefill=args.prefill, chunk=args.chunk, progress=False)
@@ -176,7 +204,7 @@ def main():
                 t = totals[name]
                 t[0] += s.nll * s.tokens; t[1] += s.kl * s.tokens; t[2] += s.top1_agreement * s.tokens; t[3] += s.tokens
         probe_cache = factories[args.configs[0]]()
-        model(input_ids=sequences[0], use_cache=True, cache=probe_cache)
+        model(input_ids=sequences[0], use_cache=True, **{cache_argument_name(model): probe_cache})
         bits = probe_cache.bits_per_element()
         for name, (nll, kl, top1, n) in totals.items():
             row = {"ppl": float(torch.tensor(nll / n).exp()), "kl": kl / n, "top1": top1 / n, "tokens": n}
