@@ -11,8 +11,8 @@ and the attention kernels stay as they are.
   standardized row and a uniform reconstruction grid stretched by `LM_RATIO = 1.16` (4 levels only).
 
 Every encoder has the signature of `quantize_rows`: `(x [..., d] float32, bits, clip_ratio, scale_dtype) ->
-(codes uint8 [..., d], scale_zero [..., 2])`. Not used by `OscarCache` unless a caller installs one; see
-`experiments/calibration/evaluate_smollm2.py --encoder`.
+(codes uint8 [..., d], scale_zero [..., 2])`. `lloyd` is available in the cache as `OscarConfig(encoder="lloyd")`;
+the others only through `experiments/calibration/evaluate_smollm2.py` (`+gaussian_lm`).
 """
 
 from __future__ import annotations
@@ -30,38 +30,10 @@ def minmax(x: torch.Tensor, bits: int, clip_ratio, scale_dtype: torch.dtype):
     return quantize_rows(x, bits, clip_ratio, scale_dtype)
 
 
-def lloyd(x: torch.Tensor, bits: int, clip_ratio, scale_dtype: torch.dtype, iterations: int = 6):
-    """Least-squares uniform grid per row (see module docstring), initialised from `minmax`."""
-    x = x.float()
-    levels = float(2**bits - 1)
-    codes, scale_zero = quantize_rows(x, bits, clip_ratio, scale_dtype)
-    scale, zero = scale_zero[..., 0].float(), scale_zero[..., 1].float()
-    offset = -zero * scale  # x ≈ scale * q + offset
-    best_error = (dequantize_rows(codes, scale_zero) - x).square().sum(-1)
-    best_codes, best_scale_zero = codes, scale_zero
-    for _ in range(iterations):
-        q = codes.float()
-        q_mean, x_mean = q.mean(-1, keepdim=True), x.mean(-1, keepdim=True)
-        q_var = (q - q_mean).square().sum(-1)
-        covariance = ((q - q_mean) * (x - x_mean)).sum(-1)
-        fitted = q_var > 0
-        scale = torch.where(fitted, covariance / q_var.clamp_min(1e-30), scale).clamp_min(1e-8)
-        offset = torch.where(fitted, x_mean[..., 0] - scale * q_mean[..., 0], offset)
-        zero = -offset / scale
-        scale_zero = torch.stack([scale, zero], -1).to(scale_dtype)
-        decoded_error = (dequantize_rows(codes, scale_zero) - x).square().sum(-1)
-        better = decoded_error < best_error
-        best_error = torch.where(better, decoded_error, best_error)
-        best_codes = torch.where(better[..., None], codes, best_codes)
-        best_scale_zero = torch.where(better[..., None], scale_zero, best_scale_zero)
-        stored = scale_zero.float()
-        codes = torch.floor(x / stored[..., :1] + stored[..., 1:] + 0.5).clamp_(0, levels).to(torch.uint8)
-        decoded_error = (dequantize_rows(codes, scale_zero) - x).square().sum(-1)
-        better = decoded_error < best_error
-        best_error = torch.where(better, decoded_error, best_error)
-        best_codes = torch.where(better[..., None], codes, best_codes)
-        best_scale_zero = torch.where(better[..., None], scale_zero, best_scale_zero)
-    return best_codes, best_scale_zero
+def lloyd(x: torch.Tensor, bits: int, clip_ratio, scale_dtype: torch.dtype):
+    """Least-squares uniform grid per row (see module docstring), initialised from `minmax`: the core's opt-in
+    `quantize_rows(..., encoder="lloyd")` (`OscarConfig(encoder="lloyd")`)."""
+    return quantize_rows(x, bits, clip_ratio, scale_dtype, "lloyd")
 
 
 def gaussian_lm(x: torch.Tensor, bits: int, clip_ratio, scale_dtype: torch.dtype, ratio: float = LM_RATIO):

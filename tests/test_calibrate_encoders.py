@@ -34,3 +34,31 @@ def test_gaussian_lm_follows_the_reference_formula():
     scale = LM_SPAN / 3 * LM_RATIO * std
     torch.testing.assert_close(scale_zero[0, 0], scale)
     torch.testing.assert_close(scale_zero[0, 1], 1.5 - mean / scale)
+
+
+def test_cache_with_lloyd_encoder_stores_the_refined_codes():
+    from conftest import forward, tiny_model
+    from oscar_hf import OscarCache
+    from oscar_hf.quantize import quantize_pack
+    from oscar_hf.rotation import rotate
+
+    model = tiny_model("llama", seed=7)
+    ids = torch.randint(1, 96, (1, 40))
+
+    lloyd_cache = OscarCache(model, method="hadamard", sink_tokens=4, recent_tokens=8, encoder="lloyd")
+    minmax_cache = OscarCache(model, method="hadamard", sink_tokens=4, recent_tokens=8)
+    forward(model, ids, lloyd_cache)
+    forward(model, ids, minmax_cache)
+    layer, reference = lloyd_cache.layers[0], minmax_cache.layers[0]
+    assert layer.history_length == 28
+    assert not torch.equal(layer.history.key_codes, reference.history.key_codes)
+    # Re-encode the demoted keys (sink 4 .. 32) from the min-max cache's exact copy: a DynamicCache-free check that
+    # the lloyd cache stored exactly quantize_pack(..., "lloyd") of the rotated rows.
+    from transformers import DynamicCache
+
+    dense = DynamicCache(config=model.config)
+    forward(model, ids, dense)
+    keys = dense.layers[0].keys[:, :, 4:32]
+    packed, pairs = quantize_pack(rotate(keys, layer.key_rotation), 2, 0.96, torch.float16, "lloyd")
+    assert torch.equal(layer.history.key_codes[:, :, :28], packed)
+    assert torch.equal(layer.history.key_scale_zero[:, :, :28], pairs)
