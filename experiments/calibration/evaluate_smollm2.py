@@ -6,7 +6,8 @@
          prefill 512 then chunks of 64), plus the cache's stored bits per element.
 
 Configurations are named `<key objective>/<value objective>/<shared|head>/<all|tiered>` from a moments file of
-collect_smollm2.py, or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
+collect_smollm2.py (`<set>.<all|tiered>` for a file given as `--moments <set>=<path>`),
+or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
 clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py; a trailing
 `+lloyd` / `+gaussian_lm` swaps the row encoder (calibrate.encoders; same stored format), `+konly` / `+vonly`
 (proxy only) quantizes one side, `+balanced` / `+balanced0.5` stores keys through the experimental
@@ -99,9 +100,8 @@ def key_transforms(name, moments, layers):
     if strength is None:
         return None
     tiers = name.split("+")[0].split("@")[0].split("/")[-1]
-    tiers = tiers if tiers in moments else "all"
-    return {i: balanced_key_transform(moments[tiers]["query"][i], moments[tiers]["key"][i], float(strength or 1.0))
-            for i in layers}
+    chosen = moment_set(moments, tiers if "/" in name.split("+")[0] else "all")
+    return {i: balanced_key_transform(chosen["query"][i], chosen["key"][i], float(strength or 1.0)) for i in layers}
 
 
 def split_options(name):
@@ -110,6 +110,25 @@ def split_options(name):
     options = set(parts[1:])
     encoder = next((o for o in options if o in ENCODERS), "minmax")
     return parts[0], encoder, "vonly" not in options, "konly" not in options
+
+
+def moment_set(moments, tiers):
+    """`moments[tiers]`; `<set>.<tiers>` picks a named moments file given as `--moments <set>=<path>`."""
+    if "." in tiers:
+        name, _, tiers = tiers.partition(".")
+        return moments[name][tiers]
+    return moments["default"][tiers]
+
+
+def load_moments(items):
+    """`--moments` items `path` or `name=path` -> {name: moments}; the first (or unnamed) is "default"."""
+    result = {}
+    for k, item in enumerate(items or []):
+        name, _, path = item.rpartition("=")
+        result[name or ("default" if "default" not in result else str(k))] = torch.load(path)["moments"]
+    if result and "default" not in result:
+        result["default"] = next(iter(result.values()))
+    return result
 
 
 def build(name, moments, layers, kv_heads, head_dim):
@@ -129,8 +148,8 @@ def build(name, moments, layers, kv_heads, head_dim):
         rotations = Rotations.from_pretrained(base[5:])
     else:
         key_obj, value_obj, grouping, tiers = base.split("/")
-        rotations = rotations_from_moments(moments[tiers], key_obj, value_obj, grouping == "head", layers, kv_heads,
-                                           head_dim)
+        rotations = rotations_from_moments(moment_set(moments, tiers), key_obj, value_obj, grouping == "head", layers,
+                                           kv_heads, head_dim)
     if override.startswith("clips="):
         choice = json.load(open(override[6:]))
         key_clip = {int(i): r for i, r in choice["key"].items()} if isinstance(choice["key"], dict) else choice["key"]
@@ -145,7 +164,7 @@ def build(name, moments, layers, kv_heads, head_dim):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--moments")
+    parser.add_argument("--moments", nargs="*", help="moments files of collect_smollm2.py: path or name=path")
     parser.add_argument("--mode", choices=["proxy", "ppl"], required=True)
     parser.add_argument("--configs", nargs="+", required=True)
     parser.add_argument("--plays", nargs="+", default=["lear_gut.txt"])
@@ -158,7 +177,7 @@ def main():
     torch.manual_seed(0)
     model, tokenizer = load_smollm2()
     layers, kv_heads, head_dim = calibration_layers(model)
-    moments = torch.load(args.moments)["moments"] if args.moments else None
+    moments = load_moments(args.moments)
     built = {name: build(name, moments, layers, kv_heads, head_dim) for name in args.configs}
     sequences = [play_tokens(tokenizer, play, args.tokens) for play in args.plays]
     start = time.time()

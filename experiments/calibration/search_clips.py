@@ -35,7 +35,7 @@ def main():
     args = parser.parse_args()
     model, tokenizer = load_smollm2()
     layers, kv_heads, head_dim = calibration_layers(model)
-    moments = torch.load(args.moments)["moments"] if args.moments else None
+    moments = evaluate_smollm2.load_moments([args.moments] if args.moments else [])
     rotations = evaluate_smollm2.build(args.config, moments, layers, kv_heads, head_dim)[0]
     sequences = token_sequences(tokenizer, [Document(text=play_text(args.play))], args.tokens, args.context)
     start = time.time()
