@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     clip.add_argument("--clip-search", default="none", choices=["none", "model", "layer"],
                       help="search clip ratios on held-out calibration tokens (attention-output error)")
     clip.add_argument("--clip-tokens", type=int, default=4096, help="held-out calibration tokens for the clip search")
+    clip.add_argument("--encoder", default="minmax", choices=["minmax", "lloyd"],
+                      help="the cache's row encoder the clip search assumes (OscarConfig.encoder; recorded)")
     clip.add_argument("--key-clip-ratio", type=float, default=0.96, help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92, help="value clip ratio without a search (default 0.92)")
     out = p.add_argument_group("output")
@@ -129,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         choice = clip_search.search_clip_ratios(
             model, search, rotations, layers, head_dim, per_layer=args.clip_search == "layer",
             default_value_clip=args.value_clip_ratio, sink=args.sink, recent=args.recent,
-            chunk_tokens=args.chunk_tokens, progress=progress,
+            chunk_tokens=args.chunk_tokens, progress=progress, encoder=args.encoder,
         )
         rotations.metadata.update(choice.metadata())
         rotations.metadata["clip_search_tokens"] = str(sum(s.shape[-1] for s in search))
     else:
         rotations.metadata.update({"key_clip_ratio": json.dumps(args.key_clip_ratio),
                                    "value_clip_ratio": json.dumps(args.value_clip_ratio)})
+    rotations.metadata["encoder"] = args.encoder
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
     rotations.metadata["platform"] = platform.platform()
     os.makedirs(args.out, exist_ok=True)
@@ -171,9 +174,11 @@ def _split_held_out(sequences, held_out: int):
 
 
 def _clip_hint(metadata) -> str:
+    encoder = f", encoder={metadata['encoder']!r}" if metadata.get("encoder", "minmax") != "minmax" else ""
     if "key_clip_ratios" in metadata:
-        return ") + calibrate.clip_search.apply_clip_ratios(cache, *clip_ratios_from_metadata(rotations.metadata)"
-    return f", key_clip_ratio={metadata['key_clip_ratio']}, value_clip_ratio={metadata['value_clip_ratio']}"
+        return (f"{encoder}), then calibrate.clip_search.apply_clip_ratios(cache, "
+                "*clip_ratios_from_metadata(cache.rotations.metadata)")
+    return f", key_clip_ratio={metadata['key_clip_ratio']}, value_clip_ratio={metadata['value_clip_ratio']}{encoder}"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,16 @@ import torch
 from oscar_hf.rotations import Rotations
 
 from .attention_error import AttentionErrorProbe, Candidate, ClipRatio
+
+
+def encoder_fake_quantizer(encoder: str):
+    """Quantize-dequantize rows the way `OscarConfig(encoder=...)` stores them."""
+    from oscar_hf.quantize import dequantize_rows, quantize_rows
+
+    def quantize(rows, bits, clip, scale_dtype):
+        return dequantize_rows(*quantize_rows(rows, bits, clip, scale_dtype, encoder))
+
+    return quantize
 from .capture import capturing, feed
 
 
@@ -79,10 +89,12 @@ def search_clip_ratios(
     chunk_tokens: int = 4096,
     progress: bool = False,
     query_stride: int = 4,
+    encoder: str = "minmax",
 ) -> ClipChoice:
     """Search key then value clip ratios on `sequences` (held-out calibration text longer than `sink + recent`).
 
-    Errors are measured on every `query_stride`-th query position (all keys count).
+    Errors are measured on every `query_stride`-th query position (all keys count); `encoder` is the cache's
+    `OscarConfig.encoder` ("minmax" or "lloyd").
     """
     if not sequences or max(s.shape[-1] for s in sequences) <= sink + recent + 1:
         raise ValueError(
@@ -91,7 +103,7 @@ def search_clip_ratios(
         )
     key_grid = list(key_grid if key_grid is not None else clip_grid(head_dim))
     value_grid = list(value_grid if value_grid is not None else clip_grid(head_dim))
-    base = Candidate(rotations, bits=bits, scale_dtype=scale_dtype)
+    base = Candidate(rotations, bits=bits, scale_dtype=scale_dtype, quantizer=encoder_fake_quantizer(encoder))
 
     key_candidates = {str(r): dataclasses.replace(base, key_clip=r, value_clip=default_value_clip) for r in key_grid}
     key_errors = _probe(model, sequences, key_candidates, layer_ids, sink, recent, chunk_tokens, progress,

@@ -24,6 +24,7 @@ _PROVENANCE_ROWS = (
     ("value_clip_ratio", "Value clip ratio"),
     ("key_clip_ratios", "Key clip ratios per layer"),
     ("value_clip_ratios", "Value clip ratios per layer"),
+    ("encoder", "Row encoder (OscarConfig.encoder)"),
     ("library", "Library"),
     ("seconds", "Calibration time (s)"),
     ("device", "Device"),

@@ -31,6 +31,7 @@ def main():
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--lowest", type=float, default=0.75)
     parser.add_argument("--query-stride", type=int, default=4)
+    parser.add_argument("--encoder", default="minmax", choices=["minmax", "lloyd"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model, tokenizer = load_smollm2()
@@ -42,7 +43,7 @@ def main():
     grid = clip_grid(head_dim, args.lowest)
     choice = search_clip_ratios(model, sequences, rotations, layers, head_dim, per_layer=args.per_layer,
                                 key_grid=grid, value_grid=grid, default_value_clip=0.92, progress=True,
-                                query_stride=args.query_stride)
+                                query_stride=args.query_stride, encoder=args.encoder)
     result = {"key": choice.key, "value": choice.value, "errors": choice.errors, "args": vars(args),
               "seconds": time.time() - start}
     json.dump(result, open(args.out, "w"), indent=1)
