@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     clip.add_argument("--clip-search", default="none", choices=["none", "model", "layer"],
                       help="search clip ratios on held-out calibration tokens (attention-output error)")
     clip.add_argument("--clip-tokens", type=int, default=4096, help="held-out calibration tokens for the clip search")
+    clip.add_argument("--clip-lowest", type=float, default=0.6,
+                      help="lowest clip ratio searched (every order statistic from there up to no clip)")
     clip.add_argument("--encoder", default="minmax", choices=["minmax", "lloyd"],
                       help="the cache's row encoder the clip search assumes (OscarConfig.encoder; recorded)")
     clip.add_argument("--key-clip-ratio", type=float, default=0.96, help="key clip ratio without a search (default 0.96)")
@@ -130,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.clip_search != "none":
         choice = clip_search.search_clip_ratios(
             model, search, rotations, layers, head_dim, per_layer=args.clip_search == "layer",
+            key_grid=clip_search.clip_grid(head_dim, args.clip_lowest),
+            value_grid=clip_search.clip_grid(head_dim, args.clip_lowest),
             default_value_clip=args.value_clip_ratio, sink=args.sink, recent=args.recent,
             chunk_tokens=args.chunk_tokens, progress=progress, encoder=args.encoder,
         )
