@@ -8,7 +8,7 @@
 Configurations are named `<key objective>/<value objective>/<shared|head>/<all|tiered>` from a moments file of
 collect_smollm2.py (`<set>.<all|tiered>` for a file given as `--moments <set>=<path>`),
 or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
-clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py; a trailing
+clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py, `@meta` the one recorded in a `file:` folder; a trailing
 `+lloyd` / `+gaussian_lm` swaps the row encoder (calibrate.encoders; same stored format), `+konly` / `+vonly`
 (proxy only) quantizes one side, `+balanced` / `+balanced0.5` stores keys through the experimental
 non-orthogonal transform of calibrate.transforms (per KV head, from the configuration's moments, full or half
@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from calibrate.attention_error import AttentionErrorProbe, Candidate
 from calibrate.capture import capturing, feed
-from calibrate.clip_search import apply_clip_ratios
+from calibrate.clip_search import apply_clip_ratios, clip_ratios_from_metadata
 from calibrate.encoders import ENCODERS, fake_quantizer
 from calibrate.transforms import balanced_key_transform
 from oscar_hf.backend import ReferenceBackend
@@ -150,7 +150,9 @@ def build(name, moments, layers, kv_heads, head_dim):
         key_obj, value_obj, grouping, tiers = base.split("/")
         rotations = rotations_from_moments(moment_set(moments, tiers), key_obj, value_obj, grouping == "head", layers,
                                            kv_heads, head_dim)
-    if override.startswith("clips="):
+    if override == "meta":  # the clip ratios (and encoder) recorded in a rotations file by oscar-calibrate
+        key_clip, value_clip = clip_ratios_from_metadata(rotations.metadata)
+    elif override.startswith("clips="):
         choice = json.load(open(override[6:]))
         key_clip = {int(i): r for i, r in choice["key"].items()} if isinstance(choice["key"], dict) else choice["key"]
         value_clip = ({int(i): r for i, r in choice["value"].items()} if isinstance(choice["value"], dict)
