@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .quantize import ENCODERS
+
 # A preset fixes how the INT2 history is made. `rotation` is the default rotation source when the user
 # passes none: "hadamard" (data-free), "identity" (no rotation) or "file" (calibrated, must be given).
 PRESETS: dict[str, dict] = {
@@ -43,6 +45,9 @@ class OscarConfig:
             head_dim 128), bfloat16 or float32.
         quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
         history_chunk: tokens of history dequantized at a time by the PyTorch reference attention.
+        encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference)
+            or "lloyd" (opt-in, experimental: Lloyd-Max iterations on the uniform grid, `quantize.lloyd_refine`).
+            Same stored format and dequantizer; "lloyd" demotes through the PyTorch reference on every device.
     """
 
     method: str = "hadamard"
@@ -55,6 +60,7 @@ class OscarConfig:
     scale_dtype: torch.dtype = torch.float16
     quantize: bool = True
     history_chunk: int = 4096
+    encoder: str = "minmax"
 
     def __post_init__(self):
         if isinstance(self.scale_dtype, str):
@@ -77,6 +83,8 @@ class OscarConfig:
             ratio = getattr(self, name)
             if ratio is not None and not 0.0 < ratio <= 1.0:
                 raise ValueError(f"{name}={ratio!r}: expected a ratio in (0, 1], or None to disable clipping")
+        if self.encoder not in ENCODERS:
+            raise ValueError(f"encoder={self.encoder!r}: expected one of {ENCODERS}")
         if self.method not in PRESETS:
             raise ValueError(f"method={self.method!r}: expected one of {sorted(PRESETS)}")
 

@@ -1,0 +1,153 @@
+"""The calibration pipeline: statistics from forward passes -> rotations (-> clip ratios, in `clip_search`).
+
+```python
+from calibrate import calibrate, CalibrationSettings
+rotations = calibrate(model, sequences, CalibrationSettings(per_head=True), progress=True)
+rotations.save_pretrained("rotations/")
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from oscar_hf.models import UnsupportedModelError, attention_shape
+from oscar_hf.rotations import Rotations
+
+from .capture import NoAttentionError, capturing, feed
+from .fit import fit_rotations
+from .objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES, check_objectives, passes_needed
+from .statistics import MomentCollector, Tiers
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What to fit. `tiers` says which tokens the statistics count (`Tiers()` = all, as the reference)."""
+
+    key_objective: str = "qqt"
+    value_objective: str = "sst"
+    per_head: bool = False
+    tiers: Tiers = field(default_factory=Tiers)
+    chunk_tokens: int = 2048
+    max_elements: int = 1 << 23
+
+    def __post_init__(self):
+        check_objectives(self.key_objective, self.value_objective)
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={self.chunk_tokens}: expected >= 1")
+
+
+def calibration_layers(model) -> tuple[list[int], int, int]:
+    """(full-attention layer ids, KV heads, head_dim) of `model`; raises when there is nothing to calibrate."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no `config`: expected a transformers model")
+    try:
+        shape = attention_shape(config)
+    except AttributeError as e:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) does not describe attention layers "
+            f"(num_attention_heads / num_hidden_layers): nothing to calibrate ({e})"
+        ) from e
+    if not shape.oscar_layer_ids:
+        raise UnsupportedModelError(
+            "the model has no full-attention layers: OscarCache keeps sliding-window layers in BF16, nothing to calibrate"
+        )
+    return shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim
+
+
+def collect_moments(
+    model,
+    sequences: Sequence[torch.Tensor],
+    needs,
+    tiers: Tiers = Tiers(),
+    chunk_tokens: int = 2048,
+    max_elements: int = 1 << 23,
+    progress: bool = False,
+) -> dict[str, dict[int, torch.Tensor]]:
+    """Moment name -> layer -> float64 `[Hkv, d, d]` mean, for the names in `needs` (see `statistics.MOMENTS`).
+
+    One forward pass over `sequences`, plus a second one when "sst" is requested (its weights need the final
+    query moment).
+    """
+    layers, kv_heads, head_dim = calibration_layers(model)
+    if not sequences:
+        raise ValueError("no calibration sequences: the data is empty")
+    needs = frozenset(needs)
+    first = (needs - {"sst"}) | ({"query"} if "sst" in needs else set())
+    total = sum(s.shape[-1] for s in sequences)
+    collector = MomentCollector(layers, kv_heads, head_dim, first, tiers, max_elements=max_elements)
+    _run(model, sequences, collector, chunk_tokens, "statistics" if progress else False, total)
+    result = {name: collector.means(name) for name in first}
+    if "sst" in needs:
+        second = MomentCollector(layers, kv_heads, head_dim, {"sst"}, tiers, query_moments=result["query"],
+                                 max_elements=max_elements)
+        _run(model, sequences, second, chunk_tokens, "value weights (2nd pass)" if progress else False, total)
+        result["sst"] = second.means("sst")
+    return {name: result[name] for name in needs}
+
+
+def _run(model, sequences, collector: MomentCollector, chunk_tokens, progress, total) -> None:
+    with capturing(model, collector):
+        feed(model, sequences, chunk_tokens, progress, total)
+    if collector.calls == 0:
+        raise NoAttentionError(
+            f"{type(model).__name__} ran without calling any attention implementation: no attention layers to calibrate"
+        )
+    missing = sorted(set(collector.layers) - collector.seen_layers)
+    if missing:
+        raise NoAttentionError(f"full-attention layers {missing} were never called during the forward passes")
+
+
+def rotations_from_moments(
+    moments: dict[str, dict[int, torch.Tensor]],
+    key_objective: str,
+    value_objective: str,
+    per_head: bool,
+    layer_ids,
+    kv_heads: int,
+    head_dim: int,
+    metadata: dict[str, str] | None = None,
+) -> Rotations:
+    """Fit the rotations of one (key objective, value objective) pair from collected moments."""
+    check_objectives(key_objective, value_objective)
+    key_moment, value_moment = KEY_OBJECTIVES[key_objective], VALUE_OBJECTIVES[value_objective]
+    info = {
+        "objective": f"key={key_objective},value={value_objective}",
+        "key_objective": key_objective,
+        "value_objective": value_objective,
+        "grouping": "kv_head" if per_head else "layer",
+        **(metadata or {}),
+    }
+    return fit_rotations(
+        moments[key_moment] if key_moment else None,
+        moments[value_moment] if value_moment else None,
+        layer_ids, head_dim, kv_heads, per_head, info,
+    )
+
+
+def calibrate(
+    model,
+    sequences: Sequence[torch.Tensor],
+    settings: CalibrationSettings = CalibrationSettings(),
+    progress: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> Rotations:
+    """Fit `Rotations` for every full-attention layer of `model` from `[1, L]` token sequences."""
+    layers, kv_heads, head_dim = calibration_layers(model)
+    first, second = passes_needed([settings.key_objective], [settings.value_objective])
+    moments = collect_moments(model, sequences, first | second, settings.tiers, settings.chunk_tokens,
+                              settings.max_elements, progress)
+    tiers = settings.tiers
+    info = {
+        "tokens": str(sum(s.shape[-1] for s in sequences)),
+        "sequences": str(len(sequences)),
+        "tiers": "all" if not tiers.tier_aware else f"sink={tiers.sink},recent={tiers.recent}",
+        "skip_tokens": str(tiers.skip_tokens),
+        **(metadata or {}),
+    }
+    return rotations_from_moments(moments, settings.key_objective, settings.value_objective, settings.per_head,
+                                  layers, kv_heads, head_dim, info)
