@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{rotations!r} from {rotations.metadata['tokens']} tokens in {rotations.metadata['seconds']} s")
     for path in written:
         print(f"  wrote {path}")
-    print(f"  use: OscarCache(model, rotations={args.out!r}{_clip_hint(rotations.metadata)})")
+    print(f"  use: OscarCache(model, rotations={args.out!r}{_clip_hint(rotations.metadata, args.format)})")
     if args.push_to_hub:
         url = push_to_hub(args.out, args.push_to_hub, rotations.metadata, args.subfolder, args.private or None,
                           args.token)
@@ -182,12 +182,14 @@ def _split_held_out(sequences, held_out: int):
     return sequences[:index], sequences[index:]
 
 
-def _clip_hint(metadata) -> str:
-    encoder = f", encoder={metadata['encoder']!r}" if metadata.get("encoder", "minmax") != "minmax" else ""
-    if "key_clip_ratios" in metadata:
-        return (f"{encoder}), then calibrate.clip_search.apply_clip_ratios(cache, "
-                "*clip_ratios_from_metadata(cache.rotations.metadata)")
-    return f", key_clip_ratio={metadata['key_clip_ratio']}, value_clip_ratio={metadata['value_clip_ratio']}{encoder}"
+def _clip_hint(metadata, file_format: str) -> str:
+    """Extra `OscarCache` arguments the printed usage line needs (recorded clip ratios load with the safetensors)."""
+    hint = f", encoder={metadata['encoder']!r}" if metadata.get("encoder", "minmax") != "minmax" else ""
+    if file_format == "zoo" and "key_clip_ratio" in metadata:
+        hint += f", key_clip_ratio={metadata['key_clip_ratio']}, value_clip_ratio={metadata['value_clip_ratio']}"
+    elif file_format == "zoo" and "key_clip_ratios" in metadata:
+        hint += ") -- per-layer clip ratios are kept only in the safetensors format (--format both"
+    return hint
 
 
 if __name__ == "__main__":

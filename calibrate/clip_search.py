@@ -5,8 +5,8 @@ ratio). With `per_layer=True` each layer keeps its own best pair (the layers' er
 BF16 inputs, so they are independent); otherwise the pair with the lowest mean relative output MSE over layers.
 
 Per-layer ratios are carried in the `Rotations` metadata (`key_clip_ratios` / `value_clip_ratios`, JSON
-`{layer: ratio}`) and applied to a cache by `apply_clip_ratios`; a single pair in `key_clip_ratio` /
-`value_clip_ratio`, to be passed as `OscarCache(..., key_clip_ratio=..., value_clip_ratio=...)`.
+`{layer: ratio}`) or, for one pair, `key_clip_ratio` / `value_clip_ratio`; `OscarCache` applies them when it
+loads the rotations (`Rotations.clip_ratios`). `apply_clip_ratios` sets other ratios on a fresh cache.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def search_clip_ratios(
 
 def clip_ratios_from_metadata(metadata: Mapping[str, str]):
     """(key, value) clip ratios recorded by the search: floats/None, `{layer: ratio}` dicts, or (None, None)
-    when the metadata holds none (then the preset's ratios apply)."""
+    when the metadata holds none (then the preset's ratios apply). `Rotations.clip_ratios` reads them per layer."""
     if "key_clip_ratios" in metadata:
         return ({int(i): r for i, r in json.loads(metadata["key_clip_ratios"]).items()},
                 {int(i): r for i, r in json.loads(metadata["value_clip_ratios"]).items()})
@@ -132,8 +132,7 @@ def clip_ratios_from_metadata(metadata: Mapping[str, str]):
 def apply_clip_ratios(cache, key: ClipRatio | Mapping[int, ClipRatio], value: ClipRatio | Mapping[int, ClipRatio]):
     """Give each `OscarLayer` of a fresh `cache` its own clip ratios (before the first forward); returns the cache.
 
-    This uses only the layer's `config` (an `OscarConfig` copy per layer); the core cache reads one pair from its
-    constructor, so per-layer ratios need this call.
+    `OscarCache` already applies the ratios its rotations record; this is for trying other ratios (experiments).
     """
     from oscar_hf.layer import OscarLayer
 

@@ -9,6 +9,7 @@ out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 
@@ -42,6 +43,9 @@ class OscarCache(Cache):
             is produced already rotated and the attention output needs no un-rotation (see `folding.py`).
         subfolder, revision, token, local_files_only: passed to the Hub when `rotations` is a repo id.
         **options: `OscarConfig` fields overriding the preset (e.g. `recent_tokens=128`, `bits=4`).
+
+    Clip ratios recorded in the rotations (by `oscar-calibrate --clip-search`) replace the preset's, per layer,
+    unless `key_clip_ratio`/`value_clip_ratio` or a full `config` are given.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class OscarCache(Cache):
         register()
         model_config = getattr(model, "config", model)
         shape = attention_shape(model_config)
+        explicit_clip = config is not None or "key_clip_ratio" in options or "value_clip_ratio" in options
         if config is None:
             config = OscarConfig.from_method(method or _infer_method(rotations), **options)
         elif method is not None or options:
@@ -81,7 +86,8 @@ class OscarCache(Cache):
             if kind == OSCAR_LAYER:
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
                 key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
-                layers.append(OscarLayer(i, config, key_r, None if i in folded else value_r))
+                layer_config = config if explicit_clip else _recorded_clip_config(config, resolved, i)
+                layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
         super().__init__(layers=layers)
@@ -188,6 +194,14 @@ def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int
         fold_value_rotations(model, rotations, shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim)
         return set(shape.oscar_layer_ids)
     return already
+
+
+def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, layer_idx: int) -> OscarConfig:
+    """`config` with the clip ratios the rotations record for this layer, if any."""
+    recorded = rotations.clip_ratios(layer_idx) if rotations is not None else None
+    if recorded is None:
+        return config
+    return dataclasses.replace(config, key_clip_ratio=recorded[0], value_clip_ratio=recorded[1])
 
 
 def _infer_method(rotations) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -95,6 +96,21 @@ class Rotations:
             raise RotationFileError(f"no rotation for layer {layer_idx}; these rotations cover layers {self.layer_ids}")
         return self.key[layer_idx], self.value[layer_idx]
 
+    def clip_ratios(self, layer_idx: int) -> tuple[float | None, float | None] | None:
+        """(key, value) clip ratios recorded for `layer_idx` by a clip search (None in a pair: no clipping), or None
+        when the metadata records none. Metadata keys: `key_clip_ratios`/`value_clip_ratios` (JSON `{layer:
+        ratio}`) or `key_clip_ratio`/`value_clip_ratio` (one JSON ratio for every layer)."""
+        try:
+            if "key_clip_ratios" in self.metadata:
+                key, value = (json.loads(self.metadata[f"{side}_clip_ratios"]) for side in ("key", "value"))
+                return _ratio(key[str(layer_idx)]), _ratio(value[str(layer_idx)])
+            if "key_clip_ratio" in self.metadata:
+                return tuple(_ratio(json.loads(self.metadata[f"{side}_clip_ratio"])) for side in ("key", "value"))
+        except (KeyError, ValueError, TypeError) as error:
+            raise RotationFileError(f"the rotations' recorded clip ratios are unreadable for layer {layer_idx}: "
+                                    f"{error!r}") from error
+        return None
+
     def save_pretrained(self, folder: str | os.PathLike) -> str:
         """Write `folder/oscar_rotations.safetensors`; returns the file path."""
         from .rotation_files import save_safetensors
@@ -160,6 +176,15 @@ class Rotations:
         kind = "per KV head" if self.per_head else "shared per layer"
         objective = self.metadata.get("objective", "?")
         return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
+
+
+def _ratio(value) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"clip ratio {value} outside (0, 1]")
+    return value
 
 
 def _ranges(ids: list[int]) -> str:

@@ -90,14 +90,16 @@ class SimulationPlan:
     chunk: int = 1
     recorder: Callable | None = None
     propagate: bool = True
+    clip_ratios: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
     _history: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_cache(cls, cache, prefill: int | Sequence[int] = 1, chunk: int = 1, **kwargs) -> "SimulationPlan":
         """Settings and rotations of an (unused) `OscarCache`: `OscarCache(model.config, rotations, method, ...)`."""
-        rotations = {layer.layer_idx: (layer.key_rotation, layer.value_rotation)
-                     for layer in cache.layers if isinstance(layer, OscarLayer)}
-        return cls(cache.oscar_config, rotations, prefill=prefill, chunk=chunk, **kwargs)
+        layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
+        rotations = {layer.layer_idx: (layer.key_rotation, layer.value_rotation) for layer in layers}
+        clips = {layer.layer_idx: (layer.config.key_clip_ratio, layer.config.value_clip_ratio) for layer in layers}
+        return cls(cache.oscar_config, rotations, prefill=prefill, chunk=chunk, clip_ratios=clips, **kwargs)
 
     def history(self, batch: int, length: int, device) -> torch.Tensor:
         """`[batch, length]` history length seen by each query (cached per shape)."""
@@ -143,7 +145,7 @@ def reconstruct(x: torch.Tensor, rotation: torch.Tensor | None, config: OscarCon
     rotated = rotate(x, None if rotation is None else rotation.to(x.device))
     if not config.quantize:
         return rotated.to(x.dtype).float()
-    codes, scale_zero = quantize_rows(rotated, config.bits, clip_ratio, config.scale_dtype)
+    codes, scale_zero = quantize_rows(rotated, config.bits, clip_ratio, config.scale_dtype, config.encoder)
     return dequantize_rows(codes, scale_zero)
 
 
@@ -179,8 +181,9 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
     cfg = plan.config
     key_rotation, value_rotation = plan.rotations[layer_idx]
     groups = q_heads // key.shape[1]
-    k_hat = reconstruct(key, key_rotation, cfg, cfg.key_clip_ratio)
-    v_hat = reconstruct(value, value_rotation, cfg, cfg.value_clip_ratio)
+    key_clip, value_clip = plan.clip_ratios.get(layer_idx, (cfg.key_clip_ratio, cfg.value_clip_ratio))
+    k_hat = reconstruct(key, key_rotation, cfg, key_clip)
+    v_hat = reconstruct(value, value_rotation, cfg, value_clip)
     key_r = None if key_rotation is None else key_rotation.to(query.device, torch.float32)
     value_r = None if value_rotation is None else value_rotation.to(query.device, torch.float32)
     q = query.float()

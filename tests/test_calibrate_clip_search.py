@@ -116,3 +116,62 @@ def test_apply_clip_ratios_changes_what_each_layer_stores():
     assert not torch.equal(plain.layers[0].history.key_codes, clipped.layers[0].history.key_codes)
     with pytest.raises(ValueError, match="fresh cache"):
         apply_clip_ratios(clipped, 0.9, 0.9)
+
+
+def _rotations_with_clips(tmp_path, key_clips, value_clips):
+    """A saved-and-reloaded Hadamard rotations folder recording per-layer clip ratios (as the CLI writes them)."""
+    import json
+
+    rotations = Rotations.hadamard([0, 1], 16)
+    rotations.metadata.update(key_clip_ratios=json.dumps({str(i): r for i, r in key_clips.items()}),
+                              value_clip_ratios=json.dumps({str(i): r for i, r in value_clips.items()}))
+    rotations.save_pretrained(tmp_path)
+    return Rotations.from_pretrained(tmp_path)
+
+
+def test_cache_applies_the_clip_ratios_its_rotations_record(tmp_path):
+    model = tiny_model("llama", seed=5)
+    ids = torch.randint(1, 96, (1, 40))
+    loaded = _rotations_with_clips(tmp_path, {0: 0.5, 1: None}, {0: 0.92, 1: 0.5})
+    assert loaded.clip_ratios(0) == (0.5, 0.92) and loaded.clip_ratios(1) == (None, 0.5)
+    layout = dict(sink_tokens=4, recent_tokens=8)
+    automatic = OscarCache(model, rotations=str(tmp_path), **layout)
+    by_hand = apply_clip_ratios(OscarCache(model, method="hadamard", **layout), {0: 0.5, 1: None}, {0: 0.92, 1: 0.5})
+    explicit = OscarCache(model, rotations=loaded, key_clip_ratio=0.96, value_clip_ratio=0.92, **layout)
+    assert [layer.config.key_clip_ratio for layer in explicit.layers] == [0.96, 0.96]
+    for cache in (automatic, by_hand, explicit):
+        forward(model, ids, cache)
+    for i in (0, 1):
+        assert torch.equal(automatic.layers[i].history.key_codes, by_hand.layers[i].history.key_codes)
+        assert torch.equal(automatic.layers[i].history.value_codes, by_hand.layers[i].history.value_codes)
+    assert not torch.equal(automatic.layers[0].history.key_codes, explicit.layers[0].history.key_codes)  # 0.5 vs 0.96
+
+
+def test_simulation_uses_each_layers_recorded_clip_ratios(tmp_path):
+    from oscar_hf.simulate import simulate_logits
+
+    model = tiny_model("llama", seed=6)
+    ids = torch.randint(1, 96, (1, 36))
+    loaded = _rotations_with_clips(tmp_path, {0: 0.5, 1: 0.6}, {0: 0.55, 1: 0.5})
+    layout = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
+    simulated = simulate_logits(model, ids, OscarCache(model.config, rotations=loaded, **layout), prefill=20)
+    cache = OscarCache(model, rotations=loaded, **layout)
+    pieces = [forward(model, ids[:, :20], cache).logits]
+    pieces += [forward(model, ids[:, t:t + 1], cache).logits for t in range(20, ids.shape[1])]
+    assert (simulated - torch.cat(pieces, 1)).abs().max().item() < 1e-5
+    preset = simulate_logits(model, ids, OscarCache(model.config, method="hadamard", **layout), prefill=20)
+    assert (simulated - preset).abs().max().item() > 1e-4
+
+
+def test_unreadable_recorded_clip_ratios_fail_clearly():
+    from oscar_hf.rotations import RotationFileError
+
+    rotations = Rotations.hadamard([0, 1], 16)
+    rotations.metadata.update(key_clip_ratios='{"0": 0.9}', value_clip_ratios='{"0": 1.7}')
+    with pytest.raises(RotationFileError, match="clip ratios are unreadable for layer 0"):
+        rotations.clip_ratios(0)
+    with pytest.raises(RotationFileError, match="unreadable for layer 0"):
+        OscarCache(tiny_model("llama", seed=1), rotations=rotations)
+    rotations.metadata.update(value_clip_ratios='{"0": 0.9}')  # layer 1 missing
+    with pytest.raises(RotationFileError, match="unreadable for layer 1: KeyError"):
+        OscarCache(tiny_model("llama", seed=1), rotations=rotations)
