@@ -56,6 +56,7 @@ def main():
     parser.add_argument("--proxy", nargs="*", default=[])
     parser.add_argument("--configs", help="file with one configuration per line (table order)")
     parser.add_argument("--per-layer", nargs="*", default=[], help="configurations for a per-layer table")
+    parser.add_argument("--plot", default=None, help="PNG of the --per-layer configurations' per-layer curves")
     args = parser.parse_args()
     ppl, proxy = merge_ppl(args.ppl), merge_proxy(args.proxy)
     order = [line.strip() for line in open(args.configs)] if args.configs else sorted(set(ppl) | set(proxy))
@@ -83,6 +84,28 @@ def main():
         for i in layers:
             cells = [f"{proxy[c]['layers'][i][0]:.3f} / {proxy[c]['layers'][i][1]:.4f}" for c in args.per_layer]
             print(f"| {i} | " + " | ".join(cells) + " |")
+    if args.plot:
+        plot_layers(proxy, args.per_layer, args.plot)
+
+
+def plot_layers(proxy, names, path):
+    """Per-layer attention KL and output relative MSE, one curve per configuration (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name in names:
+        layers = sorted(proxy[name]["layers"])
+        for axis, k in zip(axes, (0, 1)):
+            axis.plot(layers, [proxy[name]["layers"][i][k] for i in layers], marker="o", markersize=3, label=name)
+    for axis, title in zip(axes, ("attention-score KL (nats)", "attention output relative MSE")):
+        axis.set(title=title, xlabel="layer", yscale="log")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
