@@ -5,7 +5,7 @@ process of a part (some run under `torchrun` or `accelerate launch`) and writes 
     multi_gpu.py prepare WORK                  random models (bf16 Qwen3, tiny Llama + tokenizer) and rotations
     multi_gpu.py device-map WORK OUT           a. device_map="auto" over the GPUs vs one GPU: tokens, placement
     [torchrun] multi_gpu.py tp-generate WORK OUT   b. greedy tokens with per-KV-head rotations (1 GPU, or TP)
-    multi_gpu.py tp-compare OUT                b. the TP run's tokens vs the single-GPU run's
+    multi_gpu.py tp-compare WORK OUT           b. the TP run's tokens vs the single-GPU run's
     [torchrun] multi_gpu.py throughput WORK OUT    c. decode tokens/s of a Qwen3-32B-shaped model (fewer layers)
     [accelerate launch] multi_gpu.py lm-eval OUT -- ARGS   d. `python -m oscar_hf.lm_eval ARGS`, recording each rank
     multi_gpu.py lm-eval-compare OUT           d. the data-parallel results vs the one-process results
@@ -36,6 +36,8 @@ import generate as decode_bench  # noqa: E402  (bench/generate.py: random_qwen3,
 from oscar_hf import OscarCache, Rotations  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.layer import OscarLayer  # noqa: E402
+from multi_gpu_report import (compare_greedy, describe, lm_eval_outputs, response_diff, row,  # noqa: E402
+                              write_json, write_report)
 
 QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -71,17 +73,6 @@ def distributed() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    print(f"wrote {path}", flush=True)
-
-
-def row(part: str, check: str, status: str, detail: str = "") -> dict:
-    return dict(part=part, check=check, status=status, detail=detail)
-
-
 def load(path: str, dtype=torch.bfloat16, **placement):
     from transformers import AutoModelForCausalLM
 
@@ -105,31 +96,6 @@ def greedy(model, prompt: torch.Tensor, new_tokens: int, **cache_args) -> tuple[
                          **{cache_argument_name(model): cache})
     return dict(tokens=out.sequences[:, prompt.shape[1]:].cpu(),
                 logits=torch.stack(out.logits, 1).float().cpu()), cache
-
-
-def compare_greedy(reference: dict, other: dict) -> dict:
-    """Tokens equal, or the first mismatch with the reference's margin and the logit difference at that step."""
-    ref_tokens, tokens = reference["tokens"], other["tokens"]
-    mismatch = (ref_tokens != tokens).any(0).nonzero()
-    first = int(mismatch[0]) if len(mismatch) else None
-    upto = ref_tokens.shape[1] if first is None else first + 1
-    diff = (reference["logits"][:, :upto] - other["logits"][:, :upto]).abs()
-    result = dict(tokens_equal=first is None, first_mismatch=first, steps=ref_tokens.shape[1],
-                  max_logit_diff=float(diff.max()), logit_scale=float(reference["logits"].abs().max()))
-    if first is None:
-        return dict(result, status="PASS")
-    ref_logits = reference["logits"][:, first]
-    rows = (ref_tokens[:, first] != tokens[:, first]).nonzero()[:, 0]
-    margin = max(float(ref_logits[r, ref_tokens[r, first]] - ref_logits[r, tokens[r, first]]) for r in rows)
-    near_tie = margin <= float(diff[:, first].max())
-    return dict(result, margin_at_mismatch=margin, status="PASS (near-tie)" if near_tie else "FAIL")
-
-
-def describe(comparison: dict) -> str:
-    if comparison["tokens_equal"]:
-        return f"{comparison['steps']} tokens equal; max logit diff {comparison['max_logit_diff']:.2e}"
-    return (f"first mismatch at step {comparison['first_mismatch']}/{comparison['steps']}: reference margin "
-            f"{comparison['margin_at_mismatch']:.3g}, logit diff {comparison['max_logit_diff']:.3g}")
 
 
 def placement_errors(model, cache: OscarCache) -> list[str]:
@@ -235,7 +201,7 @@ def tp_generate(args, profile: Profile) -> None:
         del model, cache
     if rank == 0:
         name = f"tp{world}" if tensor_parallel else "single"
-        torch.save(results, os.path.join(args.out, f"tp-generate-{name}.pt"))
+        torch.save(results, os.path.join(args.work, f"tp-generate-{name}.pt"))  # logits: too big for OUT
         print({k: (v["local_heads"], v["history"]) for k, v in results.items()}, flush=True)
     if tensor_parallel:
         torch.distributed.destroy_process_group()
@@ -243,8 +209,8 @@ def tp_generate(args, profile: Profile) -> None:
 
 def tp_compare(args, profile: Profile) -> None:
     """b. The TP=2 run against the single-device run, per dtype; each rank holds half the KV heads' rotations."""
-    single = torch.load(os.path.join(args.out, "tp-generate-single.pt"))
-    parallel = torch.load(os.path.join(args.out, "tp-generate-tp2.pt"))
+    single = torch.load(os.path.join(args.work, "tp-generate-single.pt"))
+    parallel = torch.load(os.path.join(args.work, "tp-generate-tp2.pt"))
     rows, comparisons = [], {}
     for dtype, reference in single.items():
         other = parallel[dtype]
@@ -318,7 +284,7 @@ def lm_eval_run(args, profile: Profile) -> None:
 
 def lm_eval_compare(args, profile: Profile) -> None:
     """d. The data-parallel run (2 ranks, each its own OscarLM and caches) against the one-process run."""
-    runs = {name: _lm_eval_outputs(os.path.join(args.out, f"lm-eval-{name}")) for name in ("single", "dp")}
+    runs = {name: lm_eval_outputs(os.path.join(args.out, f"lm-eval-{name}")) for name in ("single", "dp")}
     ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(args.out, "lm-eval-dp", "rank-*.json")))]
     rows = []
     dp_ok = len(ranks) == 2 and all(r["world_size"] == 2 and r["caches_built"] > 0 for r in ranks)
@@ -328,7 +294,7 @@ def lm_eval_compare(args, profile: Profile) -> None:
     single, dp = runs["single"], runs["dp"]
     for task in sorted(single["samples"]):
         a, b = single["samples"][task], dp["samples"].get(task, {})
-        worst = max((_response_diff(a[d], b[d]) if d in b else float("inf")) for d in a)
+        worst = max((response_diff(a[d], b[d]) if d in b else float("inf")) for d in a)
         metrics = {k: v for k, v in single["results"][task].items() if not k.endswith("stderr,none") and k != "alias"}
         metrics_dp = {k: dp["results"].get(task, {}).get(k) for k in metrics}
         ok = len(a) == len(b) and worst <= 1e-3
@@ -337,81 +303,10 @@ def lm_eval_compare(args, profile: Profile) -> None:
     write_json(os.path.join(args.out, "lm_eval.json"), dict(rows=rows, ranks=ranks))
 
 
-def _lm_eval_outputs(folder: str) -> dict:
-    """Results per task and samples per task and doc id from an lm-eval `--output_path` folder."""
-    results_file = sorted(glob.glob(os.path.join(folder, "**", "results_*.json"), recursive=True))[-1]
-    samples = {}
-    for path in glob.glob(os.path.join(folder, "**", "samples_*.jsonl"), recursive=True):
-        task = os.path.basename(path)[len("samples_"):].rsplit("_", 1)[0]
-        with open(path) as f:
-            samples[task] = {doc["doc_id"]: doc["filtered_resps"] for doc in map(json.loads, f)}
-    return dict(results=json.load(open(results_file))["results"], samples=samples)
-
-
-def _response_diff(a, b) -> float:
-    """Largest difference between two samples' responses: 0/inf for strings and flags, |x - y| for numbers."""
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return max((_response_diff(x, y) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else float("inf")
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return abs(float(a) - float(b))
-    return 0.0 if a == b else float("inf")
-
-
 def report(args, profile: Profile) -> None:
-    """OUT/results.json and a markdown table: every part's rows, the throughput table, and the steps that failed."""
-    rows = []
-    throughput_rows, throughput_info = _throughput_table(args.out)
-    for name in ("device_map", "tp_generate", "throughput", "lm_eval"):
-        path = os.path.join(args.out, f"{name}.json")
-        rows += throughput_rows if name == "throughput" else json.load(open(path))["rows"] if os.path.exists(path) else []
-    steps = []
-    if os.path.exists(os.path.join(args.out, "steps.tsv")):
-        with open(os.path.join(args.out, "steps.tsv")) as f:
-            steps = [dict(zip(("part", "step", "rc", "seconds", "log"), line.rstrip("\n").split("\t"))) for line in f]
-    for step in steps:
-        if step["rc"] == "nolm_eval":
-            rows.append(row(step["part"], "lm-eval runs", "SKIP", "lm_eval cannot be imported: carry its wheels"))
-        elif step["rc"] != "0":
-            what = {"timeskip": "not run: no time left", "124": "timed out"}.get(step["rc"], f"exit {step['rc']}")
-            rows.append(row(step["part"], f"step {step['step']}", "FAIL",
-                            f"{what} after {step['seconds']} s; see {os.path.basename(step['log'])}"))
-    lines = ["| part | check | status | detail |", "|---|---|---|---|"]
-    lines += [f"| {r['part']} | {r['check']} | {r['status']} | {r['detail']} |" for r in rows]
-    table = "\n".join(lines)
-    failed = [r for r in rows if r["status"].startswith("FAIL")]
-    write_json(os.path.join(args.out, "results.json"),
-               dict(rows=rows, throughput=throughput_info, steps=steps, failed=len(failed), table=table))
-    print(table)
-    print("\n" + throughput_info.get("table", ""))
-    sys.exit(1 if failed or not rows else 0)
-
-
-def _throughput_table(out: str) -> tuple[list[dict], dict]:
-    runs = {}
-    for name in ("1gpu", "tp2"):
-        path = os.path.join(out, f"throughput-{name}.json")
-        if os.path.exists(path):
-            runs[name] = json.load(open(path))
-    if not runs:
-        return [], {}
-    keyed = {name: {(r["context"], r["batch"]): r for r in run["rows"]} for name, run in runs.items()}
-    keys = sorted(set().union(*keyed.values()))
-    lines = ["| ctx | bs | 1 GPU ms/step | TP=2 ms/step | 1 GPU tok/s | TP=2 tok/s | TP speedup | peak GB (1 GPU / "
-             "TP rank 0) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    rows = []
-    for key in keys:
-        one, two = (keyed.get(name, {}).get(key, {"error": "not run"}) for name in ("1gpu", "tp2"))
-        cell = lambda r, f, fmt: fmt.format(r[f]) if "error" not in r else r["error"][:40]  # noqa: E731
-        speedup = f"{one['step_ms'] / two['step_ms']:.2f}x" if "error" not in one and "error" not in two else ""
-        lines.append(f"| {key[0]} | {key[1]} | {cell(one, 'step_ms', '{:.2f}')} | {cell(two, 'step_ms', '{:.2f}')} | "
-                     f"{cell(one, 'tokens_per_s', '{:.1f}')} | {cell(two, 'tokens_per_s', '{:.1f}')} | {speedup} | "
-                     f"{cell(one, 'peak_GB', '{:.1f}')} / {cell(two, 'peak_GB', '{:.1f}')} |")
-        for name, r in (("1 GPU", one), ("TP=2", two)):
-            if "error" in r:
-                rows.append(row("c. throughput", f"{name} ctx {key[0]} bs {key[1]}", "FAIL", r["error"][:200]))
-    rows.append(row("c. throughput", "decode measured (table below)", "FAIL" if rows else "PASS",
-                    "; ".join(f"{n}: {json.dumps(run['info'])}" for n, run in runs.items())))
-    return rows, dict(runs=runs, table="\n".join(lines))
+    """OUT/results.json and the markdown table; exits 1 when a check failed or nothing ran."""
+    failed = write_report(args.out)
+    sys.exit(1 if failed else 0)
 
 
 PARTS = {"prepare": prepare, "device-map": device_map_part, "tp-generate": tp_generate, "tp-compare": tp_compare,
@@ -433,7 +328,7 @@ def main() -> None:
     parser.add_argument("--fake-cuda-count", type=int, default=0, help="lm-eval on CPU: pretend N CUDA devices")
     args = parser.parse_args(argv)
     args.lm_eval_args = lm_eval_args
-    uses_work = args.part in ("prepare", "device-map", "tp-generate", "throughput")
+    uses_work = args.part in ("prepare", "device-map", "tp-generate", "tp-compare", "throughput")
     args.work = args.dirs[0] if uses_work else None
     args.out = args.dirs[-1] if args.part != "prepare" else None
     if args.out:

@@ -25,6 +25,7 @@ launch=("$py" -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_
         --dynamo_backend no)
 if [ "$smoke" = --smoke ]; then
   flags=(--smoke); sizes=(--layers 2 --contexts 300,500 --batches 1,2); device=cpu
+  export OMP_NUM_THREADS=1  # two processes share the cores; more threads only contend
   dp_env=(env ACCELERATE_USE_CPU=1); dp_flags=(--fake-cuda-count 2)
 else
   flags=(); sizes=(--layers "${LAYERS:-16}" --contexts "${CONTEXTS:-32768,100000}" --batches "${BATCHES:-1,8}")
@@ -54,7 +55,7 @@ step prepare prepare 90 "$py" $mg prepare "$work" "${flags[@]}"
 step "a. device_map" device_map 90 "$py" $mg device-map "$work" "$out" "${flags[@]}"
 step "b. tensor parallel" tp_single 60 "$py" $mg tp-generate "$work" "$out" "${flags[@]}"
 step "b. tensor parallel" tp_tp2 90 "${torchrun[@]}" $mg tp-generate "$work" "$out" "${flags[@]}"
-step "b. tensor parallel" tp_compare 30 "$py" $mg tp-compare "$out" "${flags[@]}"
+step "b. tensor parallel" tp_compare 30 "$py" $mg tp-compare "$work" "$out" "${flags[@]}"
 step "c. throughput" throughput_1gpu 180 "$py" $mg throughput "$work" "$out" --save "${sizes[@]}" "${flags[@]}"
 step "c. throughput" throughput_tp2 150 "${torchrun[@]}" $mg throughput "$work" "$out" "${sizes[@]}" "${flags[@]}"
 rm -rf "$work/big"
