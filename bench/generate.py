@@ -39,6 +39,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E4
 
 from oscar_hf import OscarCache, use_oscar_attention  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
+from oscar_hf.parallel import tensor_parallel_position  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -77,12 +78,17 @@ def build_model(smoke=False):
     if smoke:  # a tiny model on CPU, to check the script runs
         options.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    return random_qwen3(options, DEVICE)
+
+
+def random_qwen3(options: dict, device, dtype=torch.bfloat16, seed: int = 0):
+    """A Qwen3ForCausalLM of `Qwen3Config(**options)` with random weights, built directly on `device` in `dtype`."""
     config = Qwen3Config(**options)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # build in bf16 directly (no float32 copy of 8B weights)
+    torch.set_default_dtype(dtype)  # build in bf16 directly (no float32 copy of 8B weights)
     try:
-        with torch.device(DEVICE):
+        with torch.device(device):
             model = Qwen3ForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(default_dtype)
@@ -93,7 +99,8 @@ def build_model(smoke=False):
 def fill_oscar(model, batch, context, chunk=8192):
     cache = OscarCache(model, rotations="hadamard")
     cfg = model.config
-    shape = (batch, cfg.num_key_value_heads, chunk, cfg.head_dim)
+    heads = cfg.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
+    shape = (batch, heads, chunk, cfg.head_dim)
     k = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     for layer in cache.layers:

@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random models of several families, and the real SmolLM2-135M (slow tests only)."""
+"""Shared fixtures: tiny random models of several families, a tokenizer for the local lm-eval task, and the real
+SmolLM2-135M (slow tests only)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -17,6 +19,7 @@ import transformers  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 
 VOCAB = 96
+LM_EVAL_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_task")
 
 
 def tiny_config(family: str, **overrides):
@@ -87,3 +90,19 @@ def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 96, head_dim: int = 
 @pytest.fixture
 def tiny_llama_model():
     return tiny_llama()
+
+
+def tiny_tokenizer():
+    """A whitespace word-level tokenizer over the words of the local lm-eval task (`lm_eval_task/tiny.jsonl`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = set()
+    with open(os.path.join(LM_EVAL_TASKS, "tiny.jsonl")) as f:
+        for line in f:
+            doc = json.loads(line)
+            words.update(doc["context"].split(), doc["answer"].split(), *(c.split() for c in doc["choices"]))
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[EOS]", *sorted(words)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")

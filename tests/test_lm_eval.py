@@ -3,7 +3,6 @@ generation runs through a fresh OscarCache per call, and the CLI entry point run
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,31 +14,16 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.diagnostics.generation import greedy_through_cache  # noqa: E402
 from oscar_hf.lm_eval import OscarLM  # noqa: E402
 
-from conftest import tiny_llama  # noqa: E402
+from conftest import LM_EVAL_TASKS as TASKS, tiny_llama, tiny_tokenizer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASKS = os.path.join(REPO, "tests", "lm_eval_task")
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    words = set()
-    with open(os.path.join(TASKS, "tiny.jsonl")) as f:
-        for line in f:
-            doc = json.loads(line)
-            words.update(doc["context"].split(), doc["answer"].split(), *(c.split() for c in doc["choices"]))
-    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[EOS]", *sorted(words)])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
 
 
 @pytest.fixture(scope="module")

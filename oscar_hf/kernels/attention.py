@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreting
+from .common import launch_device
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -548,23 +549,24 @@ def attention_partials(
     hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
-    _attention_partials_kernel[grid](
-        query, query.stride(0), query.stride(1), query.stride(2),
-        rotated_query, rotated_query.stride(0), rotated_query.stride(1), rotated_query.stride(2),
-        keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
-        values.stride(2),
-        hk, *(hk.stride()[:3] if hist_len else (0, 0, 0)), hkz, *hkz_strides,
-        hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
-        m, *m_strides,
-        rk, *rk_strides,
-        partial_out, partial_lse,
-        q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
-        plan.dense_split_len, plan.history_split_len, plan.total_splits,
-        scaling, 1.0 if softcap is None else softcap,
-        D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
-        BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
-        HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
-        ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
-        SZ_DT=sz_dt,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    with launch_device(query):
+        _attention_partials_kernel[grid](
+            query, query.stride(0), query.stride(1), query.stride(2),
+            rotated_query, rotated_query.stride(0), rotated_query.stride(1), rotated_query.stride(2),
+            keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
+            values.stride(2),
+            hk, *(hk.stride()[:3] if hist_len else (0, 0, 0)), hkz, *hkz_strides,
+            hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
+            m, *m_strides,
+            rk, *rk_strides,
+            partial_out, partial_lse,
+            q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
+            plan.dense_split_len, plan.history_split_len, plan.total_splits,
+            scaling, 1.0 if softcap is None else softcap,
+            D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
+            BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
+            HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
+            ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
+            SZ_DT=sz_dt,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )

@@ -1,9 +1,25 @@
-"""Small `@triton.jit` helpers shared by the kernels (no kernels here)."""
+"""Small helpers shared by the kernels (no kernels here): `@triton.jit` functions and the launch-device guard."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
+
+
+def launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make `tensor`'s CUDA device the current one around a launch.
+
+    Triton launches on the current device and its stream, not on the device of the tensors it is given, so a layer
+    placed on cuda:1 by a `device_map` would otherwise run its kernels from cuda:0. A no-op when the device is
+    already current, and off CUDA (the interpreter).
+    """
+    device = tensor.device
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 @triton.jit

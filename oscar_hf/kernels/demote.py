@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..quantize import SCALE_FLOOR, clip_index, zero_limit
-from .common import round_to
+from .common import launch_device, round_to
 
 _BISECT_STEPS = tl.constexpr(31)  # the bit patterns of |x| lie in [0, 0x7F800000]: 31 halvings isolate one
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
@@ -153,8 +153,9 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16) -> None:
     if len(args) == 1:
         args.append(args[0])
     grid = (triton.cdiv(n, block_tokens), heads, batch * len(pairs))
-    _demote_kernel[grid](
-        *args[0], *args[1], n,
-        D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None, NUM_TENSORS=len(pairs),
-        BLOCK_T=block_tokens, BLOCK_K=min(d, 32), num_warps=4,
-    )
+    with launch_device(x):
+        _demote_kernel[grid](
+            *args[0], *args[1], n,
+            D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,
+            NUM_TENSORS=len(pairs), BLOCK_T=block_tokens, BLOCK_K=min(d, 32), num_warps=4,
+        )

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import round_to
+from .common import launch_device, round_to
 
 
 @triton.jit(do_not_specialize=["total_splits", "plain_splits"])
@@ -125,10 +125,11 @@ def merge_splits(
     rows = groups * q_len
     block_m = 16
     grid = (triton.cdiv(rows, block_m), batch * kv_heads)
-    _merge_kernel[grid](
-        partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
-        out, sob, soh, sol, lse_target, *lse_strides,
-        q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
-        D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
-        num_warps=4,
-    )
+    with launch_device(out):
+        _merge_kernel[grid](
+            partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
+            out, sob, soh, sol, lse_target, *lse_strides,
+            q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
+            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            num_warps=4,
+        )
