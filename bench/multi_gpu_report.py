@@ -55,7 +55,13 @@ def lm_eval_outputs(folder: str) -> dict:
 
 
 def response_diff(a, b) -> float:
-    """Largest difference between two samples' responses: 0/inf for strings and flags, |x - y| for numbers."""
+    """Largest difference between two samples' responses: |x - y| for numbers (also when lm-eval wrote them as
+    strings, as it does for loglikelihood_rolling), else 0/inf for strings and flags."""
+    if isinstance(a, str) and isinstance(b, str):
+        try:
+            a, b = float(a), float(b)
+        except ValueError:
+            pass
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return max((response_diff(x, y) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else float("inf")
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
