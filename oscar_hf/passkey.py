@@ -137,9 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="out/passkey")
     args = p.parse_args(argv)
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
     available = builtin_methods(args.rotations)
-    methods = [available[n.strip()] for n in args.methods.split(",") if n.strip()]
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(available)}")
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    methods = [available[n] for n in names]
     probes = make_probes(tokenizer, [int(x) for x in args.lengths.split(",")],
                          [float(x) for x in args.depths.split(",")], seed=args.seed)
     start = time.time()
