@@ -175,15 +175,21 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     return row
 
 
-def sweep(copy_bw):
-    """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig)."""
+SWEEP_CONFIGS = {  # (tokens per tile, warps, stages, inline-PTX unpack, programs per SM)
+    128: [(128, 4, 3, True, 4), (128, 4, 4, True, 4), (128, 4, 3, True, 8), (128, 4, 3, True, 16),
+          (256, 4, 3, True, 4), (64, 4, 4, True, 8), (128, 4, 3, False, 4), (128, 8, 4, True, 8)],
+    64: [(128, 4, 3, True, 4), (256, 4, 3, True, 4), (256, 8, 3, True, 4), (128, 2, 3, True, 8),
+         (64, 2, 3, True, 8), (128, 4, 2, True, 4), (256, 4, 4, True, 8), (512, 8, 3, True, 4)],
+}
+
+
+def sweep(copy_bw, dim=128):
+    """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig at this head_dim)."""
     configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p)
-               for b, w, s, a, p in [(128, 4, 3, True, 4), (128, 4, 4, True, 4), (128, 4, 3, True, 8),
-                                     (128, 4, 3, True, 16), (256, 4, 3, True, 4), (64, 4, 4, True, 8),
-                                     (128, 4, 3, False, 4), (128, 8, 4, True, 8)]]
+               for b, w, s, a, p in SWEEP_CONFIGS[dim]]
     out = []
     for batch, context in [(1, 100_000), (8, 100_000), (32, 32768), (1, 4096)]:
-        case = Case(batch, context, 128, TritonBackend())
+        case = Case(batch, context, dim, TritonBackend())
         for cfg in configs:
             backend = TritonBackend(launch=cfg)
             name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{'asm' if cfg.asm_unpack else 'plain'}"
@@ -191,8 +197,9 @@ def sweep(copy_bw):
             try:
                 ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw
-                out.append(dict(batch=batch, context=context, config=cfg.__dict__, ms=ms, int2_copy_frac=frac))
-                print(f"sweep bs={batch} ctx={context} {name}: {ms:.3f} ms, INT2 {100 * frac:.0f}% of copy",
+                out.append(dict(dim=dim, batch=batch, context=context, config=cfg.__dict__, ms=ms,
+                                int2_copy_frac=frac))
+                print(f"sweep d={dim} bs={batch} ctx={context} {name}: {ms:.3f} ms, INT2 {100 * frac:.0f}% of copy",
                       flush=True)
             except Exception as exc:  # a configuration that does not compile or fit
                 print(f"sweep {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -254,6 +261,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time stage-1 launch configurations")
+    parser.add_argument("--sweep-dim", type=int, default=128, choices=sorted(SWEEP_CONFIGS),
+                        help="head_dim of the sweep (its best config is used for the table)")
     parser.add_argument("--dims", default="128,64")
     parser.add_argument("--launch-out", default=None, help="write the launch config used (JSON) here")
     args = parser.parse_args()
@@ -261,7 +270,7 @@ def main():
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    sweep_rows = sweep(copy_bw) if args.sweep else []
+    sweep_rows = sweep(copy_bw, args.sweep_dim) if args.sweep else []
     launch = best_config(sweep_rows) if sweep_rows else LaunchConfig()
     backend = usable_backend(launch)
     print(f"launch config for the table: {backend.launch}", flush=True)
