@@ -177,7 +177,8 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 
 SWEEP_CONFIGS = {  # (tokens per tile, warps, stages, inline-PTX unpack, programs per SM)
     128: [(128, 4, 3, True, 4), (128, 4, 4, True, 4), (128, 4, 3, True, 8), (128, 4, 3, True, 16),
-          (256, 4, 3, True, 4), (64, 4, 4, True, 8), (128, 4, 3, False, 4), (128, 8, 4, True, 8)],
+          (256, 4, 3, True, 4), (64, 4, 4, True, 8), (128, 4, 3, False, 4), (128, 8, 4, True, 8),
+          (128, 2, 3, True, 8), (128, 2, 3, True, 4), (64, 2, 3, True, 8), (128, 2, 4, True, 8)],
     64: [(128, 4, 3, True, 4), (256, 4, 3, True, 4), (256, 8, 3, True, 4), (128, 2, 3, True, 8),
          (64, 2, 3, True, 8), (128, 4, 2, True, 4), (256, 4, 4, True, 8), (512, 8, 3, True, 4)],
 }
