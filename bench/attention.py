@@ -34,7 +34,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.attention import LaunchConfig  # noqa: E402
+from oscar_hf.kernels.attention import DEFAULT_LAUNCH, LaunchConfig  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.rotation import hadamard_matrix  # noqa: E402
 
@@ -223,8 +223,14 @@ def best_config(rows) -> LaunchConfig:
     return LaunchConfig(**json.loads(min(complete, key=complete.get))) if complete else LaunchConfig()
 
 
-def usable_backend(launch: LaunchConfig) -> TritonBackend:
-    """`launch`, or the same without inline PTX if that does not compile here."""
+def _launch_record(backend: TritonBackend) -> dict:
+    if backend.launch is not None:
+        return backend.launch.__dict__
+    return {str(d): backend.launch_for(d).__dict__ for d in (64, 128, 256)}
+
+
+def usable_backend(launch: LaunchConfig | None) -> TritonBackend:
+    """`launch` (None: the per-head_dim defaults), or the same without inline PTX if that does not compile here."""
     backend = TritonBackend(launch=launch)
     try:
         case = Case(1, 4096, 128, backend)
@@ -234,7 +240,7 @@ def usable_backend(launch: LaunchConfig) -> TritonBackend:
     except Exception as exc:
         print(f"launch config {launch} failed ({type(exc).__name__}: {str(exc)[:300]}); without inline PTX",
               flush=True)
-        return TritonBackend(launch=LaunchConfig(**{**launch.__dict__, "asm_unpack": False}))
+        return TritonBackend(launch=LaunchConfig(**{**(launch or LaunchConfig()).__dict__, "asm_unpack": False}))
 
 
 def table(rows, copy_bw):
@@ -272,12 +278,12 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     sweep_rows = sweep(copy_bw, args.sweep_dim) if args.sweep else []
-    launch = best_config(sweep_rows) if sweep_rows else LaunchConfig()
+    launch = best_config(sweep_rows) if sweep_rows else None
     backend = usable_backend(launch)
-    print(f"launch config for the table: {backend.launch}", flush=True)
+    print(f"launch config for the table: {backend.launch or 'per head_dim: ' + str(DEFAULT_LAUNCH)}", flush=True)
     if args.launch_out:
         with open(args.launch_out, "w") as f:
-            json.dump(backend.launch.__dict__, f)
+            json.dump(_launch_record(backend), f)
     rows = []
     for dim in [int(d) for d in args.dims.split(",")]:
         for context in CONTEXTS:
@@ -296,7 +302,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                            device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           copy_bandwidth=copy_bw, launch=backend.launch.__dict__, rows=rows, sweep=sweep_rows,
+                           copy_bandwidth=copy_bw, launch=_launch_record(backend), rows=rows, sweep=sweep_rows,
                            table=text), f, indent=1)
 
 

@@ -128,6 +128,16 @@ def test_history_partial_other_launch_configs(block_n, asm_unpack):
     _assert_lse(lse, ref_lse, TOLERANCE["history"][1])
 
 
+def test_default_launch_follows_the_head_dim_unless_one_is_given():
+    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.backend import TritonBackend
+
+    assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=2, programs_per_sm=8)
+    assert TritonBackend().launch_for(128) == LaunchConfig() == TritonBackend().launch_for(256)
+    given = LaunchConfig(block_n_history=64)
+    assert TritonBackend(launch=given).launch_for(64) is given
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
 def test_dense_partial_matches_reference(dtype, mask_kind):

@@ -414,6 +414,16 @@ class LaunchConfig:
     programs_per_sm: int = 4  # stage-1 programs to aim for per multiprocessor (sets the split count)
 
 
+# Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md): at head_dim 64, 2 warps and
+# 8 programs per SM take 0.52 ms instead of 0.97 ms at 100k tokens / batch 8; at 128 the 4-warp default is best.
+DEFAULT_LAUNCH: dict[int, LaunchConfig] = {64: LaunchConfig(num_warps=2, programs_per_sm=8)}
+
+
+def default_launch(head_dim: int) -> LaunchConfig:
+    """The measured best stage-1 launch configuration for `head_dim` (`LaunchConfig()` where none was swept)."""
+    return DEFAULT_LAUNCH.get(head_dim, LaunchConfig())
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """How the keys are cut: `dense_splits` splits of `dense_split_len` dense keys, then `history_splits` of

@@ -18,7 +18,7 @@ import torch
 
 from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
-from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, plan_splits
+from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, default_launch, plan_splits
 from .demote import demote_rows
 from .merge import merge_splits
 
@@ -37,7 +37,8 @@ class TritonBackend(ReferenceBackend):
             multiprocessor).
         min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
             splits on small inputs).
-        launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`).
+        launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`); default: the measured best for
+            the head_dim (`default_launch`).
     """
 
     name = "triton"
@@ -45,12 +46,12 @@ class TritonBackend(ReferenceBackend):
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
                  min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None):
         super().__init__(history_chunk=history_chunk)
-        self.launch = launch or LaunchConfig()
+        self.launch = launch
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._programs: dict[torch.device, int] = {}
+        self._sms: dict[torch.device, int] = {}
         self._halves: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
@@ -137,7 +138,8 @@ class TritonBackend(ReferenceBackend):
                 rotated = _rotate_query(query, key_rotation, kv_heads)
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.length if tensors is not None else 0
-        plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len)
+        launch = self.launch_for(dim)
+        plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
         if plan.total_splits == 0:  # nothing to attend: an empty softmax
             out.zero_()
             if lse_out is not None:
@@ -146,7 +148,7 @@ class TritonBackend(ReferenceBackend):
         rows = batch * q_heads * q_len * plan.total_splits
         partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, self.launch)
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out)
 
@@ -162,18 +164,22 @@ class TritonBackend(ReferenceBackend):
         self._halves[key] = (weakref.ref(rotation), halves)
         return halves
 
-    def plan(self, device, batch, kv_heads, rows, dense_len, hist_len) -> SplitPlan:
-        return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device),
-                           self.min_dense_tokens, self.min_history_tokens,
-                           block_n_history=self.launch.block_n_history)
+    def launch_for(self, head_dim: int) -> LaunchConfig:
+        """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""
+        return self.launch if self.launch is not None else default_launch(head_dim)
 
-    def _target(self, device: torch.device) -> int:
+    def plan(self, device, batch, kv_heads, rows, dense_len, hist_len, launch: LaunchConfig) -> SplitPlan:
+        return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device, launch),
+                           self.min_dense_tokens, self.min_history_tokens,
+                           block_n_history=launch.block_n_history)
+
+    def _target(self, device: torch.device, launch: LaunchConfig) -> int:
         if self.target_programs is not None:
             return self.target_programs
-        if device not in self._programs:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-            self._programs[device] = self.launch.programs_per_sm * sms
-        return self._programs[device]
+        if device not in self._sms:
+            self._sms[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                                 if device.type == "cuda" else 4)
+        return launch.programs_per_sm * self._sms[device]
 
     def _workspace(self, device: torch.device, out_numel: int, lse_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat float32 scratch for the split outputs and log-sum-exps, reused across calls on the same device
