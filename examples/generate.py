@@ -1,13 +1,15 @@
 """Generate from SmolLM2-135M with a long prompt through OscarCache, on the CPU.
 
-    python examples/generate.py [--method hadamard] [--rotations PATH_OR_REPO] [--prompt-tokens 1500]
+    python examples/generate.py [--rotations PATH_OR_REPO|hadamard] [--method ...] [--prompt-tokens 1500]
 
-The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history.
+The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history. The default
+rotations are the calibrated SmolLM2 ones shipped in `rotations/smollm2-135m` (made by `oscar-calibrate`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -17,11 +19,14 @@ from oscar_hf import OscarCache
 from oscar_hf.assets import load_smollm2, play_text
 from oscar_hf.compat import cache_argument_name
 
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotations", "smollm2-135m")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default=None, help="oscar | hadamard | quarot | clip | identity | none")
-    parser.add_argument("--rotations", default=None, help="'hadamard', 'identity', a folder or a Hub repo id")
+    parser.add_argument("--rotations", default=SHIPPED if os.path.isdir(SHIPPED) else "hadamard",
+                        help="'hadamard', 'identity', a folder or a Hub repo id (default: the shipped SmolLM2 ones)")
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args()
