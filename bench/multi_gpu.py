@@ -190,14 +190,16 @@ def tp_generate(args, profile: Profile) -> None:
     tensor_parallel = world > 1
     rotations = Rotations.from_pretrained(os.path.join(args.work, "rotations"))
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    # "none": the same tiers, rotations and merge without quantization, where a 2-bit code cannot flip on an
+    # ulp-level difference of the sharded matmuls: the strict check of the head slicing.
+    for dtype, method in ((torch.float32, "oscar"), (torch.bfloat16, "oscar"), (torch.float32, "none")):
         placement = dict(tp_plan="auto") if tensor_parallel else dict(device_map=first_device(profile))
         model = load(os.path.join(args.work, "small"), dtype=dtype, **placement)
         prompt = prompt_ids(profile, model.config.vocab_size)
-        result, cache = greedy(model, prompt, profile.new_tokens, rotations=rotations, method="oscar",
+        result, cache = greedy(model, prompt, profile.new_tokens, rotations=rotations, method=method,
                                **profile.cache_options)
         result.update(local_heads=cache.layers[0].key_rotation.shape[0], history=cache.layers[0].history_length)
-        results[str(dtype).removeprefix("torch.")] = result
+        results[str(dtype).removeprefix("torch.") + ("" if method == "oscar" else f", method {method}")] = result
         del model, cache
     if rank == 0:
         name = f"tp{world}" if tensor_parallel else "single"
