@@ -78,7 +78,7 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     """
     calibrated = rotations is not None
     oscar_method = "oscar" if calibrated else "hadamard"
-    oscar_label = "OSCAR (calibrated)" if calibrated else "OSCAR (Hadamard; calibrated pending)"
+    oscar_label = "OSCAR (calibrated)" if calibrated else "OSCAR (Hadamard)"
     kivi = dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=32, residual_length=128)
     methods = [
         Method("bf16", "BF16 (DynamicCache)", lambda m: DynamicCache(config=getattr(m, "config", m))),
