@@ -15,9 +15,7 @@ import os
 import shutil
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
-from generate import QWEN3_8B  # noqa: E402  (bench/ is on sys.path when run as a script)
+from generate import QWEN3_8B, random_qwen3  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def main() -> None:
@@ -34,14 +32,7 @@ def main() -> None:
         options.update(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(Qwen3Config(**options))
-    finally:
-        torch.set_default_dtype(default)
+    model = random_qwen3(options, device)
     model.save_pretrained(args.out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if os.path.exists(os.path.join(args.tokenizer, name)):

@@ -115,26 +115,25 @@ def fill_oscar(model, batch, context, chunk=8192):
     return cache
 
 
-def fill_dynamic(model, batch, context):
-    cache = DynamicCache()
+def _fill_every_layer(cache, model, batch, context):
+    """One `update` of `context` random BF16 tokens per layer (a one-shot prefill's K/V); returns `cache`."""
     cfg = model.config
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
     for i in range(cfg.num_hidden_layers):
-        shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
         cache.update(torch.randn(shape, device=DEVICE, dtype=torch.bfloat16),
                      torch.randn(shape, device=DEVICE, dtype=torch.bfloat16), i)
     return cache
+
+
+def fill_dynamic(model, batch, context):
+    return _fill_every_layer(DynamicCache(), model, batch, context)
 
 
 def fill_quanto(model, batch, context):
     from transformers import QuantizedCache
 
     cache = QuantizedCache(backend="quanto", config=model.config, nbits=2, q_group_size=64, residual_length=128)
-    cfg = model.config
-    for i in range(cfg.num_hidden_layers):
-        shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-        cache.update(torch.randn(shape, device=DEVICE, dtype=torch.bfloat16),
-                     torch.randn(shape, device=DEVICE, dtype=torch.bfloat16), i)
-    return cache
+    return _fill_every_layer(cache, model, batch, context)
 
 
 FILLERS = {"oscar": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto}
