@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_hf.rotations import Rotations
+from oscar_hf.rotations import Rotations, recorded_clip_ratios
 
 from .attention_error import AttentionErrorProbe, Candidate, ClipRatio
 
@@ -120,13 +120,8 @@ def search_clip_ratios(
 
 def clip_ratios_from_metadata(metadata: Mapping[str, str]):
     """(key, value) clip ratios recorded by the search: floats/None, `{layer: ratio}` dicts, or (None, None)
-    when the metadata holds none (then the preset's ratios apply). `Rotations.clip_ratios` reads them per layer."""
-    if "key_clip_ratios" in metadata:
-        return ({int(i): r for i, r in json.loads(metadata["key_clip_ratios"]).items()},
-                {int(i): r for i, r in json.loads(metadata["value_clip_ratios"]).items()})
-    if "key_clip_ratio" in metadata:
-        return json.loads(metadata["key_clip_ratio"]), json.loads(metadata["value_clip_ratio"])
-    return None, None
+    when the metadata holds none (then the preset's ratios apply). See `oscar_hf.rotations.recorded_clip_ratios`."""
+    return recorded_clip_ratios(metadata) or (None, None)
 
 
 def apply_clip_ratios(cache, key: ClipRatio | Mapping[int, ClipRatio], value: ClipRatio | Mapping[int, ClipRatio]):

@@ -98,18 +98,15 @@ class Rotations:
 
     def clip_ratios(self, layer_idx: int) -> tuple[float | None, float | None] | None:
         """(key, value) clip ratios recorded for `layer_idx` by a clip search (None in a pair: no clipping), or None
-        when the metadata records none. Metadata keys: `key_clip_ratios`/`value_clip_ratios` (JSON `{layer:
-        ratio}`) or `key_clip_ratio`/`value_clip_ratio` (one JSON ratio for every layer)."""
+        when the metadata records none (`recorded_clip_ratios`)."""
         try:
-            if "key_clip_ratios" in self.metadata:
-                key, value = (json.loads(self.metadata[f"{side}_clip_ratios"]) for side in ("key", "value"))
-                return _ratio(key[str(layer_idx)]), _ratio(value[str(layer_idx)])
-            if "key_clip_ratio" in self.metadata:
-                return tuple(_ratio(json.loads(self.metadata[f"{side}_clip_ratio"])) for side in ("key", "value"))
+            recorded = recorded_clip_ratios(self.metadata)
+            if recorded is None:
+                return None
+            return tuple(r[layer_idx] if isinstance(r, dict) else r for r in recorded)
         except (KeyError, ValueError, TypeError) as error:
             raise RotationFileError(f"the rotations' recorded clip ratios are unreadable for layer {layer_idx}: "
                                     f"{error!r}") from error
-        return None
 
     def save_pretrained(self, folder: str | os.PathLike) -> str:
         """Write `folder/oscar_rotations.safetensors`; returns the file path."""
@@ -176,6 +173,21 @@ class Rotations:
         kind = "per KV head" if self.per_head else "shared per layer"
         objective = self.metadata.get("objective", "?")
         return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
+
+
+def recorded_clip_ratios(metadata: Mapping[str, str]):
+    """(key, value) clip ratios a clip search recorded in rotations metadata, or None when there are none.
+
+    Each side is one ratio for every layer (`key_clip_ratio` / `value_clip_ratio`: a JSON number or null) or a
+    `{layer: ratio}` dict (`key_clip_ratios` / `value_clip_ratios`: JSON objects). Raises ValueError (or
+    KeyError / TypeError) on malformed entries or ratios outside (0, 1].
+    """
+    if "key_clip_ratios" in metadata:
+        return tuple({int(i): _ratio(r) for i, r in json.loads(metadata[f"{side}_clip_ratios"]).items()}
+                     for side in ("key", "value"))
+    if "key_clip_ratio" in metadata:
+        return tuple(_ratio(json.loads(metadata[f"{side}_clip_ratio"])) for side in ("key", "value"))
+    return None
 
 
 def _ratio(value) -> float | None:
