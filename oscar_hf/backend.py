@@ -1,8 +1,8 @@
 """The one dispatch point between the PyTorch reference and the Triton kernels.
 
 A backend implements these operations; `backend_for(device)` picks one per device, once:
-- `demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out)`: rotate, clip, quantize and pack rows
-  `x` `[B, H, n, d]` into the given output views;
+- `demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax")`: rotate, clip, quantize
+  and pack rows `x` `[B, H, n, d]` into the given output views (`encoder`: `OscarConfig.encoder`);
 - `demote_kv(keys, values, ...)`: `demote` for a layer's keys and values together (one kernel launch);
 - `dense_attention(query, key, value, mask, scaling, softcap) -> (out, lse)`: the BF16 tiers' partial;
 - `history_attention(query, history, key_rotation, value_rotation, mask, scaling, softcap) -> (out, lse)`: the
@@ -32,15 +32,15 @@ class ReferenceBackend:
     def __init__(self, history_chunk: int = 4096):
         self.history_chunk = history_chunk
 
-    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out) -> None:
-        packed, scale_zero = quantize_pack(rotate(x, rotation), bits, clip_ratio, scale_zero_out.dtype)
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
+        packed, scale_zero = quantize_pack(rotate(x, rotation), bits, clip_ratio, scale_zero_out.dtype, encoder)
         codes_out.copy_(packed)
         scale_zero_out.copy_(scale_zero)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out) -> None:
-        self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out)
-        self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out)
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+        self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out, encoder)
+        self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out, encoder)
 
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):
         return dense_partial(query, key, value, mask, scaling, softcap)

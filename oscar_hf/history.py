@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .config import OscarConfig
-from .quantize import quantize_pack, unpack_dequantize
+from .quantize import unpack_dequantize
 from .rotation import rotate
 
 
@@ -94,18 +94,9 @@ class QuantizedHistory(_History):
         self._reserve(n)
         span = slice(self.length, self.length + n)
         cfg = self.config
-        if cfg.encoder == "minmax":
-            backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
-                              cfg.bits, self.key_codes[:, :, span], self.key_scale_zero[:, :, span],
-                              self.value_codes[:, :, span], self.value_scale_zero[:, :, span])
-        else:  # opt-in encoders have a PyTorch reference only; the stored format is the same
-            for rows, rotation, clip, codes, scale_zero in (
-                (keys, key_rotation, cfg.key_clip_ratio, self.key_codes, self.key_scale_zero),
-                (values, value_rotation, cfg.value_clip_ratio, self.value_codes, self.value_scale_zero),
-            ):
-                packed, pairs = quantize_pack(rotate(rows, rotation), cfg.bits, clip, scale_zero.dtype, cfg.encoder)
-                codes[:, :, span] = packed
-                scale_zero[:, :, span] = pairs
+        backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
+                          cfg.bits, self.key_codes[:, :, span], self.key_scale_zero[:, :, span],
+                          self.value_codes[:, :, span], self.value_scale_zero[:, :, span], cfg.encoder)
         self.length += n
 
     def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,3 +126,21 @@ def test_demote_with_hadamard_matches_reference_codes_mostly():
     got = unpack_codes(codes, bits)
     assert (got != ref_codes).float().mean().item() <= 1e-3
     assert ((got.int() - ref_codes.int()).abs() <= 1).all()
+
+
+def test_opt_in_encoder_demotes_through_the_reference():
+    """`OscarConfig(encoder="lloyd")` has no kernel: the Triton backend hands it to the reference (Lloyd codes)."""
+    dim, bits = 64, 2
+    cfg = OscarConfig(encoder="lloyd")
+    keys = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16)
+    values = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16) * 0.5
+    stored = []
+    for backend in (TritonBackend(), ReferenceBackend()):
+        history = QuantizedHistory(BATCH, HEADS, dim, dim, cfg, DEVICE)
+        history.append(keys, values, None, None, backend)
+        stored.append(history)
+    for name in stored[0]._names:
+        assert torch.equal(getattr(stored[0], name)[:, :, :TOKENS], getattr(stored[1], name)[:, :, :TOKENS]), name
+    lloyd = quantize_pack(keys.float(), bits, cfg.key_clip_ratio, cfg.scale_dtype, "lloyd")[0]
+    minmax = quantize_pack(keys.float(), bits, cfg.key_clip_ratio, cfg.scale_dtype)[0]
+    assert torch.equal(stored[0].key_codes[:, :, :TOKENS], lloyd) and not torch.equal(lloyd, minmax)

@@ -55,7 +55,7 @@ class EncoderBackend(ReferenceBackend):
         super().__init__(history_chunk)
         self.encoder = encoder
 
-    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out):
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax"):
         codes, scale_zero = self.encoder(rotate(x, rotation), bits, clip_ratio, scale_zero_out.dtype)
         codes_out.copy_(pack_codes(codes, bits))
         scale_zero_out.copy_(scale_zero)

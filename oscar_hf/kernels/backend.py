@@ -55,16 +55,17 @@ class TritonBackend(ReferenceBackend):
         self._halves: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
-    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out) -> None:
-        if not _kernel_head_dim(x.shape[-1]):
-            return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out)
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
+        if encoder != "minmax" or not _kernel_head_dim(x.shape[-1]):  # opt-in encoders: the reference only
+            return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder)
         demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out) -> None:
-        if keys.shape != values.shape or not _kernel_head_dim(keys.shape[-1]):
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+        if encoder != "minmax" or keys.shape != values.shape or not _kernel_head_dim(keys.shape[-1]):
             return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
-                                     bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out)
+                                     bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
+                                     encoder)
         demote_rows([(keys, key_rotation, key_clip_ratio, key_codes_out, key_scale_zero_out),
                      (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits)
 
