@@ -96,9 +96,9 @@ def test_demote_with_rotation_differs_only_at_rounding_ties(per_head, dim):
     torch.testing.assert_close(scale_zero.float(), ref_scale_zero.float(), rtol=2e-3, atol=1e-6)
 
 
-def test_demote_kv_writes_keys_and_values_in_one_launch():
-    dim, bits = 128 if ON_GPU else 64, 2
-    cfg = OscarConfig(scale_dtype="float16")
+def _assert_histories_equal(cfg, dim):
+    """Append the same rows through the Triton and the reference backend into poisoned histories; assert every
+    stored tensor equal. Returns the (kernel) history and the keys."""
     keys = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16)
     values = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16) * 0.5
     histories = []
@@ -112,6 +112,11 @@ def test_demote_kv_writes_keys_and_values_in_one_launch():
     kernel, reference = histories
     for name in kernel._names:
         assert torch.equal(getattr(kernel, name)[:, :, :TOKENS], getattr(reference, name)[:, :, :TOKENS]), name
+    return kernel, keys
+
+
+def test_demote_kv_writes_keys_and_values_in_one_launch():
+    _assert_histories_equal(OscarConfig(scale_dtype="float16"), 128 if ON_GPU else 64)
 
 
 def test_demote_with_hadamard_matches_reference_codes_mostly():
@@ -132,15 +137,7 @@ def test_opt_in_encoder_demotes_through_the_reference():
     """`OscarConfig(encoder="lloyd")` has no kernel: the Triton backend hands it to the reference (Lloyd codes)."""
     dim, bits = 64, 2
     cfg = OscarConfig(encoder="lloyd")
-    keys = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16)
-    values = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16) * 0.5
-    stored = []
-    for backend in (TritonBackend(), ReferenceBackend()):
-        history = QuantizedHistory(BATCH, HEADS, dim, dim, cfg, DEVICE)
-        history.append(keys, values, None, None, backend)
-        stored.append(history)
-    for name in stored[0]._names:
-        assert torch.equal(getattr(stored[0], name)[:, :, :TOKENS], getattr(stored[1], name)[:, :, :TOKENS]), name
+    stored, keys = _assert_histories_equal(cfg, dim)
     lloyd = quantize_pack(keys.float(), bits, cfg.key_clip_ratio, cfg.scale_dtype, "lloyd")[0]
     minmax = quantize_pack(keys.float(), bits, cfg.key_clip_ratio, cfg.scale_dtype)[0]
-    assert torch.equal(stored[0].key_codes[:, :, :TOKENS], lloyd) and not torch.equal(lloyd, minmax)
+    assert torch.equal(stored.key_codes[:, :, :TOKENS], lloyd) and not torch.equal(lloyd, minmax)
