@@ -14,6 +14,10 @@ filled cache holds (OscarCache: allocated capacity, including spare room).
 the measured points) fits `--budget-gb`, then measured at that batch (stepping down on out-of-memory); job
 throughput = batch / step time at that batch.
 
+`graphs` (in `--caches`) is OscarCache decoded by `oscar_hf.graph_decode.graphed_generate`: greedy steps replayed
+from CUDA graphs (one per demotion phase); step ms = the replays' synchronized wall time / their count (40 steps
+after the eager steps up to a cycle start, the warm-up cycle and the captures, none of which are timed).
+
 `--host-profile` also times the Python side of the cache + attention per decode step (no model), for OscarCache
 (Triton) and DynamicCache + SDPA, in microseconds per step over all layers.
 
@@ -136,11 +140,11 @@ def fill_quanto(model, batch, context):
     return _fill_every_layer(cache, model, batch, context)
 
 
-FILLERS = {"oscar": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto}
+FILLERS = {"oscar": fill_oscar, "graphs": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto}
 
 
 def set_attention(model, kind):
-    if kind == "oscar":
+    if kind in ("oscar", "graphs"):
         use_oscar_attention(model)
     else:
         model.set_attn_implementation("sdpa")
@@ -181,6 +185,20 @@ def decode_step(model, cache, batch, context, warmup=6, steps=16):
     return result, _peak()
 
 
+def graph_decode_step(model, cache, batch, context, steps=40):
+    """(ms per replayed decode step, same) and peak bytes for `graphed_generate` continuing `cache`."""
+    from oscar_hf.graph_decode import graphed_generate
+
+    _reset_peak()
+    period = cache.layers[0].config.demote_block
+    ids = torch.randint(10, 1000, (batch, cache.get_seq_length() + 1), device=DEVICE)
+    stats = {}
+    graphed_generate(model, ids, cache, max_new_tokens=1 + 2 * period + steps, stats=stats,
+                     use_graphs=DEVICE == "cuda")
+    ms = 1e3 * stats["graph_seconds"] / stats["graph_steps"] if stats["graph_steps"] else math.nan
+    return (ms, ms), _peak()
+
+
 def cache_bytes(cache) -> int:
     if isinstance(cache, OscarCache):
         return sum(layer.allocated_nbytes() for layer in cache.layers)
@@ -202,7 +220,8 @@ def measure(model, kind, batch, context):
     _sync()
     fill_s = time.perf_counter() - t0
     held = _allocated() - base
-    (step_ms, mean_ms), peak = decode_step(model, cache, batch, context)
+    timing = graph_decode_step if kind == "graphs" else decode_step
+    (step_ms, mean_ms), peak = timing(model, cache, batch, context)
     row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
                tokens_per_s=batch / step_ms * 1e3, peak_GB=peak / GB, cache_GB=held / GB, fill_s=fill_s)
     del cache
@@ -302,8 +321,8 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--contexts", default="32768,100000")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--oscar-batches", default="1,8,32", help="batches for OscarCache")
-    parser.add_argument("--caches", default="oscar,dynamic")
+    parser.add_argument("--oscar-batches", default="1,8,32", help="batches for OscarCache (oscar and graphs)")
+    parser.add_argument("--caches", default="oscar,graphs,dynamic")
     parser.add_argument("--budget-gb", type=float, default=140.0)
     parser.add_argument("--max-batch", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
@@ -335,7 +354,7 @@ def main():
         result["host_us_per_step"] = host_profile(model)
         print("host us/step (cache + attention, 36 layers):", result["host_us_per_step"], flush=True)
     for kind in kinds:
-        batches = args.oscar_batches if kind == "oscar" else args.batches
+        batches = args.oscar_batches if kind in ("oscar", "graphs") else args.batches
         for context in contexts:
             for batch in [int(b) for b in batches.split(",")]:
                 row = safe_measure(model, kind, batch, context)

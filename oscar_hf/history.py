@@ -5,6 +5,11 @@
 dtype (the `none` method: same tiers and merge, no quantization). Both grow by at least an eighth of their size
 (geometric, so appending costs amortized O(new tokens), never a copy of the whole history per step; an eighth
 rather than a half so that spare capacity stays under 12.5% of a long context's history).
+
+`pin(capacity)` prepares a history for CUDA-graph replay (`oscar_hf.graph_decode`): the buffers get a fixed
+capacity and the length is also kept on the device (`device_length`, int32 `[1]`). Appends then write at that
+device position (through a staging block and `index_copy_`), so a captured append lands at the right place on
+every replay; the kernels read the length from `device_length`.
 """
 
 from __future__ import annotations
@@ -37,8 +42,43 @@ class _History:
     def __init__(self, batch: int, num_heads: int, device: torch.device):
         self.batch, self.num_heads, self.device = batch, num_heads, device
         self.length = 0
+        self.device_length: torch.Tensor | None = None  # set by `pin`
+        self._staging: dict[int, dict[str, torch.Tensor]] = {}
         for name in self._names:
             setattr(self, name, None)
+
+    @property
+    def capacity(self) -> int:
+        buffer = getattr(self, self._names[0])
+        return buffer.shape[2] if buffer is not None else 0
+
+    def pin(self, capacity: int) -> None:
+        """Allocate room for `capacity` tokens now and track the length on the device from here on."""
+        self._reserve(max(capacity - self.length, 0))
+        if self.device_length is None:
+            self.device_length = torch.tensor([self.length], dtype=torch.int32, device=self.device)
+
+    def _targets(self, n: int) -> dict[str, torch.Tensor]:
+        """Where an append of `n` tokens writes: the buffers' next rows, or a staging block once pinned."""
+        self._reserve(n)
+        if self.device_length is None:
+            return {name: getattr(self, name)[:, :, self.length : self.length + n] for name in self._names}
+        staging = self._staging.get(n)
+        if staging is None or staging[self._names[0]].shape[0] != self.batch:
+            staging = {name: torch.empty((self.batch, self.num_heads, n, *tail), dtype=dtype, device=self.device)
+                       for name, (tail, dtype) in self._layout().items()}
+            staging["_offsets"] = torch.arange(n, device=self.device)
+            self._staging[n] = staging
+        return staging
+
+    def _commit(self, n: int, targets: dict[str, torch.Tensor]) -> None:
+        """Make the `n` rows written into `targets` part of the history."""
+        if self.device_length is not None:
+            rows = targets["_offsets"] + self.device_length
+            for name in self._names:
+                getattr(self, name).index_copy_(2, rows, targets[name])
+            self.device_length += n
+        self.length += n
 
     def _reserve(self, extra: int) -> None:
         for name, (tail, dtype) in self._layout().items():
@@ -91,13 +131,12 @@ class QuantizedHistory(_History):
         n = keys.shape[2]
         if n == 0:
             return
-        self._reserve(n)
-        span = slice(self.length, self.length + n)
+        out = self._targets(n)
         cfg = self.config
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
-                          cfg.bits, self.key_codes[:, :, span], self.key_scale_zero[:, :, span],
-                          self.value_codes[:, :, span], self.value_scale_zero[:, :, span], cfg.encoder)
-        self.length += n
+                          cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
+                          out["value_scale_zero"], cfg.encoder)
+        self._commit(n, out)
 
     def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]`."""
@@ -122,11 +161,10 @@ class FullPrecisionHistory(_History):
         n = keys.shape[2]
         if n == 0:
             return
-        self._reserve(n)
-        span = slice(self.length, self.length + n)
-        self.keys[:, :, span] = rotate(keys, key_rotation).to(self.dtype)
-        self.values[:, :, span] = rotate(values, value_rotation).to(self.dtype)
-        self.length += n
+        out = self._targets(n)
+        out["keys"].copy_(rotate(keys, key_rotation))
+        out["values"].copy_(rotate(values, value_rotation))
+        self._commit(n, out)
 
     def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, start:end].float(), self.values[:, :, start:end].float()

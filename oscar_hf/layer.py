@@ -190,6 +190,29 @@ class OscarLayer(CacheLayerMixin):
         if self.keys_buffer.shape[2] > 2 * self._steady_capacity():
             self._resize_buffers(self._steady_capacity())
 
+    # ------------------------------------------------------------------------------------------ graph replay
+    def at_cycle_start(self) -> bool:
+        """True right after a demotion: history present and exactly `recent_tokens` recent tokens (see
+        `oscar_hf.graph_decode`: from here, decode steps repeat with period `demote_block`)."""
+        return (self.history_length > 0 and not self.unsettled and not self.segment_open
+                and self.bf16_length - self.sink_length == self.config.recent_tokens)
+
+    def pin(self, capacity: int) -> None:
+        """Give the history a fixed capacity of `capacity` tokens and its length on the device."""
+        self.history.pin(capacity)
+
+    def host_state(self) -> tuple:
+        """The host-side counters (what a replayed CUDA graph cannot update)."""
+        return (self.length, self.bf16_length, self.sink_size, self.unsettled, self.segment_open,
+                self.history_length)
+
+    def restore_host_state(self, state: tuple, advance: int = 0) -> None:
+        """Set the counters to `state`, with `advance` more tokens both in total and in the history (whole
+        demotion cycles replayed since `state` was taken)."""
+        length, self.bf16_length, self.sink_size, self.unsettled, self.segment_open, history_length = state
+        self.length = length + advance
+        self.history.length = history_length + advance
+
     # ------------------------------------------------------------------------------------------ views
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All cached K/V in the model basis and dtype, history dequantized: `[B, Hkv, length, d]`.

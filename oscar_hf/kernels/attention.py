@@ -11,6 +11,9 @@ applies `R_Vᵀ`.
 
 Lengths and split sizes are not specialized on (`do_not_specialize`): a decode step must never meet a new
 compilation because a length became a multiple of 16.
+The history length can also be read from the device (`HistoryTensors.length_ptr`, a pinned history): the split
+count stays fixed and each program derives its split from the stored length, so one launch serves every later
+length (what a CUDA graph replays).
 
 One program handles `BLOCK_M` query rows of one KV head (rows are (query position, head of the GQA group) pairs,
 so all query heads of a group share one read of K/V) and one split. Decode uses `BLOCK_M = 16` rows and many splits
@@ -339,10 +342,10 @@ def _attention_partials_kernel(
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
     rk_ptr, srkp, srkh, srkr,
-    o_ptr, lse_ptr,
+    o_ptr, lse_ptr, n_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
-    D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
@@ -358,6 +361,9 @@ def _attention_partials_kernel(
     part = ((b * Hq + h).to(tl.int64) * Lq + qi) * total_splits + split
     o_rows = o_ptr + part * D
     lse_rows = lse_ptr + part
+    if N_FROM_PTR:
+        N = tl.load(n_ptr)
+        hist_split_len = tl.cdiv(tl.cdiv(N, total_splits - dense_splits), BLOCK_NQ) * BLOCK_NQ
     if split < dense_splits:
         lo = split * dense_split_len
         hi = tl.minimum(lo + dense_split_len, Ld)
@@ -484,10 +490,16 @@ class HistoryTensors:
     value_scale_zero: torch.Tensor | None
     length: int
     bits: int = 2
+    length_ptr: torch.Tensor | None = None  # int32 [1]: the length on the device (a pinned history)
 
     @property
     def quantized(self) -> bool:
         return self.key_scale_zero is not None
+
+    @property
+    def plan_length(self) -> int:
+        """The length to cut splits for: the capacity when the kernel reads the length from the device."""
+        return self.keys.shape[2] if self.length_ptr is not None else self.length
 
 
 def attention_partials(
@@ -558,6 +570,8 @@ def attention_partials(
     hkz_strides = hkz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
+    n_from_ptr = hist_len > 0 and history.length_ptr is not None
+    n_ptr = history.length_ptr if n_from_ptr else partial_lse
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
     with launch_device(query):
         _attention_partials_kernel[grid](
@@ -569,11 +583,11 @@ def attention_partials(
             hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
             m, *m_strides,
             rk, *rk_strides,
-            partial_out, partial_lse,
+            partial_out, partial_lse, n_ptr,
             q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
             scaling, 1.0 if softcap is None else softcap,
-            D=dim, BITS=bits, HIST_QUANT=quantized, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
+            D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,

@@ -138,7 +138,7 @@ class TritonBackend(ReferenceBackend):
             else:
                 rotated = _rotate_query(query, key_rotation, kv_heads)
         dense_len = key.shape[2] if key is not None else 0
-        hist_len = tensors.length if tensors is not None else 0
+        hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
         if plan.total_splits == 0:  # nothing to attend: an empty softmax
@@ -215,11 +215,11 @@ def _history_tensors(history) -> HistoryTensors | None:
         return None
     if isinstance(history, QuantizedHistory):
         return HistoryTensors(history.key_codes, history.value_codes, history.key_scale_zero,
-                              history.value_scale_zero, history.length, history.config.bits)
+                              history.value_scale_zero, history.length, history.config.bits, history.device_length)
     keys = getattr(history, "keys", None)
     if keys is None:
         return None
-    return HistoryTensors(keys, history.values, None, None, history.length)
+    return HistoryTensors(keys, history.values, None, None, history.length, length_ptr=history.device_length)
 
 
 def _rotate_query(query: torch.Tensor, rotation: torch.Tensor | None, kv_heads: int) -> torch.Tensor:

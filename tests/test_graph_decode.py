@@ -1,0 +1,189 @@
+"""`graphed_generate`: greedy decoding whose decode steps replay CUDA graphs.
+
+On CPU the same step function runs eagerly with pinned histories (device-side lengths): its tokens must equal
+`model.generate`'s through an OscarCache, with the reference backend and with the kernels under Triton's
+interpreter. On a CUDA device the captured graphs must give the eager path's tokens.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import oscar_hf.layer  # noqa: E402
+from oscar_hf import OscarCache  # noqa: E402
+from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.compat import cache_argument_name  # noqa: E402
+from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.graph_decode import GraphDecodeError, graphed_generate  # noqa: E402
+from oscar_hf.history import QuantizedHistory  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+OPTIONS = dict(sink_tokens=4, recent_tokens=16, demote_block=4)
+
+
+def _tiny_qwen3(head_dim=64, layers=2, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=65536, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # decisive greedy choices (random weights give near-ties otherwise)
+    return model.to(device)
+
+
+def _reference_tokens(model, ids, new_tokens, **generate_options):
+    cache = OscarCache(model, rotations="hadamard", **OPTIONS)
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **generate_options,
+                         **{cache_argument_name(model): cache})
+    return out, cache
+
+
+def _with_backend(backend):
+    original = oscar_hf.layer.backend_for
+    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
+    return original
+
+
+@pytest.mark.parametrize("prompt", [40, 10, 21])
+def test_eager_steps_give_generate_tokens_and_device_lengths_track_host(prompt):
+    """40: the prefill leaves a cycle start; 10: no history yet, eager steps until one; 21: mid-cycle."""
+    model = _tiny_qwen3()
+    ids = torch.randint(3, 256, (2, prompt), generator=torch.Generator().manual_seed(prompt))
+    cache = OscarCache(model, rotations="hadamard", **OPTIONS)
+    got = graphed_generate(model, ids, cache, 30)
+    ref, ref_cache = _reference_tokens(model, ids, 30, min_new_tokens=30)
+    assert torch.equal(got, ref)
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+        assert layer.history.device_length is not None  # the pinned path ran
+        assert int(layer.history.device_length) == layer.history_length == ref_layer.history_length
+        assert layer.history.capacity >= layer.history_length
+        assert torch.equal(layer.history.key_codes[:, :, : layer.history_length],
+                           ref_layer.history.key_codes[:, :, : layer.history_length])
+
+
+def test_continues_a_cache_that_holds_the_prompt_start():
+    model = _tiny_qwen3()
+    ids = torch.randint(3, 256, (1, 50), generator=torch.Generator().manual_seed(1))
+    name = cache_argument_name(model)
+    caches = [OscarCache(model, rotations="hadamard", **OPTIONS) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:  # the first 30 tokens already cached (their forward saw only themselves)
+            model(ids[:, :30], **{name: cache}, use_cache=True)
+    got = graphed_generate(model, ids, caches[0], 12)
+    ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{name: caches[1]})
+    assert torch.equal(got, ref)
+
+
+def test_stops_and_pads_after_eos_like_generate():
+    model = _tiny_qwen3()
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    free = graphed_generate(model, ids, OscarCache(model, rotations="hadamard", **OPTIONS), 60)
+    eos = int(free[0, 40 + 5])  # row 0 emits it at step 6 at the latest
+    got = graphed_generate(model, ids, OscarCache(model, rotations="hadamard", **OPTIONS), 60, eos_token_id=eos,
+                           pad_token_id=0)
+    ref, _ = _reference_tokens(model, ids, 60, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, ref)
+
+
+def test_pinned_history_appends_the_same_codes_at_device_positions():
+    config = OscarConfig.from_method("hadamard")
+    plain = QuantizedHistory(2, 3, 64, 64, config, torch.device("cpu"))
+    pinned = QuantizedHistory(2, 3, 64, 64, config, torch.device("cpu"))
+    pinned.pin(40)
+    assert pinned.capacity >= 40 and int(pinned.device_length) == 0
+    backend = ReferenceBackend()
+    for n in (5, 8, 8, 3):
+        keys, values = torch.randn(2, 3, n, 64), torch.randn(2, 3, n, 64)
+        plain.append(keys, values, None, None, backend)
+        pinned.append(keys, values, None, None, backend)
+    assert pinned.length == plain.length == int(pinned.device_length) == 24
+    for name in QuantizedHistory._names:
+        assert torch.equal(getattr(pinned, name)[:, :, :24], getattr(plain, name)[:, :, :24])
+
+
+def test_kernels_read_the_pinned_length_from_the_device():
+    """Interpreter on CPU (small shapes, many splits of a capacity-sized plan), the GPU otherwise."""
+    pytest.importorskip("triton")
+    from oscar_hf.kernels.backend import TritonBackend
+    from oscar_hf.kernels.interpreter import kernel_device
+
+    device = kernel_device()
+    model = _tiny_qwen3(device=device).float()
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(3)).to(device)
+    original = _with_backend(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16))
+    try:
+        cache = OscarCache(model, rotations="hadamard", **OPTIONS)
+        got = graphed_generate(model, ids, cache, 14, use_graphs=False)
+    finally:
+        oscar_hf.layer.backend_for = original
+    original = _with_backend(ReferenceBackend())
+    try:
+        ref, _ = _reference_tokens(model, ids, 14, min_new_tokens=14)
+    finally:
+        oscar_hf.layer.backend_for = original
+    assert cache.layers[0].backend.name == "triton"
+    assert cache.layers[0].history.capacity > cache.layers[0].history_length  # splits cut for the capacity
+    assert torch.equal(got, ref)
+
+
+def test_rejects_what_it_cannot_decode():
+    model = _tiny_qwen3()
+    ids = torch.randint(3, 256, (1, 8))
+    with pytest.raises(GraphDecodeError, match="input_ids must be"):
+        graphed_generate(model, ids[0], OscarCache(model, **OPTIONS), 4)
+    with pytest.raises(GraphDecodeError, match="max_new_tokens"):
+        graphed_generate(model, ids, OscarCache(model, **OPTIONS), 0)
+    cache = OscarCache(model, **OPTIONS)
+    graphed_generate(model, ids, cache, 2)
+    with pytest.raises(GraphDecodeError, match="already holds 9 tokens"):
+        graphed_generate(model, ids, cache, 2)
+    if not ON_GPU:
+        with pytest.raises(GraphDecodeError, match="CUDA device"):
+            graphed_generate(model, ids, OscarCache(model, **OPTIONS), 4, use_graphs=True)
+    sliding = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=64, sliding_window=16)).eval()
+    with pytest.raises(GraphDecodeError, match="sliding-window"):
+        graphed_generate(sliding, ids, OscarCache(sliding, **OPTIONS), 4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
+    model = _tiny_qwen3(head_dim=128, layers=3, device="cuda").to(dtype)
+    ids = torch.randint(3, 256, (3, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    options = dict(sink_tokens=64, recent_tokens=256, demote_block=8)
+    eager_cache = OscarCache(model, rotations="hadamard", **options)
+    eager = graphed_generate(model, ids, eager_cache, 120, use_graphs=False)
+    stats = {}
+    graph_cache = OscarCache(model, rotations="hadamard", **options)
+    graphed = graphed_generate(model, ids, graph_cache, 120, stats=stats)
+    assert stats["graph_steps"] >= 100
+    assert torch.equal(graphed, eager)
+    for a, b in zip(graph_cache.layers, eager_cache.layers):
+        assert a.host_state() == b.host_state()
+        n = a.history_length
+        sink = a.sink_length
+        assert torch.equal(a.keys_buffer[:, :, :sink], b.keys_buffer[:, :, :sink])  # written by the prefill
+        for name in ("key_codes", "value_codes"):
+            same = (getattr(a.history, name)[:, :, :n] == getattr(b.history, name)[:, :, :n]).float().mean()
+            assert same > 0.999, f"{name}: {same:.5f} of the codes agree"
+        print(f"layer {a.layer_idx}: recent keys max |graph - eager| "
+              f"{(a.keys_buffer[:, :, sink:a.bf16_length].float() - b.keys_buffer[:, :, sink:b.bf16_length].float()).abs().max():.3g}")
+    # the cache stays usable after the replays: one more eager forward agrees with the eager cache's
+    more = torch.randint(3, 256, (3, 1), device="cuda")
+    name = cache_argument_name(model)
+    with torch.no_grad():
+        a = model(more, **{name: graph_cache}).logits.float()
+        b = model(more, **{name: eager_cache}).logits.float()
+    # replayed GEMMs may round differently from eager ones (cuBLAS picks kernels per stream and capture mode), so
+    # the K/V written by replays can differ in their last bits; the logits then agree to about one bf16 ulp
+    print(f"{dtype}: next-token logits max |graph - eager| {(a - b).abs().max():.3g} of max |logit| {b.abs().max():.3g}")
+    torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
