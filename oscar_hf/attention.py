@@ -36,6 +36,8 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     """AttentionInterface entry: `query` `[B, Hq, Lq, D]`, `key`/`value` `[B, Hkv, Lk, D]` -> (`[B, Lq, Hq, D]`, None)."""
     segment = take_segment(key, kwargs)
     softcap = kwargs.get("softcap")
+    if segment is not None and segment.layer.decode_without_mask and query.shape[2] == 1:
+        attention_mask = None  # see OscarLayer.decode_without_mask
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     if segment is None or (segment.history_length == 0 and softcap is None):

@@ -54,17 +54,23 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
     if use_graphs and input_ids.device.type != "cuda":
         raise GraphDecodeError("CUDA graphs need the model and input_ids on a CUDA device; pass use_graphs=False")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    with torch.no_grad():
-        decoder = _StepDecoder(model, cache, layers, input_ids, max_new_tokens)
-        decoder.prefill(input_ids, cache.get_seq_length())
-        decoder.run_eagerly(eos, until_cycle_start=True)
-        if decoder.remaining:
-            decoder.pin()  # also without graphs: one code path for the histories, tested on CPU
-        if use_graphs and decoder.remaining >= 2 * decoder.period:
-            _check_capturable(layers)
-            decoder.run_graphs(eos)
-        decoder.run_eagerly(eos, until_cycle_start=False)
-        new = decoder.generated[:, : decoder.produced]
+    for layer in layers:
+        layer.decode_without_mask = True  # no padding here: a decode step attends to every cached token
+    try:
+        with torch.no_grad():
+            decoder = _StepDecoder(model, cache, layers, input_ids, max_new_tokens)
+            decoder.prefill(input_ids, cache.get_seq_length())
+            decoder.run_eagerly(eos, until_cycle_start=True)
+            if decoder.remaining:
+                decoder.pin()  # also without graphs: one code path for the histories, tested on CPU
+            if use_graphs and decoder.remaining >= 2 * decoder.period:
+                _check_capturable(layers)
+                decoder.run_graphs(eos)
+            decoder.run_eagerly(eos, until_cycle_start=False)
+            new = decoder.generated[:, : decoder.produced]
+    finally:
+        for layer in layers:
+            layer.decode_without_mask = False
     if stats is not None:
         stats.update(graph_steps=decoder.replays, graph_seconds=decoder.replay_seconds,
                      eager_steps=decoder.produced - 1 - decoder.replays)

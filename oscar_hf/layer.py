@@ -68,6 +68,10 @@ class OscarLayer(CacheLayerMixin):
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
+        # Set by `graph_decode` (whose batches have no padding): a single-token forward attends to every cached
+        # token, so the mask transformers materializes while a CUDA graph is captured (its width fixed at capture)
+        # is dropped instead of being replayed against later lengths.
+        self.decode_without_mask = False
         self._clear()
 
     def _clear(self) -> None:

@@ -571,6 +571,9 @@ def attention_partials(
     hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
     hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
     n_from_ptr = hist_len > 0 and history.length_ptr is not None
+    if n_from_ptr and mask is not None and query.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a CUDA graph cannot capture a mask over the history: its width would stay the captured "
+                           "length while the history grows")
     n_ptr = history.length_ptr if n_from_ptr else partial_lse
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
     with launch_device(query):
