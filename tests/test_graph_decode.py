@@ -170,20 +170,15 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
     for a, b in zip(graph_cache.layers, eager_cache.layers):
         assert a.host_state() == b.host_state()
         n = a.history_length
-        sink = a.sink_length
-        assert torch.equal(a.keys_buffer[:, :, :sink], b.keys_buffer[:, :, :sink])  # written by the prefill
-        for name in ("key_codes", "value_codes"):
-            same = (getattr(a.history, name)[:, :, :n] == getattr(b.history, name)[:, :, :n]).float().mean()
-            assert same > 0.999, f"{name}: {same:.5f} of the codes agree"
-        print(f"layer {a.layer_idx}: recent keys max |graph - eager| "
-              f"{(a.keys_buffer[:, :, sink:a.bf16_length].float() - b.keys_buffer[:, :, sink:b.bf16_length].float()).abs().max():.3g}")
-    # the cache stays usable after the replays: one more eager forward agrees with the eager cache's
+        assert torch.equal(a.keys_buffer[:, :, : a.bf16_length], b.keys_buffer[:, :, : b.bf16_length])
+        for name in QuantizedHistory._names:
+            assert torch.equal(getattr(a.history, name)[:, :, :n], getattr(b.history, name)[:, :, :n]), name
+    # the cache stays usable after the replays: one more eager forward gives the eager cache's logits. (Run 10 on
+    # the H200: bit-identical in bf16 and fp32. Before the decode mask was dropped under capture, the replays read
+    # a mask of the captured width and drifted by ~1e-3 after the first demotion, with the same greedy tokens.)
     more = torch.randint(3, 256, (3, 1), device="cuda")
     name = cache_argument_name(model)
     with torch.no_grad():
-        a = model(more, **{name: graph_cache}).logits.float()
-        b = model(more, **{name: eager_cache}).logits.float()
-    # replayed GEMMs may round differently from eager ones (cuBLAS picks kernels per stream and capture mode), so
-    # the K/V written by replays can differ in their last bits; the logits then agree to about one bf16 ulp
-    print(f"{dtype}: next-token logits max |graph - eager| {(a - b).abs().max():.3g} of max |logit| {b.abs().max():.3g}")
-    torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
+        a = model(more, **{name: graph_cache}).logits
+        b = model(more, **{name: eager_cache}).logits
+    assert torch.equal(a, b)
