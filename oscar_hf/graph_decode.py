@@ -10,6 +10,8 @@ buffers), and a step costs one graph launch instead of the forward's Python and 
 ```python
 cache = OscarCache(model, rotations="hadamard")
 tokens = graphed_generate(model, input_ids, cache, max_new_tokens=256)   # [B, prompt + new]
+# or through generate (greedy, no logits processors):
+tokens = model.generate(input_ids, past_key_values=cache, custom_generate=generate_with_graphs, max_new_tokens=256)
 ```
 
 Steps before the first cycle start (short prompts) and the warm-up cycle run eagerly through the same step
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .compat import cache_argument_name
 from .layer import OscarLayer
@@ -177,6 +180,40 @@ class _StepDecoder:
         on_host = [layer.history_length for layer in self.layers]
         if on_device != on_host:
             raise RuntimeError(f"graph replay lost track of the history lengths: device {on_device}, host {on_host}")
+
+
+def generate_with_graphs(model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
+                         generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """`model.generate(..., custom_generate=generate_with_graphs)`: `generate`'s greedy search through
+    `graphed_generate`, with the cache passed to `generate` (an `OscarCache`).
+
+    What it cannot replay is refused, not ignored: sampling or beams, logits processors (`repetition_penalty`,
+    `min_new_tokens`, ...), stopping criteria other than the length and EOS, streamers, dict outputs, padding.
+    """
+    config = generation_config
+    refused = []
+    if config.do_sample or config.num_beams > 1:
+        refused.append("sampling or beam search (pass do_sample=False, num_beams=1)")
+    if logits_processor:
+        refused.append("logits processors " + ", ".join(type(p).__name__ for p in logits_processor))
+    stops = [c for c in (stopping_criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if stops:
+        refused.append("stopping criteria " + ", ".join(type(c).__name__ for c in stops))
+    if streamer is not None or synced_gpus:
+        refused.append("streamers and synced GPUs")
+    if config.return_dict_in_generate:
+        refused.append("return_dict_in_generate")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        refused.append("padded rows (attention_mask with zeros)")
+    if refused:
+        raise GraphDecodeError("generate_with_graphs does not support " + "; ".join(refused))
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    eos = config._eos_token_tensor
+    pad = config._pad_token_tensor
+    return graphed_generate(model, input_ids, cache, config.max_length - input_ids.shape[1],
+                            eos_token_id=None if eos is None else eos.flatten().tolist(),
+                            pad_token_id=None if pad is None else int(pad))
 
 
 def _oscar_layers(cache, input_ids: torch.LongTensor) -> list[OscarLayer]:

@@ -182,3 +182,33 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
         a = model(more, **{name: graph_cache}).logits
         b = model(more, **{name: eager_cache}).logits
     assert torch.equal(a, b)
+
+
+def test_generate_with_graphs_is_generates_greedy_search():
+    from oscar_hf.graph_decode import generate_with_graphs
+
+    model = _tiny_qwen3()
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+    name = cache_argument_name(model)
+    for options in ({}, {"eos_token_id": int(graphed_generate(model, ids, OscarCache(model, **OPTIONS), 8)[1, -1]),
+                         "pad_token_id": 0}):
+        got = model.generate(ids, max_new_tokens=40, do_sample=False, custom_generate=generate_with_graphs,
+                             **options, **{name: OscarCache(model, rotations="hadamard", **OPTIONS)})
+        ref, _ = _reference_tokens(model, ids, 40, **options)
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("options, refused", [
+    (dict(do_sample=True), "sampling"),
+    (dict(repetition_penalty=1.3), "RepetitionPenalty"),
+    (dict(min_new_tokens=5, eos_token_id=1), "MinNewTokens"),
+    (dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])), "padded rows"),
+])
+def test_generate_with_graphs_refuses_what_it_would_ignore(options, refused):
+    from oscar_hf.graph_decode import generate_with_graphs
+
+    model = _tiny_qwen3()
+    ids = torch.randint(3, 256, (1, 8))
+    with pytest.raises(GraphDecodeError, match=refused):
+        model.generate(ids, max_new_tokens=8, custom_generate=generate_with_graphs, **options,
+                       **{cache_argument_name(model): OscarCache(model, **OPTIONS)})
