@@ -19,7 +19,8 @@ from .partials import causal_mask, dense_partial, split_mask  # noqa: F401  (cau
 OSCAR_ATTENTION = "oscar"
 
 
-def tiered_attention(query, key, value, attention_mask, segment, scaling, softcap=None) -> torch.Tensor:
+def tiered_attention(query, key, value, attention_mask, segment, scaling, softcap=None,
+                     dense_start=None) -> torch.Tensor:
     """Attention over BF16 tiers + quantized history; output `[B, Lq, Hq, D]` in the query dtype.
 
     Computed by the layer's backend (`oscar_hf.backend`): the reference composes partials, the Triton backend runs
@@ -28,7 +29,7 @@ def tiered_attention(query, key, value, attention_mask, segment, scaling, softca
     layer = segment.layer
     history = layer.history if segment.history_length else None
     return layer.backend.tiered_attention(query, key, value, attention_mask, history, segment.sink_length,
-                                          layer.key_rotation, layer.value_rotation, scaling, softcap)
+                                          layer.key_rotation, layer.value_rotation, scaling, softcap, dense_start)
 
 
 @torch.compiler.disable
@@ -36,11 +37,13 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     """AttentionInterface entry: `query` `[B, Hq, Lq, D]`, `key`/`value` `[B, Hkv, Lk, D]` -> (`[B, Lq, Hq, D]`, None)."""
     segment = take_segment(key, kwargs)
     softcap = kwargs.get("softcap")
+    dense_start = None
     if segment is not None and segment.layer.decode_without_mask and query.shape[2] == 1:
         attention_mask = None  # see OscarLayer.decode_without_mask
+        dense_start = segment.layer.row_padding
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    if segment is None or (segment.history_length == 0 and softcap is None):
+    if segment is None or (segment.history_length == 0 and softcap is None and dense_start is None):
         if softcap is None:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                             scaling=scaling, **kwargs)
@@ -49,7 +52,7 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     else:
         if segment.layer_idx != getattr(module, "layer_idx", segment.layer_idx):
             raise RuntimeError(f"OSCAR segment of layer {segment.layer_idx} reached layer {module.layer_idx}")
-        out = tiered_attention(query, key, value, attention_mask, segment, scaling, softcap)
+        out = tiered_attention(query, key, value, attention_mask, segment, scaling, softcap, dense_start)
     if segment is not None:
         segment.layer.settle(attention_mask)
     return out, None

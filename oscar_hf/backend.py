@@ -9,7 +9,8 @@ A backend implements these operations; `backend_for(device)` picks one per devic
   quantized tier's partial, in the model basis;
 - `merge(parts) -> (out, lse)`;
 - `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-  softcap) -> out [B, Lq, Hq, D]`: one layer's whole attention (what `attention.py` calls). The reference composes
+  softcap, dense_start) -> out [B, Lq, Hq, D]`: one layer's whole attention (what `attention.py` calls);
+  `dense_start` (int32 `[B]` or None): leading dense keys of each row to ignore (left padding). The reference composes
   the partial ops above (`partials.tiered_reference`); the Triton backend fuses them.
 """
 
@@ -53,9 +54,9 @@ class ReferenceBackend:
         return merge_partials(parts)
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                         softcap=None):
+                         softcap=None, dense_start=None):
         return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                                scaling, softcap)
+                                scaling, softcap, dense_start)
 
 
 _BACKENDS: dict[str, object] = {}

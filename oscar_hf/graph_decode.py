@@ -39,8 +39,12 @@ class GraphDecodeError(ValueError):
 
 def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: int,
                      eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-                     use_graphs: bool | None = None, stats: dict | None = None) -> torch.LongTensor:
-    """Greedy decoding of `input_ids` `[B, L]` (no padding) through `cache`, an `OscarCache` of `model`.
+                     attention_mask: torch.Tensor | None = None, use_graphs: bool | None = None,
+                     stats: dict | None = None) -> torch.LongTensor:
+    """Greedy decoding of `input_ids` `[B, L]` through `cache`, an `OscarCache` of `model`.
+
+    `attention_mask` `[B, L]` (1 = token, 0 = padding) may pad rows on the left only; decode steps then skip each
+    row's pad columns by count (the kernels take a per-row start), so the graphs need no mask.
 
     As with `generate`, a cache that already holds the first c < L tokens continues from there (only
     `input_ids[:, c:]` is run). Returns `[B, L + n]` token ids, n <= `max_new_tokens` (fewer when every row has
@@ -57,11 +61,13 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
     if use_graphs and input_ids.device.type != "cuda":
         raise GraphDecodeError("CUDA graphs need the model and input_ids on a CUDA device; pass use_graphs=False")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    padding = _left_padding(attention_mask, input_ids)
     for layer in layers:
-        layer.decode_without_mask = True  # no padding here: a decode step attends to every cached token
+        layer.decode_without_mask = True  # a decode step attends to every cached token but the row's pads
+        layer.set_row_padding(padding)
     try:
         with torch.no_grad():
-            decoder = _StepDecoder(model, cache, layers, input_ids, max_new_tokens)
+            decoder = _StepDecoder(model, cache, layers, input_ids, max_new_tokens, attention_mask)
             decoder.prefill(input_ids, cache.get_seq_length())
             decoder.run_eagerly(eos, until_cycle_start=True)
             if decoder.remaining:
@@ -74,6 +80,7 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
     finally:
         for layer in layers:
             layer.decode_without_mask = False
+            layer.set_row_padding(None)
     if stats is not None:
         stats.update(graph_steps=decoder.replays, graph_seconds=decoder.replay_seconds,
                      eager_steps=decoder.produced - 1 - decoder.replays)
@@ -83,15 +90,21 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
 class _StepDecoder:
     """Static input buffers and the one step function that eager runs and graph captures share."""
 
-    def __init__(self, model, cache, layers: list[OscarLayer], input_ids: torch.LongTensor, max_new_tokens: int):
+    def __init__(self, model, cache, layers: list[OscarLayer], input_ids: torch.LongTensor, max_new_tokens: int,
+                 attention_mask: torch.Tensor | None = None):
         batch, prompt = input_ids.shape
         device = input_ids.device
         self.model, self.cache, self.layers = model, cache, layers
         self.cache_kwarg = cache_argument_name(model)
         self.period = layers[0].config.demote_block
         self.max_new_tokens = max_new_tokens
+        self.attention_mask = attention_mask
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        self.position = torch.full((batch, 1), prompt, dtype=torch.long, device=device)
+        if attention_mask is None:
+            self.prompt_positions = torch.arange(prompt, device=device)[None]
+        else:  # as generate: a row's positions count its tokens, pads excluded
+            self.prompt_positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
+        self.position = self.prompt_positions[:, -1:].expand(batch, 1) + 1  # static: steps add to it in place
         self.generated = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # column of `generated` the next step fills
         self.produced = 0
@@ -114,8 +127,10 @@ class _StepDecoder:
         return out.logits[:, -1].argmax(dim=-1)
 
     def prefill(self, input_ids: torch.LongTensor, cached: int) -> None:
-        positions = torch.arange(cached, input_ids.shape[1], device=input_ids.device)[None]
-        chosen = self._forward(input_ids=input_ids[:, cached:], position_ids=positions)
+        inputs = dict(input_ids=input_ids[:, cached:], position_ids=self.prompt_positions[:, cached:])
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        chosen = self._forward(**inputs)
         self.token.copy_(chosen[:, None])
         self.generated[:, 0] = chosen
         self.slot.fill_(1)
@@ -188,7 +203,7 @@ def generate_with_graphs(model, input_ids: torch.LongTensor, logits_processor=No
     `graphed_generate`, with the cache passed to `generate` (an `OscarCache`).
 
     What it cannot replay is refused, not ignored: sampling or beams, logits processors (`repetition_penalty`,
-    `min_new_tokens`, ...), stopping criteria other than the length and EOS, streamers, dict outputs, padding.
+    `min_new_tokens`, ...), stopping criteria other than the length and EOS, streamers, dict outputs, right padding.
     """
     config = generation_config
     refused = []
@@ -203,9 +218,6 @@ def generate_with_graphs(model, input_ids: torch.LongTensor, logits_processor=No
         refused.append("streamers and synced GPUs")
     if config.return_dict_in_generate:
         refused.append("return_dict_in_generate")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        refused.append("padded rows (attention_mask with zeros)")
     if refused:
         raise GraphDecodeError("generate_with_graphs does not support " + "; ".join(refused))
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
@@ -213,7 +225,25 @@ def generate_with_graphs(model, input_ids: torch.LongTensor, logits_processor=No
     pad = config._pad_token_tensor
     return graphed_generate(model, input_ids, cache, config.max_length - input_ids.shape[1],
                             eos_token_id=None if eos is None else eos.flatten().tolist(),
-                            pad_token_id=None if pad is None else int(pad))
+                            pad_token_id=None if pad is None else int(pad),
+                            attention_mask=model_kwargs.get("attention_mask"))
+
+
+def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.LongTensor) -> torch.Tensor | None:
+    """Pad columns per row (int32 `[B]`) of a left-padded mask; None without padding."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise GraphDecodeError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                               f"{tuple(input_ids.shape)}")
+    real = attention_mask.to(torch.bool)
+    pads = (~real).sum(dim=-1)
+    left_padded = real == (torch.arange(real.shape[1], device=real.device)[None, :] >= pads[:, None])
+    if not bool(left_padded.all()):
+        raise GraphDecodeError("attention_mask must pad on the left only (zeros, then ones, in every row)")
+    if not bool(real[:, -1].all()):
+        raise GraphDecodeError("a row of attention_mask has no tokens")
+    return pads.to(torch.int32) if bool(pads.any()) else None
 
 
 def _oscar_layers(cache, input_ids: torch.LongTensor) -> list[OscarLayer]:

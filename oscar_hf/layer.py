@@ -72,6 +72,8 @@ class OscarLayer(CacheLayerMixin):
         # token, so the mask transformers materializes while a CUDA graph is captured (its width fixed at capture)
         # is dropped instead of being replayed against later lengths.
         self.decode_without_mask = False
+        self.row_padding: torch.Tensor | None = None  # int32 [B]: leading pad columns per row, with the above
+        self.max_row_padding = 0
         self._clear()
 
     def _clear(self) -> None:
@@ -177,7 +179,7 @@ class OscarLayer(CacheLayerMixin):
         if self.bf16_length - min(self.bf16_length, sink_size) <= limit:
             return
         if self.sink_size is None:
-            self.sink_size = cfg.sink_tokens + leading_padding(attention_mask)
+            self.sink_size = cfg.sink_tokens + max(leading_padding(attention_mask), self.max_row_padding)
             if self.bf16_length - min(self.bf16_length, self.sink_size) <= limit:
                 return
         sink = self.sink_size
@@ -200,6 +202,12 @@ class OscarLayer(CacheLayerMixin):
         `oscar_hf.graph_decode`: from here, decode steps repeat with period `demote_block`)."""
         return (self.history_length > 0 and not self.unsettled and not self.segment_open
                 and self.bf16_length - self.sink_length == self.config.recent_tokens)
+
+    def set_row_padding(self, row_padding: torch.Tensor | None) -> None:
+        """Leading pad columns per row (int `[B]`), for single-token steps that attend without a mask
+        (`decode_without_mask`); the sink grows to hold the largest, as it does from a mask."""
+        self.row_padding = None if row_padding is None else row_padding.to(torch.int32).contiguous()
+        self.max_row_padding = 0 if row_padding is None else int(row_padding.max())
 
     def pin(self, capacity: int) -> None:
         """Give the history a fixed capacity of `capacity` tokens and its length on the device."""
@@ -249,6 +257,8 @@ class OscarLayer(CacheLayerMixin):
         self.keys_buffer = fn(self.keys_buffer)
         self.values_buffer = fn(self.values_buffer)
         self.history.map_batch(fn)
+        if self.row_padding is not None:
+            self.row_padding = fn(self.row_padding)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -92,6 +92,13 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
 
 
+def _and_masks(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`mask` (bool or additive float) further restricted to the bool `allowed`."""
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))
+
+
 def split_mask(mask: torch.Tensor | None, sink: int, history: int):
     """(mask of the BF16 columns, mask of the history columns) from a mask over all `kv_len` columns."""
     if mask is None:
@@ -101,18 +108,24 @@ def split_mask(mask: torch.Tensor | None, sink: int, history: int):
 
 
 def tiered_reference(backend, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                     softcap=None) -> torch.Tensor:
+                     softcap=None, dense_start=None) -> torch.Tensor:
     """Attention over BF16 tiers + quantized history through `backend`'s partial ops; `[B, Lq, Hq, D]`, query dtype.
 
     `key`/`value` `[B, Hkv, Ld, D]` are the sink followed by the recent and new tokens (model basis); the history
     (`history.length` tokens, possibly 0) sits between mask columns `sink_length` and `sink_length + length`.
     Without a mask and with several queries, a bottom-right causal mask over all columns is used.
+    `dense_start` (int `[B]`, optional): row b ignores its first `dense_start[b]` dense keys (left padding, which
+    always lies in the sink), on top of the mask.
     """
     hist_len = history.length if history is not None else 0
     q_len = query.shape[2]
     if mask is None and q_len > 1:
         mask = causal_mask(q_len, hist_len + key.shape[2], query.device)
     dense_mask, history_mask = split_mask(mask, sink_length, hist_len)
+    if dense_start is not None:
+        real = torch.arange(key.shape[2], device=key.device)[None, :] >= dense_start.to(key.device)[:, None]
+        real = real[:, None, None, :]
+        dense_mask = real if dense_mask is None else _and_masks(dense_mask, real)
     parts = [backend.dense_attention(query, key, value, dense_mask, scaling, softcap)]
     if hist_len:
         parts.append(backend.history_attention(query, history, key_rotation, value_rotation, history_mask, scaling,

@@ -38,8 +38,8 @@ def _tiny_qwen3(head_dim=64, layers=2, seed=0, device="cpu"):
     return model.to(device)
 
 
-def _reference_tokens(model, ids, new_tokens, **generate_options):
-    cache = OscarCache(model, rotations="hadamard", **OPTIONS)
+def _reference_tokens(model, ids, new_tokens, cache_options=OPTIONS, **generate_options):
+    cache = OscarCache(model, rotations="hadamard", **cache_options)
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **generate_options,
                          **{cache_argument_name(model): cache})
     return out, cache
@@ -66,6 +66,29 @@ def test_eager_steps_give_generate_tokens_and_device_lengths_track_host(prompt):
         assert layer.history.capacity >= layer.history_length
         assert torch.equal(layer.history.key_codes[:, :, : layer.history_length],
                            ref_layer.history.key_codes[:, :, : layer.history_length])
+
+
+def _left_padded(lengths, seed):
+    width = max(lengths)
+    ids = torch.randint(3, 256, (len(lengths), width), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length:] = 1
+        ids[row, : width - length] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("lengths", [(45, 31, 40), (12, 7, 9)])
+def test_left_padded_rows_skip_their_pads_by_count(lengths):
+    """Decode steps drop the mask (as captured graphs must) and skip each row's pads through its start column."""
+    model = _tiny_qwen3()
+    ids, mask = _left_padded(lengths, seed=len(lengths) + lengths[0])
+    cache = OscarCache(model, rotations="hadamard", **OPTIONS)
+    got = graphed_generate(model, ids, cache, 30, attention_mask=mask)
+    ref, ref_cache = _reference_tokens(model, ids, 30, attention_mask=mask, min_new_tokens=30)
+    assert torch.equal(got, ref)
+    assert [layer.sink_length for layer in cache.layers] == [layer.sink_length for layer in ref_cache.layers]
+    assert cache.layers[0].sink_length == OPTIONS["sink_tokens"] + max(lengths) - min(lengths)
 
 
 def test_continues_a_cache_that_holds_the_prompt_start():
@@ -108,24 +131,25 @@ def test_pinned_history_appends_the_same_codes_at_device_positions():
         assert torch.equal(getattr(pinned, name)[:, :, :24], getattr(plain, name)[:, :, :24])
 
 
-def test_kernels_read_the_pinned_length_from_the_device():
-    """Interpreter on CPU (small shapes, many splits of a capacity-sized plan), the GPU otherwise."""
+def test_kernels_read_the_pinned_length_and_row_starts_from_the_device():
+    """Interpreter on CPU (small shapes, many splits of a capacity-sized plan), the GPU otherwise; left-padded."""
     pytest.importorskip("triton")
     from oscar_hf.kernels.backend import TritonBackend
     from oscar_hf.kernels.interpreter import kernel_device
 
     device = kernel_device()
     model = _tiny_qwen3(device=device).float()
-    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(3)).to(device)
+    ids, mask = _left_padded((40, 33), seed=3)
+    ids, mask = ids.to(device), mask.to(device)
     original = _with_backend(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16))
     try:
         cache = OscarCache(model, rotations="hadamard", **OPTIONS)
-        got = graphed_generate(model, ids, cache, 14, use_graphs=False)
+        got = graphed_generate(model, ids, cache, 14, attention_mask=mask, use_graphs=False)
     finally:
         oscar_hf.layer.backend_for = original
     original = _with_backend(ReferenceBackend())
     try:
-        ref, _ = _reference_tokens(model, ids, 14, min_new_tokens=14)
+        ref, _ = _reference_tokens(model, ids, 14, attention_mask=mask, min_new_tokens=14)
     finally:
         oscar_hf.layer.backend_for = original
     assert cache.layers[0].backend.name == "triton"
@@ -158,15 +182,18 @@ def test_rejects_what_it_cannot_decode():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
     model = _tiny_qwen3(head_dim=128, layers=3, device="cuda").to(dtype)
-    ids = torch.randint(3, 256, (3, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    ids, mask = _left_padded((3000, 2500, 2950), seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
     options = dict(sink_tokens=64, recent_tokens=256, demote_block=8)
     eager_cache = OscarCache(model, rotations="hadamard", **options)
-    eager = graphed_generate(model, ids, eager_cache, 120, use_graphs=False)
+    eager = graphed_generate(model, ids, eager_cache, 120, attention_mask=mask, use_graphs=False)
     stats = {}
     graph_cache = OscarCache(model, rotations="hadamard", **options)
-    graphed = graphed_generate(model, ids, graph_cache, 120, stats=stats)
+    graphed = graphed_generate(model, ids, graph_cache, 120, attention_mask=mask, stats=stats)
     assert stats["graph_steps"] >= 100
     assert torch.equal(graphed, eager)
+    reference, _ = _reference_tokens(model, ids, 120, options, attention_mask=mask, min_new_tokens=120)  # masks
+    assert torch.equal(graphed, reference)
     for a, b in zip(graph_cache.layers, eager_cache.layers):
         assert a.host_state() == b.host_state()
         n = a.history_length
@@ -178,9 +205,10 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
     # a mask of the captured width and drifted by ~1e-3 after the first demotion, with the same greedy tokens.)
     more = torch.randint(3, 256, (3, 1), device="cuda")
     name = cache_argument_name(model)
+    longer = torch.cat([mask, torch.ones_like(eager[:, ids.shape[1]:]), torch.ones_like(more)], dim=1)
     with torch.no_grad():
-        a = model(more, **{name: graph_cache}).logits
-        b = model(more, **{name: eager_cache}).logits
+        a = model(more, attention_mask=longer, **{name: graph_cache}).logits
+        b = model(more, attention_mask=longer, **{name: eager_cache}).logits
     assert torch.equal(a, b)
 
 
@@ -202,7 +230,7 @@ def test_generate_with_graphs_is_generates_greedy_search():
     (dict(do_sample=True), "sampling"),
     (dict(repetition_penalty=1.3), "RepetitionPenalty"),
     (dict(min_new_tokens=5, eos_token_id=1), "MinNewTokens"),
-    (dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])), "padded rows"),
+    (dict(attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])), "left only"),
 ])
 def test_generate_with_graphs_refuses_what_it_would_ignore(options, refused):
     from oscar_hf.graph_decode import generate_with_graphs

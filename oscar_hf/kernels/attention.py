@@ -85,11 +85,12 @@ def _online_update(s, m_i, l_i):
 @triton.jit
 def _dense_split(
     q_ptr, sqb, sqh, sql, k_ptr, skb, skh, skt, v_ptr, svb, svh, svt, m_ptr, smb, sml, smc,
-    b, kvh, h, qi, row_ok, lo, hi, Lq, Ld, col_gap_start, col_gap_len, scaling, softcap,
+    b, kvh, h, qi, row_ok, lo, hi, first_key, Lq, Ld, col_gap_start, col_gap_len, scaling, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
-    """Attention of the rows over dense keys [lo, hi): (unnormalized acc [M, D], row sum, row max), log2 units."""
+    """Attention of the rows over dense keys [lo, hi) that are >= `first_key`: (unnormalized acc [M, D], row sum,
+    row max), log2 units."""
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sql
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(k_ptr.dtype.element_ty)
@@ -102,7 +103,7 @@ def _dense_split(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < hi
+        key_ok = (offs_n < hi) & (offs_n >= first_key)
         k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         if UPCAST_DOTS:
             k = k.to(tl.float32)
@@ -342,10 +343,11 @@ def _attention_partials_kernel(
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
     rk_ptr, srkp, srkh, srkr,
-    o_ptr, lse_ptr, n_ptr,
+    o_ptr, lse_ptr, n_ptr, ds_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
-    D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
+    HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
@@ -370,9 +372,12 @@ def _attention_partials_kernel(
         if IS_CAUSAL:
             last_q = tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M - 1, G * Lq - 1) // G
             hi = tl.minimum(hi, Ld - Lq + last_q + 1)
+        first_key = 0
+        if HAS_DENSE_START:
+            first_key = tl.load(ds_ptr + b)
         acc, l_i, m_i = _dense_split(
             q_ptr, sqb, sqh, sql, k_ptr, skb, skh, skt, v_ptr, svb, svh, svt, m_ptr, smb, sml, smc,
-            b, kvh, h, qi, row_ok, lo, hi, Lq, Ld, gap_start, N, scaling, softcap,
+            b, kvh, h, qi, row_ok, lo, hi, first_key, Lq, Ld, gap_start, N, scaling, softcap,
             D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, IS_CAUSAL, HAS_SOFTCAP, UPCAST_DOTS)
         _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
     else:
@@ -396,7 +401,7 @@ def _attention_partials_kernel(
             # unquantized history: rotated rows in the model dtype, attended with the rotated query
             acc, l_i, m_i = _dense_split(
                 qr_ptr, srb, srh, srl, hk_ptr, shkb, shkh, shkt, hv_ptr, shvb, shvh, shvt, m_ptr, smb, sml, smc,
-                b, kvh, h, qi, row_ok, lo, hi, Lq, N, 0, hist_col0, scaling, softcap,
+                b, kvh, h, qi, row_ok, lo, hi, 0, Lq, N, 0, hist_col0, scaling, softcap,
                 D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, False, HAS_SOFTCAP, UPCAST_DOTS)
             _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
 
@@ -520,13 +525,15 @@ def attention_partials(
     partial_lse: torch.Tensor,
     kv_heads: int,
     config: LaunchConfig = LaunchConfig(),
+    dense_start: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
     as hi + lo in the query's 16-bit dtype: the kernel rotates the query, quantized history only) or
     `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
     `partial_out` / `partial_lse`: float32 buffers of at least `B*Hq*Lq*S*D` / `B*Hq*Lq*S` elements, laid out
-    as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine)."""
+    as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine); `dense_start` (int32 `[B]`,
+    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -534,6 +541,10 @@ def attention_partials(
     for t in (query, keys, values, rotated_query):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("attention_partials needs a unit stride along head_dim")
+    if dense_start is not None and (dense_start.dtype != torch.int32 or dense_start.shape != (batch,)
+                                    or not dense_start.is_contiguous()):
+        raise ValueError(f"dense_start must be a contiguous int32 [{batch}], got {dense_start.dtype} "
+                         f"{tuple(dense_start.shape)}")
     if keys is None:
         keys = values = query
     sz_dt = tl.float16
@@ -586,11 +597,12 @@ def attention_partials(
             hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
             m, *m_strides,
             rk, *rk_strides,
-            partial_out, partial_lse, n_ptr,
+            partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
             q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
             scaling, 1.0 if softcap is None else softcap,
-            D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
+            D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
+            HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,

@@ -97,7 +97,7 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                         scaling, softcap=None, out=None):
+                         scaling, softcap=None, dense_start=None, out=None):
         """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
         `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (see `ReferenceBackend`).
 
@@ -106,14 +106,14 @@ class TritonBackend(ReferenceBackend):
         tensors = _history_tensors(history) if hist_len else None
         if (hist_len and tensors is None) or not self._supported(query, key, value, mask, history if hist_len else None):
             return super().tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
-                                            value_rotation, scaling, softcap)
+                                            value_rotation, scaling, softcap, dense_start)
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
         if out is None:
             out = torch.empty((batch, q_len, q_heads, dim), dtype=query.dtype, device=query.device)
         self._run(query, key, value, tensors, key_rotation, value_rotation if hist_len else None, mask, scaling, softcap,
                   causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
-                  kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None)
+                  kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start)
         return out
 
     # ------------------------------------------------------------------------------------------ internals
@@ -127,7 +127,7 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
-             gap_start, hist_col0, kv_heads, out, out_layout, lse_out):
+             gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None):
         batch, q_heads, q_len, dim = query.shape
         rotated = halves = None
         if tensors is not None:
@@ -149,7 +149,7 @@ class TritonBackend(ReferenceBackend):
         rows = batch * q_heads * q_len * plan.total_splits
         partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch)
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out)
 
