@@ -29,6 +29,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .compat import cache_argument_name
 from .layer import OscarLayer
+from .parallel import tensor_parallel_position
 
 _EOS_CHECK_EVERY = 32  # replays between host checks for "every row has finished" (each check synchronizes)
 
@@ -73,7 +74,7 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
             if decoder.remaining:
                 decoder.pin()  # also without graphs: one code path for the histories, tested on CPU
             if use_graphs and decoder.remaining >= 2 * decoder.period:
-                _check_capturable(layers)
+                _check_capturable(model, layers, input_ids.device)
                 decoder.run_graphs(eos)
             decoder.run_eagerly(eos, until_cycle_start=False)
             new = decoder.generated[:, : decoder.produced]
@@ -265,10 +266,15 @@ def _oscar_layers(cache, input_ids: torch.LongTensor) -> list[OscarLayer]:
     return layers
 
 
-def _check_capturable(layers: list[OscarLayer]) -> None:
+def _check_capturable(model, layers: list[OscarLayer], device: torch.device) -> None:
+    if tensor_parallel_position(model)[1] > 1:
+        raise GraphDecodeError("graph decode of a tensor-parallel model is not supported (its collectives would be "
+                               "captured per rank); pass use_graphs=False")
     for layer in layers:
         reason = None
-        if layer.backend.name != "triton":
+        if layer.keys_buffer.device != device:
+            reason = f"it lives on {layer.keys_buffer.device}, the inputs on {device} (one graph spans one device)"
+        elif layer.backend.name != "triton":
             reason = f"its backend is {layer.backend.name!r} (set OSCAR_HF_BACKEND to use the kernels)"
         elif layer.config.quantize and layer.config.encoder != "minmax":
             reason = f"encoder {layer.config.encoder!r} demotes through the PyTorch reference"

@@ -131,8 +131,10 @@ def test_pinned_history_appends_the_same_codes_at_device_positions():
         assert torch.equal(getattr(pinned, name)[:, :, :24], getattr(plain, name)[:, :, :24])
 
 
-def test_kernels_read_the_pinned_length_and_row_starts_from_the_device():
-    """Interpreter on CPU (small shapes, many splits of a capacity-sized plan), the GPU otherwise; left-padded."""
+@pytest.mark.parametrize("method", ["hadamard", "none"])
+def test_kernels_read_the_pinned_length_and_row_starts_from_the_device(method):
+    """Interpreter on CPU (small shapes, many splits of a capacity-sized plan), the GPU otherwise; left-padded;
+    a quantized and an unquantized (`none`) history."""
     pytest.importorskip("triton")
     from oscar_hf.kernels.backend import TritonBackend
     from oscar_hf.kernels.interpreter import kernel_device
@@ -143,13 +145,14 @@ def test_kernels_read_the_pinned_length_and_row_starts_from_the_device():
     ids, mask = ids.to(device), mask.to(device)
     original = _with_backend(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16))
     try:
-        cache = OscarCache(model, rotations="hadamard", **OPTIONS)
+        cache = OscarCache(model, rotations="hadamard", method=method, **OPTIONS)
         got = graphed_generate(model, ids, cache, 14, attention_mask=mask, use_graphs=False)
     finally:
         oscar_hf.layer.backend_for = original
     original = _with_backend(ReferenceBackend())
     try:
-        ref, _ = _reference_tokens(model, ids, 14, attention_mask=mask, min_new_tokens=14)
+        ref, _ = _reference_tokens(model, ids, 14, dict(OPTIONS, method=method), attention_mask=mask,
+                                  min_new_tokens=14)
     finally:
         oscar_hf.layer.backend_for = original
     assert cache.layers[0].backend.name == "triton"
