@@ -248,7 +248,12 @@ def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.LongTens
 
 
 def _oscar_layers(cache, input_ids: torch.LongTensor) -> list[OscarLayer]:
-    layers = list(getattr(cache, "layers", []))
+    from .cache import OscarCache
+
+    if not isinstance(cache, OscarCache):
+        raise GraphDecodeError(f"graph decode needs an OscarCache, got {type(cache).__name__}: pass "
+                               "past_key_values=OscarCache(model) (cache= on transformers >= 5.24)")
+    layers = list(cache.layers)
     if not layers or not all(isinstance(layer, OscarLayer) for layer in layers):
         raise GraphDecodeError(
             "graphed_generate needs an OscarCache whose layers are all full-attention OSCAR layers (sliding-window "

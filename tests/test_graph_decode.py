@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import oscar_hf.layer  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
@@ -171,6 +171,8 @@ def test_rejects_what_it_cannot_decode():
     graphed_generate(model, ids, cache, 2)
     with pytest.raises(GraphDecodeError, match="already holds 9 tokens"):
         graphed_generate(model, ids, cache, 2)
+    with pytest.raises(GraphDecodeError, match="needs an OscarCache, got DynamicCache"):
+        graphed_generate(model, ids, DynamicCache(), 4)
     if not ON_GPU:
         with pytest.raises(GraphDecodeError, match="CUDA device"):
             graphed_generate(model, ids, OscarCache(model, **OPTIONS), 4, use_graphs=True)
