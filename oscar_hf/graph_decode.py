@@ -16,8 +16,8 @@ tokens = model.generate(input_ids, past_key_values=cache, custom_generate=genera
 
 Steps before the first cycle start (short prompts) and the warm-up cycle run eagerly through the same step
 function; on CPU, or with `use_graphs=False`, every step does, with the same pinned histories (the tests compare
-that path with `model.generate`). The host-side counters of the cache are fast-forwarded after the replays and checked against
-the device's history lengths.
+that path with `model.generate`). The host-side counters of the cache are fast-forwarded after the replays and
+checked against the device's history lengths.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class _StepDecoder:
             layer.pin(layer.history_length + self.remaining + self.period)
 
     def run_graphs(self, eos: list[int]) -> None:
-        """Warm up one cycle on a side stream, capture the `period` phases, replay them while whole cycles fit."""
+        """Warm up one cycle on a side stream, capture the `period` phases, replay them until done."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -167,14 +167,16 @@ class _StepDecoder:
         start = [layer.host_state() for layer in self.layers]
         graphs, after = [], []
         pool = torch.cuda.graph_pool_handle()
-        for _ in range(self.period):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.step()
-            graphs.append(graph)
-            after.append([layer.host_state() for layer in self.layers])
-        for layer, state in zip(self.layers, start):  # capturing ran no kernel: back to the real state
-            layer.restore_host_state(state)
+        try:
+            for _ in range(self.period):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.step()
+                graphs.append(graph)
+                after.append([layer.host_state() for layer in self.layers])
+        finally:
+            for layer, state in zip(self.layers, start):  # capturing ran no kernel: back to the real state
+                layer.restore_host_state(state)
 
         torch.cuda.synchronize()
         began = time.perf_counter()
