@@ -175,26 +175,29 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     return row
 
 
-SWEEP_CONFIGS = {  # (tokens per tile, warps, stages, inline-PTX unpack, programs per SM)
-    128: [(128, 4, 3, True, 4), (128, 4, 4, True, 4), (128, 4, 3, True, 8), (128, 4, 3, True, 16),
-          (256, 4, 3, True, 4), (64, 4, 4, True, 8), (128, 4, 3, False, 4), (128, 8, 4, True, 8),
-          (128, 2, 3, True, 8), (128, 2, 3, True, 4), (64, 2, 3, True, 8), (128, 2, 4, True, 8)],
-    64: [(128, 4, 3, True, 4), (256, 4, 3, True, 4), (256, 8, 3, True, 4), (128, 2, 3, True, 8),
-         (64, 2, 3, True, 8), (128, 4, 2, True, 4), (256, 4, 4, True, 8), (512, 8, 3, True, 4)],
+# (tokens per history tile, warps, stages, inline-PTX unpack, programs per SM, dense keys per tile). Runs 2 and 7
+# swept the first five fields with 64-key dense tiles (bench/RESULTS.md); these candidates add 32-key dense tiles,
+# which halve the kernel's shared memory (70 -> 37 KB at d=128, `python bench/compile_stage1.py`) and, with 64-token
+# history tiles, its registers (168 -> 128), so 4 instead of 3 blocks fit an SM.
+SWEEP_CONFIGS = {
+    128: [(128, 4, 3, True, 4, 64), (128, 4, 3, True, 4, 32), (64, 4, 3, True, 4, 32), (64, 4, 4, True, 8, 32),
+          (128, 4, 4, True, 4, 32), (128, 4, 3, True, 8, 32), (128, 8, 3, True, 4, 32), (128, 2, 3, True, 8, 32)],
+    64: [(128, 2, 3, True, 8, 64), (128, 2, 3, True, 8, 32), (64, 2, 3, True, 8, 32), (128, 4, 3, True, 8, 32),
+         (64, 4, 3, True, 8, 32)],
 }
 
 
 def sweep(copy_bw, dim=128):
     """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig at this head_dim)."""
-    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p)
-               for b, w, s, a, p in SWEEP_CONFIGS[dim]]
+    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p,
+                            block_n_dense=n) for b, w, s, a, p, n in SWEEP_CONFIGS[dim]]
     out = []
     for batch, context in [(1, 100_000), (8, 100_000), (32, 32768), (1, 4096)]:
         case = Case(batch, context, dim, TritonBackend())
         for cfg in configs:
             backend = TritonBackend(launch=cfg)
             name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{'asm' if cfg.asm_unpack else 'plain'}"
-                    f"/{cfg.programs_per_sm}")
+                    f"/{cfg.programs_per_sm}/{cfg.block_n_dense}")
             try:
                 ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw

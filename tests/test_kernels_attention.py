@@ -226,6 +226,26 @@ def test_decode_step_matches_reference(dim, groups, dtype, rotation, softcap):
     _assert_close(out, ref, tol, "decode step")
 
 
+@pytest.mark.parametrize("block_n_dense", [64, 32])
+def test_decode_step_with_row_starts_instead_of_a_mask(block_n_dense):
+    """`dense_start` (what graph decode passes instead of a mask) skips each row's leading dense keys exactly like a
+    left-padding mask over the sink; also with 32-key dense tiles."""
+    from oscar_hf.kernels.attention import LaunchConfig
+
+    rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared")
+    pads = [0, SINK - 1] + [3] * (BATCH - 2)
+    starts = torch.tensor(pads, dtype=torch.int32, device=DEVICE)
+    scaling = 128**-0.5
+    backend = _kernel_backend(LaunchConfig(block_n_dense=block_n_dense))
+    got = backend.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, dense_start=starts)
+    mask = _left_padded_mask(1, HISTORY + keys.shape[2], pads)
+    ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
+    ref_starts = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling,
+                                                     dense_start=starts)
+    _assert_close(ref_starts, ref, 1e-6, "reference: row starts vs mask")
+    _assert_close(got, ref, TOLERANCE["dense"][0], "decode step, row starts")
+
+
 def test_decode_step_without_mask_and_with_4bit_history():
     rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared", bits=4)
     out, ref = _run_tiered(query, keys, values, None, history, rotations)

@@ -423,6 +423,9 @@ class LaunchConfig:
     num_stages: int = 3
     asm_unpack: bool = True  # 2-bit codes to float16 by inline PTX (GPU, 16-bit queries; ignored elsewhere)
     programs_per_sm: int = 4  # stage-1 programs to aim for per multiprocessor (sets the split count)
+    # Dense-tier keys per tile. Its pipelined K/V tiles set the kernel's shared memory for every program (history
+    # programs included): 70 KB at 64 vs 37 KB at 32 for d=128, 3 stages (bench/compile_stage1.py).
+    block_n_dense: int = 64
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md): at head_dim 64, 2 warps and
@@ -447,6 +450,7 @@ class SplitPlan:
     dense_split_len: int
     history_splits: int
     history_split_len: int
+    block_n_dense: int = BLOCK_N_DENSE
 
     @property
     def total_splits(self) -> int:
@@ -464,7 +468,7 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
 @functools.lru_cache(maxsize=1024)
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
                 min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128,
-                block_n_history: int = BLOCK_N_HISTORY) -> SplitPlan:
+                block_n_history: int = BLOCK_N_HISTORY, block_n_dense: int = BLOCK_N_DENSE) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
     the minimums; `rows` = query heads per KV head x query length. Every layer of a decode step asks the same
     question, hence the cache.
@@ -474,9 +478,10 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     block_m = 16
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
-    dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, BLOCK_N_DENSE, max_splits)
+    dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, block_n_dense, max_splits)
     hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, block_n_history, max_splits)
-    return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each)
+    return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each,
+                     block_n_dense)
 
 
 _SCALE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -602,7 +607,7 @@ def attention_partials(
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
             scaling, 1.0 if softcap is None else softcap,
             D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
-            HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N_DENSE,
+            HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,

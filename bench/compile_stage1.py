@@ -1,0 +1,129 @@
+"""Compile the stage-1 attention kernel for an H200 (sm_90) without a GPU and print what each launch configuration
+costs in resources: registers per thread, shared memory per block, the blocks per SM these allow, and static
+SASS counts (MMA, shared-memory and global loads, barriers).
+
+    python bench/compile_stage1.py [--dim 128] [--sweep | --launch '{"block_n_dense": 32}']
+
+The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query rotated
+in-kernel, 2-bit history with fp16 scale/zero, no mask), with the integer arguments' divisibility and value-1
+specialization that a real launch gets. Run 8's kernel compiles to 168 registers and 71,680 bytes of shared memory
+here, which are the values Nsight Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and
+cuobjdump only. It gives resources, not time: time is measured with `bench/attention.py --sweep` on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from oscar_hf.kernels.attention import _attention_partials_kernel, default_launch, LaunchConfig  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32
+POINTERS = dict(q_ptr="*bf16", qr_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
+                hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", rk_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
+                n_ptr="*i32", ds_ptr="*i32")
+SASS_OPS = ("HMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU")
+
+
+def decode_arguments(dim: int, batch: int = 8, kv_heads: int = 8, capacity: int = 112_000, dense: int = 336):
+    """Integer and float arguments of a decode step (strides of HF's query view, the BF16 buffers, the history)."""
+    codes = dim // 4
+    return dict(
+        sqb=32 * dim, sqh=dim, sql=32 * dim, srb=32 * dim, srh=dim, srl=32 * dim,
+        skb=kv_heads * dense * dim, skh=dense * dim, skt=dim, svb=kv_heads * dense * dim, svh=dense * dim, svt=dim,
+        shkb=kv_heads * capacity * codes, shkh=capacity * codes, shkt=codes, shzb=kv_heads * capacity,
+        shzh=capacity, shzt=1, shvb=kv_heads * capacity * codes, shvh=capacity * codes, shvt=codes,
+        shwb=kv_heads * capacity, shwh=capacity, shwt=1, smb=0, sml=0, smc=0, srkp=dim * dim, srkh=0, srkr=dim,
+        Lq=1, Ld=321, N=100_000, G=4, Hkv=kv_heads, gap_start=64, hist_col0=64, dense_splits=2,
+        dense_split_len=192, hist_split_len=1536, total_splits=67, scaling=dim**-0.5, softcap=1.0,
+    )
+
+
+def compile_stage1(dim: int, launch: LaunchConfig):
+    kernel = _attention_partials_kernel
+    constexprs = dict(D=dim, BITS=2, HIST_QUANT=True, N_FROM_PTR=False, HAS_DENSE_START=False, BLOCK_M=16,
+                      BLOCK_N=launch.block_n_dense, BLOCK_NQ=launch.block_n_history, HAS_MASK=False, MASK_BOOL=True,
+                      IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, ROT_Q=True, UPCAST_DOTS=False,
+                      ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16)
+    values = decode_arguments(dim)
+    unspecialized = set(kernel.do_not_specialize)
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTERS.get(name, "*fp32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(values[name], float):
+            signature[name] = "fp32"
+        elif values[name] == 1 and index not in unspecialized and name not in unspecialized:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if values[name] % 16 == 0 and index not in unspecialized and name not in unspecialized:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200,
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+
+
+def resources(compiled, num_warps: int) -> dict:
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    spilled = int(re.search(r"STACK:(\d+)", usage).group(1))
+    shared = compiled.metadata.shared
+    threads = 32 * num_warps
+    blocks = min(REGISTERS_PER_SM // (registers * threads), SHARED_PER_SM // max(shared, 1), MAX_BLOCKS)
+    ops = {op: len(re.findall(rf"\b{op}\b", sass)) for op in SASS_OPS}
+    return dict(registers=registers, stack=spilled, shared_bytes=shared, blocks_per_sm=blocks,
+                warps_per_sm=blocks * num_warps, sass=ops)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--launch", default=None, help="LaunchConfig fields as JSON, over the head_dim's default")
+    parser.add_argument("--sweep", action="store_true", help="the candidates of bench/attention.py --sweep")
+    args = parser.parse_args()
+    base = default_launch(args.dim)
+    if args.sweep:
+        from attention import SWEEP_CONFIGS  # bench/attention.py
+
+        launches = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p,
+                                 block_n_dense=n) for b, w, s, a, p, n in SWEEP_CONFIGS[args.dim]]
+    else:
+        launches = [LaunchConfig(**{**base.__dict__, **json.loads(args.launch or "{}")})]
+    print(f"stage 1, d={args.dim}, sm_90 (decode, bf16 query, 2-bit history)")
+    print("| history tile / warps / stages / dense tile | registers | stack | shared KB | blocks/SM | warps/SM | "
+          + " | ".join(SASS_OPS) + " |")
+    print("|---" * (6 + len(SASS_OPS)) + "|")
+    for launch in launches:
+        r = resources(compile_stage1(args.dim, launch), launch.num_warps)
+        name = f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
+        print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
+              f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
