@@ -120,8 +120,7 @@ class _StepDecoder:
         """Book one produced token; every `_EOS_CHECK_EVERY` tokens, stop once every row has emitted an EOS."""
         self.produced += 1
         if eos and self.produced % _EOS_CHECK_EVERY == 0:
-            tokens = self.generated[:, : self.produced]
-            self.finished = bool(torch.isin(tokens, torch.tensor(eos, device=tokens.device)).any(dim=1).all())
+            self.finished = bool(_is_eos(self.generated[:, : self.produced], eos).any(dim=1).all())
 
     def _forward(self, **inputs) -> torch.Tensor:
         out = self.model(**inputs, **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=1)
@@ -152,7 +151,7 @@ class _StepDecoder:
 
     def pin(self) -> None:
         for layer in self.layers:
-            layer.pin(layer.history_length + self.remaining + self.period)
+            layer.history.pin(layer.history_length + self.remaining + self.period)
 
     def run_graphs(self, eos: list[int]) -> None:
         """Warm up one cycle on a side stream, capture the `period` phases, replay them until done."""
@@ -293,15 +292,21 @@ def _check_capturable(model, layers: list[OscarLayer], device: torch.device) -> 
 
 
 def _kernel_shapes(layer: OscarLayer) -> bool:
+    from .kernels.backend import kernel_head_dim  # only reached with the Triton backend in use
+
     key_dim, value_dim = layer.keys_buffer.shape[-1], layer.values_buffer.shape[-1]
-    return key_dim == value_dim and 64 <= key_dim <= 256 and key_dim & (key_dim - 1) == 0
+    return key_dim == value_dim and kernel_head_dim(key_dim)
+
+
+def _is_eos(tokens: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
 
 
 def _pad_after_eos(tokens: torch.Tensor, eos: list[int], pad_token_id: int | None) -> torch.Tensor:
     """Tokens after each row's first EOS replaced by the pad id; trailing all-pad columns dropped."""
     if not eos:
         return tokens
-    is_eos = torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+    is_eos = _is_eos(tokens, eos)
     after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
     pad = eos[0] if pad_token_id is None else pad_token_id
     tokens = tokens.masked_fill(after, pad)

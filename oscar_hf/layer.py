@@ -68,9 +68,9 @@ class OscarLayer(CacheLayerMixin):
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
-        # Set by `graph_decode` (whose batches have no padding): a single-token forward attends to every cached
-        # token, so the mask transformers materializes while a CUDA graph is captured (its width fixed at capture)
-        # is dropped instead of being replayed against later lengths.
+        # Set by `graph_decode`: a single-token forward attends to every cached token but its row's leading pads
+        # (`row_padding`, skipped by count), so the mask transformers materializes while a CUDA graph is captured
+        # (its width fixed at capture) is dropped instead of being replayed against later lengths.
         self.decode_without_mask = False
         self.row_padding: torch.Tensor | None = None  # int32 [B]: leading pad columns per row, with the above
         self.max_row_padding = 0
@@ -208,10 +208,6 @@ class OscarLayer(CacheLayerMixin):
         (`decode_without_mask`); the sink grows to hold the largest, as it does from a mask."""
         self.row_padding = None if row_padding is None else row_padding.to(torch.int32).contiguous()
         self.max_row_padding = 0 if row_padding is None else int(row_padding.max())
-
-    def pin(self, capacity: int) -> None:
-        """Give the history a fixed capacity of `capacity` tokens and its length on the device."""
-        self.history.pin(capacity)
 
     def host_state(self) -> tuple:
         """The host-side counters (what a replayed CUDA graph cannot update)."""

@@ -23,7 +23,7 @@ from .demote import demote_rows
 from .merge import merge_splits
 
 
-def _kernel_head_dim(dim: int) -> bool:
+def kernel_head_dim(dim: int) -> bool:
     """Head sizes the kernels take: powers of two from 64 (a quarter of a row feeds a 16-wide dot) to 256."""
     return 64 <= dim <= 256 and dim & (dim - 1) == 0
 
@@ -56,13 +56,13 @@ class TritonBackend(ReferenceBackend):
 
     # ------------------------------------------------------------------------------------------ demotion
     def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
-        if encoder != "minmax" or not _kernel_head_dim(x.shape[-1]):  # opt-in encoders: the reference only
+        if encoder != "minmax" or not kernel_head_dim(x.shape[-1]):  # opt-in encoders: the reference only
             return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder)
         demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
-        if encoder != "minmax" or keys.shape != values.shape or not _kernel_head_dim(keys.shape[-1]):
+        if encoder != "minmax" or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1]):
             return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
                                      bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
                                      encoder)
@@ -87,7 +87,7 @@ class TritonBackend(ReferenceBackend):
         if len(parts) == 1:
             return parts[0]
         out0, _ = parts[0]
-        if not _kernel_head_dim(out0.shape[-1]):
+        if not kernel_head_dim(out0.shape[-1]):
             return super().merge(parts)
         partial_out = torch.stack([o.float() for o, _ in parts], dim=3)
         partial_lse = torch.stack([lse.float() for _, lse in parts], dim=3)
@@ -198,7 +198,7 @@ class TritonBackend(ReferenceBackend):
     @staticmethod
     def _supported(query, key, value, mask, history=None) -> bool:
         dim = query.shape[-1]
-        if not _kernel_head_dim(dim) or query.stride(-1) != 1:
+        if not kernel_head_dim(dim) or query.stride(-1) != 1:
             return False
         if key is not None and (key.shape[-1] != dim or value.shape[-1] != dim or key.stride(-1) != 1
                                 or value.stride(-1) != 1 or query.shape[1] % key.shape[1]):
