@@ -34,7 +34,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.attention import DEFAULT_LAUNCH, LaunchConfig  # noqa: E402
+from oscar_hf.kernels.attention import LaunchConfig  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.rotation import hadamard_matrix  # noqa: E402
 
@@ -179,25 +179,33 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 # swept the first five fields with 64-key dense tiles (bench/RESULTS.md); these candidates add 32-key dense tiles,
 # which halve the kernel's shared memory (70 -> 37 KB at d=128, `python bench/compile_stage1.py`) and, with 64-token
 # history tiles, its registers (168 -> 128), so 4 instead of 3 blocks fit an SM.
+def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16):
+    return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
+                block_n_dense=dense, token_major=token_major, block_m=block_m)
+
+
+# LaunchConfig fields per candidate; the first of each head_dim is its current default
 SWEEP_CONFIGS = {
-    128: [(128, 4, 3, True, 4, 64), (128, 4, 3, True, 4, 32), (64, 4, 3, True, 4, 32), (64, 4, 4, True, 8, 32),
-          (128, 4, 4, True, 4, 32), (128, 4, 3, True, 8, 32), (128, 8, 3, True, 4, 32), (128, 2, 3, True, 8, 32)],
-    64: [(128, 2, 3, True, 8, 64), (128, 2, 3, True, 8, 32), (64, 2, 3, True, 8, 32), (128, 4, 3, True, 8, 32),
-         (64, 4, 3, True, 8, 32)],
+    128: [_cfg(128, 4, 3, 4, 64), _cfg(128, 4, 3, 4), _cfg(64, 4, 3, 4),
+          _cfg(128, 2, 3, 8, token_major=True, block_m=8), _cfg(128, 2, 3, 4, token_major=True, block_m=8),
+          _cfg(64, 2, 3, 8, token_major=True, block_m=8), _cfg(128, 4, 3, 4, token_major=True, block_m=8),
+          _cfg(128, 2, 4, 8, token_major=True, block_m=8), _cfg(64, 4, 3, 8, token_major=True, block_m=8)],
+    64: [_cfg(128, 2, 3, 8, 64), _cfg(128, 2, 3, 8, token_major=True, block_m=8),
+         _cfg(128, 2, 3, 12, token_major=True, block_m=8), _cfg(64, 2, 3, 8, token_major=True, block_m=8),
+         _cfg(256, 2, 3, 8, token_major=True, block_m=8), _cfg(128, 1, 3, 16, token_major=True, block_m=8)],
 }
 
 
 def sweep(copy_bw, dim=128):
     """Stage-1 launch configurations on a few cells (pick the default for LaunchConfig at this head_dim)."""
-    configs = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p,
-                            block_n_dense=n) for b, w, s, a, p, n in SWEEP_CONFIGS[dim]]
+    configs = [LaunchConfig(**fields) for fields in SWEEP_CONFIGS[dim]]
     out = []
     for batch, context in [(1, 100_000), (8, 100_000), (32, 32768), (1, 4096)]:
         case = Case(batch, context, dim, TritonBackend())
         for cfg in configs:
             backend = TritonBackend(launch=cfg)
-            name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{'asm' if cfg.asm_unpack else 'plain'}"
-                    f"/{cfg.programs_per_sm}/{cfg.block_n_dense}")
+            name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}/{cfg.block_n_dense}"
+                    f"{'/token-major/' + str(cfg.block_m) if cfg.token_major else ''}")
             try:
                 ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw
@@ -224,12 +232,6 @@ def best_config(rows) -> LaunchConfig:
         scores.setdefault(name, []).append(r["ms"] / best_ms[(r["batch"], r["context"])])
     complete = {k: sum(v) for k, v in scores.items() if len(v) == len(best_ms)}
     return LaunchConfig(**json.loads(min(complete, key=complete.get))) if complete else LaunchConfig()
-
-
-def _launch_record(backend: TritonBackend) -> dict:
-    if backend.launch is not None:
-        return backend.launch.__dict__
-    return {str(d): backend.launch_for(d).__dict__ for d in (64, 128, 256)}
 
 
 def usable_backend(launch: LaunchConfig | None) -> TritonBackend:
@@ -271,24 +273,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time stage-1 launch configurations")
-    parser.add_argument("--sweep-dim", type=int, default=128, choices=sorted(SWEEP_CONFIGS),
-                        help="head_dim of the sweep (its best config is used for the table)")
     parser.add_argument("--dims", default="128,64")
-    parser.add_argument("--launch-out", default=None, help="write the launch config used (JSON) here")
+    parser.add_argument("--launch-out", default=None, help="write the launch configs used (JSON) here")
     args = parser.parse_args()
+    dims = [int(d) for d in args.dims.split(",")]
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    sweep_rows = sweep(copy_bw, args.sweep_dim) if args.sweep else []
-    launch = best_config(sweep_rows) if sweep_rows else None
-    backend = usable_backend(launch)
-    print(f"launch config for the table: {backend.launch or 'per head_dim: ' + str(DEFAULT_LAUNCH)}", flush=True)
+    sweep_rows, backends = [], {}
+    for dim in dims:  # with --sweep, each head_dim's table uses the best of its candidates
+        rows_dim = sweep(copy_bw, dim) if args.sweep and dim in SWEEP_CONFIGS else []
+        sweep_rows += rows_dim
+        backends[dim] = usable_backend(best_config(rows_dim) if rows_dim else None)
+        print(f"launch config for d={dim}: {backends[dim].launch_for(dim)}", flush=True)
+    launches = {str(dim): backend.launch_for(dim).__dict__ for dim, backend in backends.items()}
     if args.launch_out:
         with open(args.launch_out, "w") as f:
-            json.dump(_launch_record(backend), f)
+            json.dump(launches, f)
     rows = []
-    for dim in [int(d) for d in args.dims.split(",")]:
+    for dim in dims:
+        backend = backends[dim]
         for context in CONTEXTS:
             for batch in BATCHES:
                 try:
@@ -305,7 +310,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                            device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           copy_bandwidth=copy_bw, launch=_launch_record(backend), rows=rows, sweep=sweep_rows,
+                           copy_bandwidth=copy_bw, launch=launches, rows=rows, sweep=sweep_rows,
                            table=text), f, indent=1)
 
 

@@ -35,7 +35,7 @@ REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32
 POINTERS = dict(q_ptr="*bf16", qr_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
                 hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", rk_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
                 n_ptr="*i32", ds_ptr="*i32")
-SASS_OPS = ("HMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU")
+SASS_OPS = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU", "PRMT", "LOP3")
 
 
 def decode_arguments(dim: int, batch: int = 8, kv_heads: int = 8, capacity: int = 112_000, dense: int = 336):
@@ -57,7 +57,8 @@ def compile_stage1(dim: int, launch: LaunchConfig):
     constexprs = dict(D=dim, BITS=2, HIST_QUANT=True, N_FROM_PTR=False, HAS_DENSE_START=False, BLOCK_M=16,
                       BLOCK_N=launch.block_n_dense, BLOCK_NQ=launch.block_n_history, HAS_MASK=False, MASK_BOOL=True,
                       IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, ROT_Q=True, UPCAST_DOTS=False,
-                      ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16)
+                      ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16, TOKEN_MAJOR=launch.token_major)
+    constexprs["BLOCK_M"] = launch.block_m if 4 <= launch.block_m else 16  # decode rows: a GQA group of 4
     values = decode_arguments(dim)
     unspecialized = set(kernel.do_not_specialize)
     signature, constants, attrs = {}, dict(constexprs), {}
@@ -110,8 +111,7 @@ def main() -> None:
     if args.sweep:
         from attention import SWEEP_CONFIGS  # bench/attention.py
 
-        launches = [LaunchConfig(block_n_history=b, num_warps=w, num_stages=s, asm_unpack=a, programs_per_sm=p,
-                                 block_n_dense=n) for b, w, s, a, p, n in SWEEP_CONFIGS[args.dim]]
+        launches = [LaunchConfig(**fields) for fields in SWEEP_CONFIGS[args.dim]]
     else:
         launches = [LaunchConfig(**{**base.__dict__, **json.loads(args.launch or "{}")})]
     print(f"stage 1, d={args.dim}, sm_90 (decode, bf16 query, 2-bit history)")
@@ -120,7 +120,8 @@ def main() -> None:
     print("|---" * (6 + len(SASS_OPS)) + "|")
     for launch in launches:
         r = resources(compile_stage1(args.dim, launch), launch.num_warps)
-        name = f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
+        name = (f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
+                + (f" / token-major {launch.block_m}" if launch.token_major else ""))
         print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
               f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
 

@@ -128,6 +128,34 @@ def test_history_partial_other_launch_configs(block_n, asm_unpack):
     _assert_lse(lse, ref_lse, TOLERANCE["history"][1])
 
 
+@pytest.mark.parametrize(
+    "dim,bits,scale_dtype,groups,rotation,dtype,block_m",
+    [
+        (128, 2, torch.float16, 4, "shared", torch.bfloat16, 8),
+        (64, 4, torch.float32, 4, "shared", torch.float32, 8),
+        (128, 2, torch.bfloat16, 2, "per_head", torch.float32, 16),
+        (256, 2, torch.float32, 1, None, torch.bfloat16, 8),
+        (64, 2, torch.float16, 4, "per_head", torch.bfloat16, 8),
+    ],
+)
+def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype, block_m):
+    """The history path with the tokens as the dots' M dimension (`LaunchConfig.token_major`), 8- and 16-row
+    blocks, with a padding mask."""
+    from oscar_hf.kernels.attention import LaunchConfig
+
+    rotations = _rotations(rotation, dim)
+    history = _history(dim, bits, scale_dtype, rotations, dtype)
+    query = _query(groups, 1, dim, dtype)
+    mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
+    mask[0, ..., : HISTORY // 2] = False
+    launch = LaunchConfig(token_major=True, block_m=block_m)
+    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, mask, dim**-0.5)
+    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, dim**-0.5)
+    out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["history"]
+    _assert_close(out, ref, out_tol, "token-major history partial")
+    _assert_lse(lse, ref_lse, lse_tol)
+
+
 def test_default_launch_follows_the_head_dim_unless_one_is_given():
     from oscar_hf.kernels.attention import LaunchConfig
     from oscar_hf.kernels.backend import TritonBackend
@@ -244,6 +272,21 @@ def test_decode_step_with_row_starts_instead_of_a_mask(block_n_dense):
                                                      dense_start=starts)
     _assert_close(ref_starts, ref, 1e-6, "reference: row starts vs mask")
     _assert_close(got, ref, TOLERANCE["dense"][0], "decode step, row starts")
+
+
+def test_token_major_decode_step_and_prefill_chunk_match_reference():
+    """Token-major history dots with 8-row blocks: a left-padded decode step (one block per GQA group) and a
+    chunk of queries (rows beyond 8 fall back to blocks of 16)."""
+    from oscar_hf.kernels.attention import LaunchConfig
+
+    launch = LaunchConfig(token_major=True, block_m=8)
+    scaling = 128**-0.5
+    for q_len in (1, 3):
+        rotations, history, query, keys, values = _tiered_case(128, 4, q_len, torch.bfloat16, "shared")
+        mask = _left_padded_mask(q_len, HISTORY + keys.shape[2], [0, SINK + 7] + [2] * (BATCH - 2))
+        got = _kernel_backend(launch).tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
+        ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
+        _assert_close(got, ref, TOLERANCE["dense"][0], f"token-major tiered attention, {q_len} queries")
 
 
 def test_decode_step_without_mask_and_with_4bit_history():

@@ -60,9 +60,15 @@ def _scores_to_log2(s, scaling, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _apply_mask(s, m_ptr, smb, sml, smc, b, qi, col, col_ok, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
     """Mask scores `s` [M, N] (log2 units) by key validity and the optional attention mask."""
-    valid = col_ok[None, :]
+    return _mask_scores(s, m_ptr, smb, sml, smc, b, qi[:, None], col[None, :], col_ok[None, :], HAS_MASK, MASK_BOOL)
+
+
+@triton.jit
+def _mask_scores(s, m_ptr, smb, sml, smc, b, qi, col, valid, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+    """Mask scores `s` (log2 units, either orientation) by `valid` and the optional attention mask; `qi`, `col`
+    and `valid` broadcast to `s`."""
     if HAS_MASK:
-        ptrs = m_ptr + b.to(tl.int64) * smb + qi[:, None].to(tl.int64) * sml + col[None, :].to(tl.int64) * smc
+        ptrs = m_ptr + b.to(tl.int64) * smb + qi.to(tl.int64) * sml + col.to(tl.int64) * smc
         if MASK_BOOL:
             allowed = tl.load(ptrs, mask=valid, other=0)
             valid = valid & (allowed != 0)
@@ -72,13 +78,14 @@ def _apply_mask(s, m_ptr, smb, sml, smc, b, qi, col, col_ok, HAS_MASK: tl.conste
 
 
 @triton.jit
-def _online_update(s, m_i, l_i):
-    """One online-softmax step on log2 scores `s` [M, N]: (probabilities, rescale factor, new max, new sum)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _online_update(s, m_i, l_i, AXIS: tl.constexpr = 1):
+    """One online-softmax step on log2 scores `s` ([M, N], or [N, M] with `AXIS=0`): (probabilities, rescale
+    factor, new max, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=AXIS))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_new = l_i * alpha + tl.sum(p, axis=1)
+    p = tl.exp2(s - tl.expand_dims(m_safe, AXIS))
+    l_new = l_i * alpha + tl.sum(p, axis=AXIS)
     return p, alpha, m_new, l_new
 
 
@@ -129,14 +136,33 @@ def _dense_split(
 
 
 @triton.jit
+def _code_offset(c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """The constant that quarter `c`'s unpacked codes carry: 2^(10-2c) for 2-bit codes as float16 (the magic
+    number of `_unpack2_asm`, left in so that no subtraction is needed per code), else 0. The dots' results are
+    corrected by it once per row (keys) or per tile sum (values)."""
+    if BITS == 2 and DT == tl.float16:
+        if c == 0:
+            return 1024.0
+        elif c == 1:
+            return 256.0
+        elif c == 2:
+            return 64.0
+        else:
+            return 16.0
+    else:
+        return 0.0
+
+
+@triton.jit
 def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes, as exact `DT` values.
+    """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes plus `_code_offset`, as exact
+    `DT` values.
 
     2 bits: every quarter lives in bytes [0, D/4) at shift 2c. 4 bits: quarters 0, 2 in bytes [0, D/4), quarters
     1, 3 in bytes [D/4, D/2), at shift 0 (quarters 0, 1) or 4 (quarters 2, 3).
     """
     if BITS == 2:
-        return ((lo_bytes >> (2 * c)) & 3).to(DT)
+        return ((lo_bytes >> (2 * c)) & 3).to(DT) + _code_offset(c, BITS, DT)
     else:
         if c % 2 == 0:
             return ((lo_bytes >> (4 * (c // 2))) & 15).to(DT)
@@ -146,39 +172,32 @@ def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.const
 
 @triton.jit
 def _unpack2_asm(packed):
-    """The four 2-bit planes of uint8 codes as exact float16 values, 4 bytes per call: bytes are spread to 16-bit
-    lanes (prmt), each plane is masked into the mantissa of 1024.0 (lop3: (x & 3) | 0x6400) and 1024 subtracted
-    (sub.f16x2): ~1.5 instructions per code instead of shift, mask and convert each."""
+    """The four 2-bit planes of uint8 codes as exact float16 values plus `_code_offset`, 4 bytes per call: bytes
+    are spread to 16-bit lanes (prmt), and plane k (bits 2k, 2k+1) is masked in place into the mantissa of
+    2^(10-2k), whose mantissa step is 4^-k, so the lane reads 2^(10-2k) + code (lop3: (x & mask_k) | magic_k):
+    10 instructions per 16 codes, no shifts and no subtraction (the callers correct the dots)."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 lo, hi, t, magic, mask;
-        mov.b32 magic, 0x64006400;
-        mov.b32 mask, 0x00030003;
+        .reg .b32 lo, hi, m0, m1, m2, m3, k0, k1, k2, k3;
+        mov.b32 m0, 0x00030003;
+        mov.b32 m1, 0x000C000C;
+        mov.b32 m2, 0x00300030;
+        mov.b32 m3, 0x00C000C0;
+        mov.b32 k0, 0x64006400;
+        mov.b32 k1, 0x5C005C00;
+        mov.b32 k2, 0x54005400;
+        mov.b32 k3, 0x4C004C00;
         prmt.b32 lo, $8, 0, 0x4140;
         prmt.b32 hi, $8, 0, 0x4342;
-        lop3.b32 $0, lo, mask, magic, 0xEA;
-        lop3.b32 $1, hi, mask, magic, 0xEA;
-        sub.f16x2 $0, $0, magic;
-        sub.f16x2 $1, $1, magic;
-        shr.b32 t, lo, 2;
-        lop3.b32 $2, t, mask, magic, 0xEA;
-        shr.b32 t, hi, 2;
-        lop3.b32 $3, t, mask, magic, 0xEA;
-        sub.f16x2 $2, $2, magic;
-        sub.f16x2 $3, $3, magic;
-        shr.b32 t, lo, 4;
-        lop3.b32 $4, t, mask, magic, 0xEA;
-        shr.b32 t, hi, 4;
-        lop3.b32 $5, t, mask, magic, 0xEA;
-        sub.f16x2 $4, $4, magic;
-        sub.f16x2 $5, $5, magic;
-        shr.b32 t, lo, 6;
-        lop3.b32 $6, t, mask, magic, 0xEA;
-        shr.b32 t, hi, 6;
-        lop3.b32 $7, t, mask, magic, 0xEA;
-        sub.f16x2 $6, $6, magic;
-        sub.f16x2 $7, $7, magic;
+        lop3.b32 $0, lo, m0, k0, 0xEA;
+        lop3.b32 $1, hi, m0, k0, 0xEA;
+        lop3.b32 $2, lo, m1, k1, 0xEA;
+        lop3.b32 $3, hi, m1, k1, 0xEA;
+        lop3.b32 $4, lo, m2, k2, 0xEA;
+        lop3.b32 $5, hi, m2, k2, 0xEA;
+        lop3.b32 $6, lo, m3, k3, 0xEA;
+        lop3.b32 $7, hi, m3, k3, 0xEA;
         }
         """,
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
@@ -237,24 +256,14 @@ def _rotated_quarter(q, r_base, srkp, srkr, c: tl.constexpr, D: tl.constexpr, QW
 
 
 @triton.jit
-def _quant_split(
-    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-    kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
-    vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
-    m_ptr, smb, sml, smc,
-    b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-    D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
-):
-    """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis.
+def _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr, b, kvh, h, qi, row_ok,
+                   scaling, D: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
+                   UPCAST_DOTS: tl.constexpr):
+    """The rotated, scaled query of the rows as four `DT` quarters [M, D/4], the float32 row sums of the rounded
+    quarters (the zero-point term) and sum_c offset_c * rowsum(quarter c) (the code-offset term).
 
     The rotated query is `q @ R_K` computed here (`ROT_Q`, 16-bit queries) or read from `qr_ptr` (float32, or the
-    query itself when there is no rotation); the softmax scaling is folded into it before the float16 rounding.
-
-    score = scale_t * (q·code_t - zero_t * sum(q)); out = sum_t p_t scale_t code_t - sum_t p_t scale_t zero_t.
-    Returns the four quarter accumulators [M, D/4] (zero-point term already removed), row sum and row max.
-    """
+    query itself when there is no rotation); the softmax scaling is folded in before the rounding to `DT`."""
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
     if ROT_Q:
@@ -273,8 +282,46 @@ def _quant_split(
               * scaling).to(DT)
         q3 = (tl.load(q_rows + 3 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
               * scaling).to(DT)
-    q_sum = (tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1)
-             + tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1))
+    s0 = tl.sum(q0.to(tl.float32), axis=1)
+    s1 = tl.sum(q1.to(tl.float32), axis=1)
+    s2 = tl.sum(q2.to(tl.float32), axis=1)
+    s3 = tl.sum(q3.to(tl.float32), axis=1)
+    q_off = (s0 * _code_offset(0, BITS, DT) + s1 * _code_offset(1, BITS, DT) + s2 * _code_offset(2, BITS, DT)
+             + s3 * _code_offset(3, BITS, DT))
+    return q0, q1, q2, q3, s0 + s1 + s2 + s3, q_off
+
+
+@triton.jit
+def _remove_offsets(acc, zero_acc, pv_sum, c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
+                    AXIS: tl.constexpr):
+    """Quarter `c`'s value accumulator minus its zero-point and code-offset terms (per row; `AXIS` is the axis of
+    `acc` the row terms are broadcast along)."""
+    return acc - tl.expand_dims(zero_acc + pv_sum * _code_offset(c, BITS, DT), AXIS)
+
+
+@triton.jit
+def _quant_split(
+    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+    kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
+    vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
+    m_ptr, smb, sml, smc,
+    b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
+    D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
+):
+    """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis, with the
+    rows as the MMA's M dimension (scores [M, N]).
+
+    score = scale_t * (q·code_t - zero_t * sum(q)); out = sum_t p_t scale_t code_t - sum_t p_t scale_t zero_t,
+    where the unpacked codes carry `_code_offset` and both dots are corrected for it.
+    Returns the four quarter accumulators [M, D/4] (zero-point term already removed), row sum and row max.
+    """
+    QW: tl.constexpr = D // 4
+    offs_w = tl.arange(0, QW)
+    q0, q1, q2, q3, q_sum, q_off = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh,
+                                                  srkr, b, kvh, h, qi, row_ok, scaling, D, BITS, DT, ROT_Q,
+                                                  UPCAST_DOTS)
     kc_base = kc_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     vc_base = vc_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
     kz_base = kz_ptr + b.to(tl.int64) * szb + kvh.to(tl.int64) * szh
@@ -282,6 +329,7 @@ def _quant_split(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     zero_acc = tl.zeros((BLOCK_M,), tl.float32)
+    pv_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc0 = tl.zeros((BLOCK_M, QW), tl.float32)
     acc1 = tl.zeros((BLOCK_M, QW), tl.float32)
     acc2 = tl.zeros((BLOCK_M, QW), tl.float32)
@@ -307,27 +355,120 @@ def _quant_split(
         qc = _qdot(q1, tl.trans(k1), qc, DT)
         qc = _qdot(q2, tl.trans(k2), qc, DT)
         qc = _qdot(q3, tl.trans(k3), qc, DT)
-        s = (qc - q_sum[:, None] * k_zero[None, :]) * k_scale[None, :]
+        s = (qc - (q_off[:, None] + q_sum[:, None] * k_zero[None, :])) * k_scale[None, :]
         s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
         s = _apply_mask(s, m_ptr, smb, sml, smc, b, qi, hist_col0 + offs_n, tok_ok, HAS_MASK, MASK_BOOL)
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
 
         pv = (p * v_scale[None, :]).to(DT)
-        zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[None, :], axis=1)
+        pv32 = pv.to(tl.float32)
+        zero_acc = zero_acc * alpha + tl.sum(pv32 * v_zero[None, :], axis=1)
+        pv_sum = pv_sum * alpha + tl.sum(pv32, axis=1)
         v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
         acc0 = _qdot(pv, v0, acc0 * alpha[:, None], DT)
         acc1 = _qdot(pv, v1, acc1 * alpha[:, None], DT)
         acc2 = _qdot(pv, v2, acc2 * alpha[:, None], DT)
         acc3 = _qdot(pv, v3, acc3 * alpha[:, None], DT)
-    zero_acc = zero_acc[:, None]
-    return acc0 - zero_acc, acc1 - zero_acc, acc2 - zero_acc, acc3 - zero_acc, l_i, m_i
+    return (_remove_offsets(acc0, zero_acc, pv_sum, 0, BITS, DT, 1),
+            _remove_offsets(acc1, zero_acc, pv_sum, 1, BITS, DT, 1),
+            _remove_offsets(acc2, zero_acc, pv_sum, 2, BITS, DT, 1),
+            _remove_offsets(acc3, zero_acc, pv_sum, 3, BITS, DT, 1), l_i, m_i)
 
 
 @triton.jit
-def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.constexpr, WRITE_LSE: tl.constexpr):
+def _quant_split_token_major(
+    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+    kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
+    vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
+    m_ptr, smb, sml, smc,
+    b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
+    D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
+):
+    """`_quant_split` with the tokens as the MMA's M dimension: scores are `codes @ qᵀ` [N, M] and the output is
+    `codesᵀ @ (p * scale)ᵀ` [D/4, M] per quarter, so a decode row block of 8 (a GQA group of <= 8 heads) pads the
+    MMA's 8-wide N instead of its 16-tall M. Same arithmetic and rounding points as `_quant_split`.
+
+    Returns the four transposed quarter accumulators [D/4, M] (zero-point term removed), row sum and row max.
+    """
+    QW: tl.constexpr = D // 4
+    offs_w = tl.arange(0, QW)
+    q0, q1, q2, q3, q_sum, q_off = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh,
+                                                  srkr, b, kvh, h, qi, row_ok, scaling, D, BITS, DT, ROT_Q,
+                                                  UPCAST_DOTS)
+    q0t = tl.trans(q0)
+    q1t = tl.trans(q1)
+    q2t = tl.trans(q2)
+    q3t = tl.trans(q3)
+    kc_base = kc_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    vc_base = vc_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    kz_base = kz_ptr + b.to(tl.int64) * szb + kvh.to(tl.int64) * szh
+    vz_base = vz_ptr + b.to(tl.int64) * swb + kvh.to(tl.int64) * swh
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    zero_acc = tl.zeros((BLOCK_M,), tl.float32)
+    pv_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc0 = tl.zeros((QW, BLOCK_M), tl.float32)
+    acc1 = tl.zeros((QW, BLOCK_M), tl.float32)
+    acc2 = tl.zeros((QW, BLOCK_M), tl.float32)
+    acc3 = tl.zeros((QW, BLOCK_M), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs_n < hi
+        kb_lo = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skt + offs_w[None, :], mask=tok_ok[:, None],
+                        other=0)
+        vb_lo = tl.load(vc_base + offs_n[None, :].to(tl.int64) * svt + offs_w[:, None], mask=tok_ok[None, :],
+                        other=0)
+        if BITS == 4:
+            kb_hi = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skt + QW + offs_w[None, :],
+                            mask=tok_ok[:, None], other=0)
+            vb_hi = tl.load(vc_base + offs_n[None, :].to(tl.int64) * svt + QW + offs_w[:, None],
+                            mask=tok_ok[None, :], other=0)
+        else:
+            kb_hi = kb_lo
+            vb_hi = vb_lo
+        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT)
+        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT)
+
+        k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
+        qc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        qc = _qdot(k0, q0t, qc, DT)
+        qc = _qdot(k1, q1t, qc, DT)
+        qc = _qdot(k2, q2t, qc, DT)
+        qc = _qdot(k3, q3t, qc, DT)
+        s = (qc - (q_off[None, :] + k_zero[:, None] * q_sum[None, :])) * k_scale[:, None]
+        s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
+        s = _mask_scores(s, m_ptr, smb, sml, smc, b, qi[None, :], hist_col0 + offs_n[:, None], tok_ok[:, None],
+                         HAS_MASK, MASK_BOOL)
+        p, alpha, m_i, l_i = _online_update(s, m_i, l_i, 0)
+
+        pv = (p * v_scale[:, None]).to(DT)
+        pv32 = pv.to(tl.float32)
+        zero_acc = zero_acc * alpha + tl.sum(pv32 * v_zero[:, None], axis=0)
+        pv_sum = pv_sum * alpha + tl.sum(pv32, axis=0)
+        v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
+        acc0 = _qdot(v0, pv, acc0 * alpha[None, :], DT)
+        acc1 = _qdot(v1, pv, acc1 * alpha[None, :], DT)
+        acc2 = _qdot(v2, pv, acc2 * alpha[None, :], DT)
+        acc3 = _qdot(v3, pv, acc3 * alpha[None, :], DT)
+    return (_remove_offsets(acc0, zero_acc, pv_sum, 0, BITS, DT, 0),
+            _remove_offsets(acc1, zero_acc, pv_sum, 1, BITS, DT, 0),
+            _remove_offsets(acc2, zero_acc, pv_sum, 2, BITS, DT, 0),
+            _remove_offsets(acc3, zero_acc, pv_sum, 3, BITS, DT, 0), l_i, m_i)
+
+
+@triton.jit
+def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.constexpr, WRITE_LSE: tl.constexpr,
+                   TRANSPOSED: tl.constexpr = False):
+    """Normalize and store `acc` ([M, WIDTH], or [WIDTH, M] when `TRANSPOSED`) at columns [col0, col0 + WIDTH)."""
     offs = col0 + tl.arange(0, WIDTH)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_rows[:, None] + offs[None, :], out, mask=row_ok[:, None])
+    if TRANSPOSED:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[None, :]
+        tl.store(o_rows[None, :] + offs[:, None], out, mask=row_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_rows[:, None] + offs[None, :], out, mask=row_ok[:, None])
     if WRITE_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * _LN2)
         tl.store(lse_rows, lse, mask=row_ok)
@@ -350,7 +491,7 @@ def _attention_partials_kernel(
     HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -384,19 +525,29 @@ def _attention_partials_kernel(
         lo = (split - dense_splits) * hist_split_len
         hi = tl.minimum(lo + hist_split_len, N)
         if HIST_QUANT:
-            acc0, acc1, acc2, acc3, l_i, m_i = _quant_split(
-                q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-                hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
-                hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
-                m_ptr, smb, sml, smc,
-                b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-                D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS, ASM_UNPACK,
-                SZ_DT)
+            if TOKEN_MAJOR:
+                acc0, acc1, acc2, acc3, l_i, m_i = _quant_split_token_major(
+                    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+                    hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
+                    hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
+                    m_ptr, smb, sml, smc,
+                    b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
+                    D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS,
+                    ASM_UNPACK, SZ_DT)
+            else:
+                acc0, acc1, acc2, acc3, l_i, m_i = _quant_split(
+                    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+                    hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
+                    hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
+                    m_ptr, smb, sml, smc,
+                    b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
+                    D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS,
+                    ASM_UNPACK, SZ_DT)
             QW: tl.constexpr = D // 4
-            _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True)
-            _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False)
-            _store_partial(o_rows, lse_rows, acc2, l_i, m_i, row_ok, 2 * QW, QW, False)
-            _store_partial(o_rows, lse_rows, acc3, l_i, m_i, row_ok, 3 * QW, QW, False)
+            _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True, TOKEN_MAJOR)
+            _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False, TOKEN_MAJOR)
+            _store_partial(o_rows, lse_rows, acc2, l_i, m_i, row_ok, 2 * QW, QW, False, TOKEN_MAJOR)
+            _store_partial(o_rows, lse_rows, acc3, l_i, m_i, row_ok, 3 * QW, QW, False, TOKEN_MAJOR)
         else:
             # unquantized history: rotated rows in the model dtype, attended with the rotated query
             acc, l_i, m_i = _dense_split(
@@ -426,6 +577,10 @@ class LaunchConfig:
     # Dense-tier keys per tile. Its pipelined K/V tiles set the kernel's shared memory for every program (history
     # programs included): 70 KB at 64 vs 37 KB at 32 for d=128, 3 stages (bench/compile_stage1.py).
     block_n_dense: int = 64
+    # Query rows per program (16: the MMA's M; 8 suits the token-major history path, whose N it becomes).
+    block_m: int = 16
+    # History dots with the tokens as M (`_quant_split_token_major`): decode rows pad N to 8, not M to 16.
+    token_major: bool = False
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md): at head_dim 64, 2 warps and
@@ -468,14 +623,16 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
 @functools.lru_cache(maxsize=1024)
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
                 min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128,
-                block_n_history: int = BLOCK_N_HISTORY, block_n_dense: int = BLOCK_N_DENSE) -> SplitPlan:
+                block_n_history: int = BLOCK_N_HISTORY, block_n_dense: int = BLOCK_N_DENSE,
+                small_block_m: int = 16) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
     the minimums; `rows` = query heads per KV head x query length. Every layer of a decode step asks the same
     question, hence the cache.
 
-    Rows come in blocks of 16 for decode and for chunks of queries alike: a 64-row variant (8 warps) faulted
-    with an illegal address on the H200 and was dropped (not isolated; see bench/RESULTS.md)."""
-    block_m = 16
+    Rows come in blocks of 16 (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's GQA group):
+    a 64-row variant (8 warps) faulted with an illegal address on the H200 and was dropped (not isolated; see
+    bench/RESULTS.md)."""
+    block_m = small_block_m if rows <= small_block_m else 16
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
     dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, block_n_dense, max_splits)
@@ -611,6 +768,6 @@ def attention_partials(
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
-            SZ_DT=sz_dt,
+            SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

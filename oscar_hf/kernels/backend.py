@@ -172,7 +172,8 @@ class TritonBackend(ReferenceBackend):
     def plan(self, device, batch, kv_heads, rows, dense_len, hist_len, launch: LaunchConfig) -> SplitPlan:
         return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device, launch),
                            self.min_dense_tokens, self.min_history_tokens,
-                           block_n_history=launch.block_n_history, block_n_dense=launch.block_n_dense)
+                           block_n_history=launch.block_n_history, block_n_dense=launch.block_n_dense,
+                           small_block_m=launch.block_m)
 
     def _target(self, device: torch.device, launch: LaunchConfig) -> int:
         if self.target_programs is not None:
