@@ -129,18 +129,20 @@ def test_history_partial_other_launch_configs(block_n, asm_unpack):
 
 
 @pytest.mark.parametrize(
-    "dim,bits,scale_dtype,groups,rotation,dtype,block_m",
+    "dim,bits,scale_dtype,groups,rotation,dtype,block_m,warps",
     [
-        (128, 2, torch.float16, 4, "shared", torch.bfloat16, 8),
-        (64, 4, torch.float32, 4, "shared", torch.float32, 8),
-        (128, 2, torch.bfloat16, 2, "per_head", torch.float32, 16),
-        (256, 2, torch.float32, 1, None, torch.bfloat16, 8),
-        (64, 2, torch.float16, 4, "per_head", torch.bfloat16, 8),
+        (128, 2, torch.float16, 4, "shared", torch.bfloat16, 8, 2),
+        (128, 2, torch.float16, 4, "shared", torch.bfloat16, 8, 4),
+        (64, 4, torch.float32, 4, "shared", torch.float32, 8, 2),
+        (128, 2, torch.bfloat16, 2, "per_head", torch.float32, 16, 4),
+        (256, 2, torch.float32, 1, None, torch.bfloat16, 8, 2),
+        (64, 2, torch.float16, 4, "per_head", torch.bfloat16, 8, 1),
     ],
 )
-def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype, block_m):
+def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype, block_m,
+                                                       warps):
     """The history path with the tokens as the dots' M dimension (`LaunchConfig.token_major`), 8- and 16-row
-    blocks, with a padding mask."""
+    blocks, 1 to 4 warps, with a padding mask."""
     from oscar_hf.kernels.attention import LaunchConfig
 
     rotations = _rotations(rotation, dim)
@@ -148,7 +150,7 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
     query = _query(groups, 1, dim, dtype)
     mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
     mask[0, ..., : HISTORY // 2] = False
-    launch = LaunchConfig(token_major=True, block_m=block_m)
+    launch = LaunchConfig(token_major=True, block_m=block_m, num_warps=warps)
     out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, mask, dim**-0.5)
     ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, dim**-0.5)
     out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["history"]
