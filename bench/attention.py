@@ -244,6 +244,28 @@ def sweep(copy_bw, dim=128):
     return out
 
 
+SPLIT_MINIMUMS = [(256, 512), (128, 256), (64, 128), (32, 128), (64, 64)]  # (dense, history); the first is the default
+
+
+def sweep_split_minimums(copy_bw, dim=128):
+    """The shortest dense / history split (TritonBackend's min_dense_tokens / min_history_tokens) with the default
+    launch, on the cells where few splits leave SMs idle (batch 1 and short contexts)."""
+    out = []
+    for batch, context in [(1, 4096), (8, 4096), (1, 32768), (1, 100_000), (8, 100_000)]:
+        case = Case(batch, context, dim, TritonBackend())
+        for dense_min, hist_min in SPLIT_MINIMUMS:
+            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min)
+            ms = bench(graphed(lambda: case.oscar(backend)))
+            err = error_vs_reference(case, backend)
+            out.append(dict(dim=dim, batch=batch, context=context, min_dense_tokens=dense_min,
+                            min_history_tokens=hist_min, ms=ms, rel_err_vs_reference=err))
+            print(f"split minimums d={dim} bs={batch} ctx={context} dense>={dense_min} history>={hist_min}: "
+                  f"{ms:.3f} ms, error vs reference {err:.1e}", flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
 def best_config(rows) -> LaunchConfig:
     """The configuration with the lowest sum over the sweep cells of time / best time of the cell."""
     bad = {json.dumps(r["config"], sort_keys=True) for r in rows if not r["rel_err_vs_reference"] <= MAX_KERNEL_ERROR}
@@ -299,6 +321,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time stage-1 launch configurations")
+    parser.add_argument("--sweep-splits", action="store_true", help="time the split minimums first (default launch)")
     parser.add_argument("--dims", default="128,64")
     parser.add_argument("--launch-out", default=None, help="write the launch configs used (JSON) here")
     args = parser.parse_args()
@@ -307,6 +330,7 @@ def main():
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    split_rows = [r for dim in dims for r in sweep_split_minimums(copy_bw, dim)] if args.sweep_splits else []
     sweep_rows, backends = [], {}
     for dim in dims:  # with --sweep, each head_dim's table uses the best of its candidates
         rows_dim = sweep(copy_bw, dim) if args.sweep and dim in SWEEP_CONFIGS else []
@@ -337,6 +361,7 @@ def main():
             json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                            device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            copy_bandwidth=copy_bw, launch=launches, rows=rows, sweep=sweep_rows,
+                           split_sweep=split_rows,
                            table=text), f, indent=1)
 
 

@@ -162,8 +162,10 @@ def test_default_launch_follows_the_head_dim_unless_one_is_given():
     from oscar_hf.kernels.attention import LaunchConfig
     from oscar_hf.kernels.backend import TritonBackend
 
-    assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=2, programs_per_sm=8)
-    assert TritonBackend().launch_for(128) == LaunchConfig() == TritonBackend().launch_for(256)
+    assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32,
+                                                          block_m=8, token_major=True)
+    assert TritonBackend().launch_for(128).token_major and TritonBackend().launch_for(128).num_warps == 2
+    assert TritonBackend().launch_for(256) == LaunchConfig()
     given = LaunchConfig(block_n_history=64)
     assert TritonBackend(launch=given).launch_for(64) is given
 

@@ -24,10 +24,16 @@ Masks: an optional `[B or 1, 1, Lq, Ld + N]` bool (True = attend) or additive fl
 columns: dense key j maps to column `j + N * (j >= gap_start)`, history key t to `hist_col0 + t`. Without a mask,
 `IS_CAUSAL` aligns the queries with the last `Lq` dense keys (history keys are always visible).
 
-Precision: scores and the softmax in float32 (natural-log LSE out, base-2 exponentials inside); the history tier multiplies float16 copies of the rotated query and
-of `p * scale` with the exact small-integer codes (float32 accumulation, zero points applied in float32), or works
-in float32 end to end when the query is float32; the dense tier takes the model dtype (bf16 P·V like
-flash-attention, float32 IEEE dots for float32 models).
+Precision: scores and the softmax in float32 (natural-log LSE out, base-2 exponentials inside); the history tier
+multiplies float16 copies of the rotated query and of `p * scale` with the exact small-integer codes, centred
+(code - 2^(bits-1), zero points likewise) so that the value sums stay small, each tile's products summed from zero
+and added to the running sums in float32 (the tensor cores' accumulation truncates); or it works in float32 end to
+end when the query is float32. The dense tier takes the model dtype (bf16 P·V like flash-attention, float32 IEEE
+dots for float32 models).
+
+History dots come in two orientations (`LaunchConfig.token_major`): rows x tokens (`_quant_split`, the rows are the
+MMA's M, padded to 16) or tokens x rows (`_quant_split_token_major`: scores `codes @ qᵀ`, output `codesᵀ @ pᵀ`, the
+rows are N, padded to 8), the default for head_dim 64 and 128 (1.3-2.5x faster at 8-row blocks, run 14).
 """
 
 from __future__ import annotations
@@ -137,33 +143,35 @@ def _dense_split(
 
 @triton.jit
 def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes, as exact `DT` values.
+    """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes minus the centre 2^(BITS-1), as
+    exact `DT` values (centred codes keep the value accumulators small: see `_quant_split`).
 
     2 bits: every quarter lives in bytes [0, D/4) at shift 2c. 4 bits: quarters 0, 2 in bytes [0, D/4), quarters
     1, 3 in bytes [D/4, D/2), at shift 0 (quarters 0, 1) or 4 (quarters 2, 3).
     """
+    CENTER: tl.constexpr = 1 << (BITS - 1)
     if BITS == 2:
-        return ((lo_bytes >> (2 * c)) & 3).to(DT)
+        return (((lo_bytes >> (2 * c)) & 3).to(tl.int32) - CENTER).to(DT)
     else:
         if c % 2 == 0:
-            return ((lo_bytes >> (4 * (c // 2))) & 15).to(DT)
+            return (((lo_bytes >> (4 * (c // 2))) & 15).to(tl.int32) - CENTER).to(DT)
         else:
-            return ((hi_bytes >> (4 * (c // 2))) & 15).to(DT)
+            return (((hi_bytes >> (4 * (c // 2))) & 15).to(tl.int32) - CENTER).to(DT)
 
 
 @triton.jit
 def _unpack2_asm(packed):
-    """The four 2-bit planes of uint8 codes as exact float16 values, 4 bytes per call: bytes are spread to 16-bit
-    lanes (prmt); plane k (bits 2k, 2k+1) is masked in place into the mantissa of 2^(10-2k), whose mantissa step
-    is 4^-k, so the lane reads 2^(10-2k) + code (lop3: (x & mask_k) | magic_k), and the magic is subtracted
-    (sub.f16x2): no shifts, 18 instructions per 16 codes.
+    """The four 2-bit planes of uint8 codes minus 2 (see `_plane`) as exact float16 values, 4 bytes per call:
+    bytes are spread to 16-bit lanes (prmt); plane k (bits 2k, 2k+1) is masked in place into the mantissa of
+    2^(10-2k), whose mantissa step is 4^-k, so the lane reads 2^(10-2k) + code (lop3: (x & mask_k) | magic_k),
+    and magic + 2 is subtracted (sub.f16x2): no shifts, 18 instructions per 16 codes.
 
     (Leaving the magic in and correcting the dots afterwards saves the subtractions but is not exact: on the
     H200's tensor cores the history partial's error grew from below 4e-3 to 1.2e-2, run 13.)"""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 lo, hi, m0, m1, m2, m3, k0, k1, k2, k3;
+        .reg .b32 lo, hi, m0, m1, m2, m3, k0, k1, k2, k3, c0, c1, c2, c3;
         mov.b32 m0, 0x00030003;
         mov.b32 m1, 0x000C000C;
         mov.b32 m2, 0x00300030;
@@ -172,6 +180,10 @@ def _unpack2_asm(packed):
         mov.b32 k1, 0x5C005C00;
         mov.b32 k2, 0x54005400;
         mov.b32 k3, 0x4C004C00;
+        mov.b32 c0, 0x64026402;
+        mov.b32 c1, 0x5C085C08;
+        mov.b32 c2, 0x54205420;
+        mov.b32 c3, 0x4C804C80;
         prmt.b32 lo, $8, 0, 0x4140;
         prmt.b32 hi, $8, 0, 0x4342;
         lop3.b32 $0, lo, m0, k0, 0xEA;
@@ -182,14 +194,14 @@ def _unpack2_asm(packed):
         lop3.b32 $5, hi, m2, k2, 0xEA;
         lop3.b32 $6, lo, m3, k3, 0xEA;
         lop3.b32 $7, hi, m3, k3, 0xEA;
-        sub.f16x2 $0, $0, k0;
-        sub.f16x2 $1, $1, k0;
-        sub.f16x2 $2, $2, k1;
-        sub.f16x2 $3, $3, k1;
-        sub.f16x2 $4, $4, k2;
-        sub.f16x2 $5, $5, k2;
-        sub.f16x2 $6, $6, k3;
-        sub.f16x2 $7, $7, k3;
+        sub.f16x2 $0, $0, c0;
+        sub.f16x2 $1, $1, c0;
+        sub.f16x2 $2, $2, c1;
+        sub.f16x2 $3, $3, c1;
+        sub.f16x2 $4, $4, c2;
+        sub.f16x2 $5, $5, c2;
+        sub.f16x2 $6, $6, c3;
+        sub.f16x2 $7, $7, c3;
         }
         """,
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
@@ -210,15 +222,16 @@ def _planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK
 
 
 @triton.jit
-def _scale_zero(word, SZ_DT: tl.constexpr):
-    """(scale, zero) in float32 from one (scale, zero) pair read as a single integer (int32 for 16-bit pairs,
-    int64 for float32 pairs): one load per token instead of two strided ones."""
+def _scale_zero(word, SZ_DT: tl.constexpr, BITS: tl.constexpr):
+    """(scale, zero - 2^(BITS-1)) in float32 from one (scale, zero) pair read as a single integer (int32 for
+    16-bit pairs, int64 for float32 pairs): one load per token instead of two strided ones. The zero point is
+    centred like the codes (`_plane`)."""
     if SZ_DT == tl.float32:
         scale = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-        zero = ((word >> 32) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        zero = ((word >> 32) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) - (1 << (BITS - 1))
     else:
         scale = (word & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32)
-        zero = ((word >> 16) & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32)
+        zero = ((word >> 16) & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32) - (1 << (BITS - 1))
     return scale, zero
 
 
@@ -228,6 +241,15 @@ def _qdot(a, b, acc, DT: tl.constexpr):
         return tl.dot(a, b, acc=acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc=acc)
+
+
+@triton.jit
+def _rescale_add_dot(acc, alpha, a, b, DT: tl.constexpr):
+    """`acc * alpha + a @ b` with the product summed from zero and added in float32 round-to-nearest: the tensor
+    cores' float32 accumulation truncates, and chaining a whole split's tiles through it biased long splits
+    (relative error 2.6e-2 at 33k tokens per split on the H200, run 14)."""
+    tile = _qdot(a, b, tl.zeros((a.shape[0], b.shape[1]), tl.float32), DT)
+    return tl.fma(acc, alpha, tile)  # not `acc * alpha + tile`, which Triton folds back into the dot's accumulator
 
 
 @triton.jit
@@ -322,8 +344,8 @@ def _quant_split(
         else:
             kb_hi = kb_lo
             vb_hi = vb_lo
-        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT)
-        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT)
+        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
+        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
 
         k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
         qc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -339,10 +361,10 @@ def _quant_split(
         pv = (p * v_scale[None, :]).to(DT)
         zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[None, :], axis=1)
         v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
-        acc0 = _qdot(pv, v0, acc0 * alpha[:, None], DT)
-        acc1 = _qdot(pv, v1, acc1 * alpha[:, None], DT)
-        acc2 = _qdot(pv, v2, acc2 * alpha[:, None], DT)
-        acc3 = _qdot(pv, v3, acc3 * alpha[:, None], DT)
+        acc0 = _rescale_add_dot(acc0, alpha[:, None], pv, v0, DT)
+        acc1 = _rescale_add_dot(acc1, alpha[:, None], pv, v1, DT)
+        acc2 = _rescale_add_dot(acc2, alpha[:, None], pv, v2, DT)
+        acc3 = _rescale_add_dot(acc3, alpha[:, None], pv, v3, DT)
     zero_acc = zero_acc[:, None]
     return acc0 - zero_acc, acc1 - zero_acc, acc2 - zero_acc, acc3 - zero_acc, l_i, m_i
 
@@ -398,8 +420,8 @@ def _quant_split_token_major(
         else:
             kb_hi = kb_lo
             vb_hi = vb_lo
-        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT)
-        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT)
+        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
+        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
 
         k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
         qc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -416,10 +438,10 @@ def _quant_split_token_major(
         pv = (p * v_scale[:, None]).to(DT)
         zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[:, None], axis=0)
         v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
-        acc0 = _qdot(v0, pv, acc0 * alpha[None, :], DT)
-        acc1 = _qdot(v1, pv, acc1 * alpha[None, :], DT)
-        acc2 = _qdot(v2, pv, acc2 * alpha[None, :], DT)
-        acc3 = _qdot(v3, pv, acc3 * alpha[None, :], DT)
+        acc0 = _rescale_add_dot(acc0, alpha[None, :], v0, pv, DT)
+        acc1 = _rescale_add_dot(acc1, alpha[None, :], v1, pv, DT)
+        acc2 = _rescale_add_dot(acc2, alpha[None, :], v2, pv, DT)
+        acc3 = _rescale_add_dot(acc3, alpha[None, :], v3, pv, DT)
     zero_acc = zero_acc[None, :]
     return acc0 - zero_acc, acc1 - zero_acc, acc2 - zero_acc, acc3 - zero_acc, l_i, m_i
 
@@ -549,9 +571,14 @@ class LaunchConfig:
     token_major: bool = False
 
 
-# Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md): at head_dim 64, 2 warps and
-# 8 programs per SM take 0.52 ms instead of 0.97 ms at 100k tokens / batch 8; at 128 the 4-warp default is best.
-DEFAULT_LAUNCH: dict[int, LaunchConfig] = {64: LaunchConfig(num_warps=2, programs_per_sm=8)}
+# Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
+# in 8-row blocks with 32-key dense tiles; 2 warps / 4 programs per SM at head_dim 128 (0.358 ms instead of 0.462 at
+# 100k tokens / batch 8), 1 warp / 24 programs per SM at 64 (0.197 ms instead of 0.484). Other head_dims keep
+# `LaunchConfig()` (not swept).
+DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
+    64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True),
+    128: LaunchConfig(num_warps=2, programs_per_sm=4, block_n_dense=32, block_m=8, token_major=True),
+}
 
 
 def default_launch(head_dim: int) -> LaunchConfig:
