@@ -266,6 +266,35 @@ def sweep_split_minimums(copy_bw, dim=128):
     return out
 
 
+def kernel_breakdown(dim=128, calls=50):
+    """GPU time per call of each kernel of an OSCAR decode attention call (torch.profiler), for the cells where the
+    fixed costs show: batch 1 at 4k and 100k, batch 8 at 100k."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for batch, context in [(1, 4096), (1, 100_000), (8, 100_000)]:
+        case = Case(batch, context, dim, TritonBackend())
+        backend = TritonBackend()
+        for _ in range(5):
+            case.oscar(backend)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                case.oscar(backend)
+            torch.cuda.synchronize()
+        times = {}
+        for event in prof.key_averages():
+            if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+                times[event.key[:60]] = event.self_device_time_total / calls
+        row = dict(dim=dim, batch=batch, context=context, kernels_us=times)
+        out.append(row)
+        print(f"kernel breakdown d={dim} bs={batch} ctx={context}: "
+              + ", ".join(f"{k} {v:.1f} us" for k, v in sorted(times.items(), key=lambda kv: -kv[1])), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
 def best_config(rows) -> LaunchConfig:
     """The configuration with the lowest sum over the sweep cells of time / best time of the cell."""
     bad = {json.dumps(r["config"], sort_keys=True) for r in rows if not r["rel_err_vs_reference"] <= MAX_KERNEL_ERROR}
@@ -322,6 +351,7 @@ def main():
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time stage-1 launch configurations")
     parser.add_argument("--sweep-splits", action="store_true", help="time the split minimums first (default launch)")
+    parser.add_argument("--breakdown", action="store_true", help="kernel times per call (torch.profiler) first")
     parser.add_argument("--dims", default="128,64")
     parser.add_argument("--launch-out", default=None, help="write the launch configs used (JSON) here")
     args = parser.parse_args()
@@ -330,6 +360,7 @@ def main():
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    breakdown = [r for dim in dims for r in kernel_breakdown(dim)] if args.breakdown else []
     split_rows = [r for dim in dims for r in sweep_split_minimums(copy_bw, dim)] if args.sweep_splits else []
     sweep_rows, backends = [], {}
     for dim in dims:  # with --sweep, each head_dim's table uses the best of its candidates
@@ -361,7 +392,7 @@ def main():
             json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                            device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            copy_bandwidth=copy_bw, launch=launches, rows=rows, sweep=sweep_rows,
-                           split_sweep=split_rows,
+                           split_sweep=split_rows, breakdown=breakdown,
                            table=text), f, indent=1)
 
 

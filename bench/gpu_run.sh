@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: kernel tests at real shapes, then the benchmarks. Usage: bench/gpu_run.sh OUT_DIR [parts]
 # parts (comma-separated, run in this order): tests (the kernel and graph-decode test files) or attntests (the attention one),
-# generate, attention (add "sweep" to time launch configurations first, "splits" for the split minimums), ncu. Logs and JSON land in OUT_DIR.
+# generate, attention (add "sweep" to time launch configurations first, "splits" for the split minimums, "breakdown" for kernel times per call), ncu. Logs and JSON land in OUT_DIR.
 set -o pipefail
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}
 parts=${2:-tests,generate,attention,sweep}
@@ -18,7 +18,7 @@ if [[ ,$parts, == *,generate,* ]]; then
   python3 bench/generate.py --max-batch --host-profile --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
 fi
 if [[ ,$parts, == *,attention,* ]]; then
-  sweep=""; [[ ,$parts, == *,sweep,* ]] && sweep="--sweep"; [[ ,$parts, == *,splits,* ]] && sweep="$sweep --sweep-splits"
+  sweep=""; [[ ,$parts, == *,sweep,* ]] && sweep="--sweep"; [[ ,$parts, == *,splits,* ]] && sweep="$sweep --sweep-splits"; [[ ,$parts, == *,breakdown,* ]] && sweep="$sweep --breakdown"
   python3 bench/attention.py $sweep --out "$out/attention.json" --launch-out "$out/launch.json" 2>&1 | tee "$out/attention.log"
 fi
 if [[ ,$parts, == *,ncu,* ]]; then

@@ -137,6 +137,7 @@ def test_history_partial_other_launch_configs(block_n, asm_unpack):
         (128, 2, torch.bfloat16, 2, "per_head", torch.float32, 16, 4),
         (256, 2, torch.float32, 1, None, torch.bfloat16, 8, 2),
         (64, 2, torch.float16, 4, "per_head", torch.bfloat16, 8, 1),
+        (64, 2, torch.float16, 3, "per_head", torch.bfloat16, 8, 1),  # SmolLM2's GQA group of 3
     ],
 )
 def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype, block_m,

@@ -28,8 +28,8 @@ def _merge_kernel(
     o_ptr, lse_ptr, r_ptr, srh, srr,
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
     Lq, G, Hkv, total_splits, plain_splits,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_ROT: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ROT: tl.constexpr,
+    WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.program_id(1) // Hkv
@@ -42,13 +42,19 @@ def _merge_kernel(
     lse_rows = lse_ptr + part0
     o_rows = o_ptr + part0 * D
 
+    # the log-sum-exps BLOCK_S splits at a time (one load in flight per block of splits, not one per split)
+    offs_s = tl.arange(0, BLOCK_S)
     top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    for s in range(total_splits):
-        top = tl.maximum(top, tl.load(lse_rows + s, mask=row_ok, other=float("-inf")))
+    for s0 in range(0, total_splits, BLOCK_S):
+        split_ok = row_ok[:, None] & (s0 + offs_s < total_splits)[None, :]
+        lse = tl.load(lse_rows[:, None] + s0 + offs_s[None, :], mask=split_ok, other=float("-inf"))
+        top = tl.maximum(top, tl.max(lse, axis=1))
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros((BLOCK_M,), tl.float32)
-    for s in range(total_splits):
-        total += tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
+    for s0 in range(0, total_splits, BLOCK_S):
+        split_ok = row_ok[:, None] & (s0 + offs_s < total_splits)[None, :]
+        lse = tl.load(lse_rows[:, None] + s0 + offs_s[None, :], mask=split_ok, other=float("-inf"))
+        total += tl.sum(tl.exp(lse - top[:, None]), axis=1)
     inv_total = 1.0 / tl.maximum(total, 1.1754943508222875e-38)
 
     rotated_from = total_splits
@@ -56,7 +62,7 @@ def _merge_kernel(
         rotated_from = plain_splits
         offs_d = tl.arange(0, D)
         acc_rot = tl.zeros((BLOCK_M, D), tl.float32)
-        for s in range(plain_splits, total_splits):
+        for s in tl.range(plain_splits, total_splits, loop_unroll_factor=UNROLL):
             w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
             o = tl.load(o_rows[:, None] + s * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             acc_rot += w[:, None] * o
@@ -66,14 +72,15 @@ def _merge_kernel(
     for j0 in tl.static_range(0, D, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
-        for s in range(0, rotated_from):
+        for s in tl.range(0, rotated_from, loop_unroll_factor=UNROLL):
             w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
             o = tl.load(o_rows[:, None] + s * D + offs_j[None, :], mask=row_ok[:, None], other=0.0)
             acc += w[:, None] * o
         if HAS_ROT:
-            # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i]
+            # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i], on the tensor cores as three TF32 products
+            # (~float32 accuracy); the float32 FMA product ("ieee") spilled (255 registers + 352 B of stack)
             r_t = tl.load(r_base + offs_j[None, :].to(tl.int64) * srr + offs_d[:, None])
-            acc = tl.dot(acc_rot, r_t, acc=acc, input_precision="ieee")
+            acc = tl.dot(acc_rot, r_t, acc=acc, input_precision="tf32x3")
         out = acc * inv_total[:, None]
         tl.store(out_rows[:, None] + offs_j[None, :], round_to(out, out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
@@ -130,6 +137,7 @@ def merge_splits(
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
-            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), BLOCK_S=64, HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            UNROLL=4,
             num_warps=4,
         )
