@@ -23,13 +23,24 @@ import triton.language as tl
 from .common import launch_device, round_to
 
 
+@triton.jit
+def _split_chunk(o_rows, lse_rows, top, row_ok, s0, lo, hi, offs, D_OFFS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """sum over splits s0 .. s0 + SPLIT_CHUNK (those in [lo, hi)) of exp(lse_s - top) * o_s[:, offs]: [M, len(offs)]."""
+    splits = s0 + tl.arange(0, SPLIT_CHUNK)
+    ok = row_ok[:, None] & ((splits >= lo) & (splits < hi))[None, :]
+    w = tl.exp(tl.load(lse_rows[:, None] + splits[None, :], mask=ok, other=float("-inf")) - top[:, None])
+    o = tl.load(o_rows[:, None, None] + splits[None, :, None] * D_OFFS + offs[None, None, :], mask=ok[:, :, None],
+                other=0.0)
+    return tl.sum(w[:, :, None] * o, axis=1)
+
+
 @triton.jit(do_not_specialize=["total_splits", "plain_splits"])
 def _merge_kernel(
     o_ptr, lse_ptr, r_ptr, srh, srr,
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
     Lq, G, Hkv, total_splits, plain_splits,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ROT: tl.constexpr,
-    WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.program_id(1) // Hkv
@@ -42,40 +53,34 @@ def _merge_kernel(
     lse_rows = lse_ptr + part0
     o_rows = o_ptr + part0 * D
 
-    # the log-sum-exps BLOCK_S splits at a time (one load in flight per block of splits, not one per split)
+    # every split's log-sum-exp in one load (BLOCK_S >= total_splits), so no loop waits on a load per split
     offs_s = tl.arange(0, BLOCK_S)
-    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    for s0 in range(0, total_splits, BLOCK_S):
-        split_ok = row_ok[:, None] & (s0 + offs_s < total_splits)[None, :]
-        lse = tl.load(lse_rows[:, None] + s0 + offs_s[None, :], mask=split_ok, other=float("-inf"))
-        top = tl.maximum(top, tl.max(lse, axis=1))
+    lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s < total_splits)[None, :],
+                  other=float("-inf"))
+    top = tl.max(lse, axis=1)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros((BLOCK_M,), tl.float32)
-    for s0 in range(0, total_splits, BLOCK_S):
-        split_ok = row_ok[:, None] & (s0 + offs_s < total_splits)[None, :]
-        lse = tl.load(lse_rows[:, None] + s0 + offs_s[None, :], mask=split_ok, other=float("-inf"))
-        total += tl.sum(tl.exp(lse - top[:, None]), axis=1)
+    total = tl.sum(tl.exp(lse - top[:, None]), axis=1)
     inv_total = 1.0 / tl.maximum(total, 1.1754943508222875e-38)
 
+    # the partials SPLIT_CHUNK splits per load: [M, SPLIT_CHUNK, D] tiles reduced over the splits
     rotated_from = total_splits
     if HAS_ROT:
         rotated_from = plain_splits
         offs_d = tl.arange(0, D)
         acc_rot = tl.zeros((BLOCK_M, D), tl.float32)
-        for s in tl.range(plain_splits, total_splits, loop_unroll_factor=UNROLL):
-            w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
-            o = tl.load(o_rows[:, None] + s * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            acc_rot += w[:, None] * o
+        for s0 in range(plain_splits, total_splits, SPLIT_CHUNK):
+            acc_rot += _split_chunk(o_rows, lse_rows, top, row_ok, s0, plain_splits, total_splits, offs_d, D,
+                                    SPLIT_CHUNK)
+        acc_rot = tl.where(row_ok[:, None], acc_rot, 0.0)  # one use of the loop's result (a Triton 3.6 pass asserts)
         r_base = r_ptr + kvh.to(tl.int64) * srh
 
     out_rows = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + qi.to(tl.int64) * sol
     for j0 in tl.static_range(0, D, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
-        for s in tl.range(0, rotated_from, loop_unroll_factor=UNROLL):
-            w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf")) - top)
-            o = tl.load(o_rows[:, None] + s * D + offs_j[None, :], mask=row_ok[:, None], other=0.0)
-            acc += w[:, None] * o
+        for s0 in range(0, rotated_from, SPLIT_CHUNK):
+            acc += _split_chunk(o_rows, lse_rows, top, row_ok, s0, 0, rotated_from, offs_j, D, SPLIT_CHUNK)
+        acc = tl.where(row_ok[:, None], acc, 0.0)
         if HAS_ROT:
             # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i], on the tensor cores as three TF32 products
             # (~float32 accuracy); the float32 FMA product ("ieee") spilled (255 registers + 352 B of stack)
@@ -84,8 +89,9 @@ def _merge_kernel(
         out = acc * inv_total[:, None]
         tl.store(out_rows[:, None] + offs_j[None, :], round_to(out, out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
-        lse = tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
-        tl.store(lo_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + qi.to(tl.int64) * sll, lse, mask=row_ok)
+        lse_merged = tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
+        tl.store(lo_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + qi.to(tl.int64) * sll, lse_merged,
+                 mask=row_ok)
 
 
 def merge_splits(
@@ -130,14 +136,14 @@ def merge_splits(
     lse_target = lse_out if lse_out is not None else partial_lse
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
     rows = groups * q_len
-    block_m = 16
+    block_m = min(16, triton.next_power_of_2(rows))  # a decode step's GQA group, not 16 rows
     grid = (triton.cdiv(rows, block_m), batch * kv_heads)
     with launch_device(out):
         _merge_kernel[grid](
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
-            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), BLOCK_S=64, HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
-            UNROLL=4,
+            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), BLOCK_S=max(16, triton.next_power_of_2(splits)),
+            SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
             num_warps=4,
         )
