@@ -31,9 +31,10 @@ and added to the running sums in float32 (the tensor cores' accumulation truncat
 end when the query is float32. The dense tier takes the model dtype (bf16 P·V like flash-attention, float32 IEEE
 dots for float32 models).
 
-History dots come in two orientations (`LaunchConfig.token_major`): rows x tokens (`_quant_split`, the rows are the
-MMA's M, padded to 16) or tokens x rows (`_quant_split_token_major`: scores `codes @ qᵀ`, output `codesᵀ @ pᵀ`, the
-rows are N, padded to 8), the default for head_dim 64 and 128 (1.3-2.5x faster at 8-row blocks, run 14).
+History dots come in two orientations (`LaunchConfig.token_major`):
+- rows x tokens (`_quant_split`): the rows are the MMA's M, padded to 16;
+- tokens x rows (`_quant_split_token_major`): scores `codes @ qᵀ`, output `codesᵀ @ pᵀ`, and the rows are N,
+  padded to 8. This is the default for head_dim 64 and 128 (1.3-2.5x faster with 8-row blocks, run 14).
 """
 
 from __future__ import annotations
@@ -301,6 +302,23 @@ def _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, sr
 
 
 @triton.jit
+def _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh, vz_ptr, swb, swh, b, kvh):
+    """Row (b, kvh)'s key codes, value codes, key and value (scale, zero) words."""
+    b64 = b.to(tl.int64)
+    h64 = kvh.to(tl.int64)
+    return (kc_ptr + b64 * skb + h64 * skh, vc_ptr + b64 * svb + h64 * svh, kz_ptr + b64 * szb + h64 * szh,
+            vz_ptr + b64 * swb + h64 * swh)
+
+
+@triton.jit
+def _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT: tl.constexpr, BITS: tl.constexpr):
+    """Key scale, key zero, value scale, value zero (float32, zeros centred) of the tile's tokens."""
+    k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
+    v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
+    return k_scale, k_zero, v_scale, v_zero
+
+
+@triton.jit
 def _quant_split(
     q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
     kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
@@ -321,10 +339,8 @@ def _quant_split(
     offs_w = tl.arange(0, QW)
     q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
                                            b, kvh, h, qi, row_ok, scaling, D, DT, ROT_Q, UPCAST_DOTS)
-    kc_base = kc_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    vc_base = vc_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    kz_base = kz_ptr + b.to(tl.int64) * szb + kvh.to(tl.int64) * szh
-    vz_base = vz_ptr + b.to(tl.int64) * swb + kvh.to(tl.int64) * swh
+    kc_base, vc_base, kz_base, vz_base = _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh,
+                                                        vz_ptr, swb, swh, b, kvh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     zero_acc = tl.zeros((BLOCK_M,), tl.float32)
@@ -344,8 +360,7 @@ def _quant_split(
         else:
             kb_hi = kb_lo
             vb_hi = vb_lo
-        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
-        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
+        k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
         k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
         qc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -394,10 +409,8 @@ def _quant_split_token_major(
     q1t = tl.trans(q1)
     q2t = tl.trans(q2)
     q3t = tl.trans(q3)
-    kc_base = kc_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    vc_base = vc_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    kz_base = kz_ptr + b.to(tl.int64) * szb + kvh.to(tl.int64) * szh
-    vz_base = vz_ptr + b.to(tl.int64) * swb + kvh.to(tl.int64) * swh
+    kc_base, vc_base, kz_base, vz_base = _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh,
+                                                        vz_ptr, swb, swh, b, kvh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     zero_acc = tl.zeros((BLOCK_M,), tl.float32)
@@ -420,8 +433,7 @@ def _quant_split_token_major(
         else:
             kb_hi = kb_lo
             vb_hi = vb_lo
-        k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
-        v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
+        k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
         k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
         qc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
