@@ -6,9 +6,10 @@ SASS counts (MMA, shared-memory and global loads, barriers).
 
 The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query rotated
 in-kernel, 2-bit history with fp16 scale/zero, no mask), with the integer arguments' divisibility and value-1
-specialization that a real launch gets. Run 8's kernel compiles to 168 registers and 71,680 bytes of shared memory
-here, which are the values Nsight Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and
-cuobjdump only. It gives resources, not time: time is measured with `bench/attention.py --sweep` on the GPU.
+specialization that a real launch gets. Run 8's kernel (`--launch '{"token_major": false, "num_warps": 4,
+"block_n_dense": 64, "block_m": 16}'`) compiles to 168 registers and 71,680 bytes of shared memory here, which are
+the values Nsight Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and cuobjdump only.
+It gives resources, not time: time is measured with `bench/attention.py --sweep` on the GPU.
 """
 
 from __future__ import annotations
