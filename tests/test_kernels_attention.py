@@ -210,6 +210,35 @@ def test_merge_matches_reference_and_handles_empty_partials():
     assert (out[0, 0] == 0).all() and torch.isinf(lse[0, 0]).all()
 
 
+@pytest.mark.parametrize("groups,q_len,splits,plain", [(4, 1, 70, 3), (16, 1, 9, 2), (3, 2, 33, 0), (4, 1, 5, 5)])
+def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain):
+    """Stage 2 over many splits (several split chunks, more than 64 log-sum-exps) and rows per program from 4 to
+    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty."""
+    from oscar_hf.kernels.merge import merge_splits
+    from oscar_hf.partials import merge_partials
+
+    dim, kv_heads = 64, 2
+    heads = groups * kv_heads
+    part_out = torch.randn(BATCH, heads, q_len, splits, dim, device=DEVICE)
+    part_lse = torch.randn(BATCH, heads, q_len, splits, device=DEVICE) * 4
+    part_lse[..., 1] = float("-inf")  # an empty split
+    part_out[..., 1, :] = 0.0
+    rotation = _orthogonal(dim, kv_heads)
+    out = torch.full((BATCH, q_len, heads, dim), float("nan"), device=DEVICE)
+    lse = torch.full((BATCH, heads, q_len), float("nan"), device=DEVICE)
+    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse)
+    group_rotation = rotation.repeat_interleave(groups, dim=0)[None, :, None]  # [1, Hq, 1, D, D]
+    parts = []
+    for s in range(splits):
+        o = part_out[:, :, :, s]
+        if s >= plain:
+            o = (o[..., None, :] @ group_rotation.transpose(-1, -2)).squeeze(-2)
+        parts.append((o, part_lse[:, :, :, s]))
+    ref, ref_lse = merge_partials(parts)
+    _assert_close(out.transpose(1, 2), ref, 2e-5, "merge over many splits")
+    _assert_lse(lse, ref_lse, 2e-5)
+
+
 def _tiered_case(dim, groups, q_len, dtype, rotation, bits=2, scale_dtype=torch.float16, quantize=True):
     rotations = _rotations(rotation, dim)
     history = _history(dim, bits, scale_dtype, rotations, dtype, quantize=quantize)
