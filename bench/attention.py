@@ -1,6 +1,9 @@
 """Decode attention of one layer: OSCAR (BF16 sink + recent, INT2 history, merge) vs PyTorch SDPA over BF16 K/V.
 
-    python bench/attention.py --out bench/results/attention.json [--sweep]
+    python bench/attention.py --out bench/results/attention.json [--sweep] [--sweep-splits] [--breakdown] [--dims 128,64]
+
+`--sweep` times each head_dim's launch candidates (SWEEP_CONFIGS) and uses the best for its table; `--sweep-splits`
+times the split minimums; `--breakdown` prints each kernel's GPU time per call (torch.profiler).
 
 Shape: 32 query / 8 KV heads (Qwen3-8B), head_dim 128 and 64; context 4k, 32k, 100k; batch 1, 8, 32. OSCAR's
 layer holds 64 sink + 256 recent + 1 new token in BF16 and the rest as 2-bit codes with float16 (scale, zero)
