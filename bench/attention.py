@@ -1,6 +1,7 @@
 """Decode attention of one layer: OSCAR (BF16 sink + recent, INT2 history, merge) vs PyTorch SDPA over BF16 K/V.
 
-    python bench/attention.py --out bench/results/attention.json [--sweep] [--sweep-splits] [--breakdown] [--dims 128,64]
+    python bench/attention.py --out bench/results/attention.json [--sweep] [--sweep-splits] [--breakdown]
+                              [--dims 128,64]
 
 `--sweep` times each head_dim's launch candidates (SWEEP_CONFIGS) and uses the best for its table; `--sweep-splits`
 times the split minimums; `--breakdown` prints each kernel's GPU time per call (torch.profiler).
