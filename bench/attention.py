@@ -205,20 +205,22 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 # swept the first five fields with 64-key dense tiles (bench/RESULTS.md); these candidates add 32-key dense tiles,
 # which halve the kernel's shared memory (70 -> 37 KB at d=128, `python bench/compile_stage1.py`) and, with 64-token
 # history tiles, its registers (168 -> 128), so 4 instead of 3 blocks fit an SM.
-def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16):
+def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False):
     return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
-                block_n_dense=dense, token_major=token_major, block_m=block_m)
+                block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold)
 
 
 # LaunchConfig fields per candidate; the first of each head_dim is its current default
 SWEEP_CONFIGS = {
     128: [_cfg(128, 4, 3, 4, 64), _cfg(128, 2, 3, 4, token_major=True, block_m=8),
+          _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True),
           _cfg(128, 2, 3, 8, token_major=True, block_m=8), _cfg(128, 2, 3, 6, token_major=True, block_m=8),
           _cfg(256, 2, 3, 4, token_major=True, block_m=8), _cfg(128, 1, 3, 8, token_major=True, block_m=8),
           _cfg(128, 1, 3, 16, token_major=True, block_m=8), _cfg(64, 2, 3, 8, token_major=True, block_m=8),
           _cfg(128, 2, 4, 4, token_major=True, block_m=8)],
-    64: [_cfg(128, 2, 3, 8, 64), _cfg(128, 1, 3, 16, token_major=True, block_m=8),
-         _cfg(128, 1, 3, 24, token_major=True, block_m=8), _cfg(256, 1, 3, 16, token_major=True, block_m=8),
+    64: [_cfg(128, 2, 3, 8, 64), _cfg(128, 1, 3, 24, token_major=True, block_m=8),
+         _cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True), _cfg(128, 1, 3, 16, token_major=True, block_m=8),
+         _cfg(256, 1, 3, 16, token_major=True, block_m=8),
          _cfg(128, 2, 3, 12, token_major=True, block_m=8), _cfg(256, 2, 3, 8, token_major=True, block_m=8)],
 }
 

@@ -308,6 +308,24 @@ def test_decode_step_with_row_starts_instead_of_a_mask(block_n_dense):
     _assert_close(got, ref, TOLERANCE["dense"][0], "decode step, row starts")
 
 
+@pytest.mark.parametrize("dim,groups", [(128, 4), (64, 3)])
+def test_folded_key_offsets_match_reference(dim, groups):
+    """`LaunchConfig.fold_key_offsets`: key codes keep the unpacking's magic numbers (1024 + code ...) and the
+    scores subtract them per row; same tolerance as the exact path. (Under the interpreter the float16 products
+    are summed exactly; on a GPU the tensor cores' accumulation is what this test measures.)"""
+    from oscar_hf.kernels.attention import LaunchConfig
+
+    rotations = _rotations("shared", dim)
+    history = _history(dim, 2, torch.float16, rotations, torch.bfloat16)
+    query = _query(groups, 1, dim, torch.bfloat16)
+    mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
+    launch = LaunchConfig(token_major=True, block_m=8, num_warps=2, fold_key_offsets=True)
+    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, mask, dim**-0.5)
+    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, dim**-0.5)
+    _assert_close(out, ref, TOLERANCE["history"][0], "history partial, folded key offsets")
+    _assert_lse(lse, ref_lse, TOLERANCE["history"][1])
+
+
 def test_token_major_decode_step_and_prefill_chunk_match_reference():
     """Token-major history dots with 8-row blocks: a left-padded decode step (one block per GQA group) and a
     chunk of queries (rows beyond 8 fall back to blocks of 16)."""

@@ -160,18 +160,7 @@ def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.const
             return (((hi_bytes >> (4 * (c // 2))) & 15).to(tl.int32) - CENTER).to(DT)
 
 
-@triton.jit
-def _unpack2_asm(packed):
-    """The four 2-bit planes of uint8 codes minus 2 (see `_plane`) as exact float16 values, 4 bytes per call:
-    bytes are spread to 16-bit lanes (prmt); plane k (bits 2k, 2k+1) is masked in place into the mantissa of
-    2^(10-2k), whose mantissa step is 4^-k, so the lane reads 2^(10-2k) + code (lop3: (x & mask_k) | magic_k),
-    and magic + 2 is subtracted (sub.f16x2): no shifts, 18 instructions per 16 codes.
-
-    (Leaving the magic in and correcting the dots afterwards saves the subtractions but is not exact: on the
-    H200's tensor cores the history partial's error grew from below 4e-3 to 1.2e-2, run 13.)"""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
+_UNPACK2_MASK = """
         .reg .b32 lo, hi, m0, m1, m2, m3, k0, k1, k2, k3, c0, c1, c2, c3;
         mov.b32 m0, 0x00030003;
         mov.b32 m1, 0x000C000C;
@@ -195,6 +184,8 @@ def _unpack2_asm(packed):
         lop3.b32 $5, hi, m2, k2, 0xEA;
         lop3.b32 $6, lo, m3, k3, 0xEA;
         lop3.b32 $7, hi, m3, k3, 0xEA;
+"""
+_UNPACK2_SUBTRACT = """
         sub.f16x2 $0, $0, c0;
         sub.f16x2 $1, $1, c0;
         sub.f16x2 $2, $2, c1;
@@ -203,14 +194,70 @@ def _unpack2_asm(packed):
         sub.f16x2 $5, $5, c2;
         sub.f16x2 $6, $6, c3;
         sub.f16x2 $7, $7, c3;
-        }
-        """,
+"""
+_UNPACK2_CENTRED = tl.constexpr("{" + _UNPACK2_MASK + _UNPACK2_SUBTRACT + "}")
+_UNPACK2_WITH_MAGIC = tl.constexpr("{" + _UNPACK2_MASK + "}")
+
+
+@triton.jit
+def _unpack2_asm(packed, WITH_MAGIC: tl.constexpr = False):
+    """The four 2-bit planes of uint8 codes minus 2 (see `_plane`) as exact float16 values, 4 bytes per call:
+    bytes are spread to 16-bit lanes (prmt); plane k (bits 2k, 2k+1) is masked in place into the mantissa of
+    2^(10-2k), whose mantissa step is 4^-k, so the lane reads 2^(10-2k) + code (lop3: (x & mask_k) | magic_k),
+    and magic + 2 is subtracted (sub.f16x2): no shifts, 18 instructions per 16 codes.
+
+    `WITH_MAGIC`: skip the subtraction and return 2^(10-2k) + code (`_key_planes` corrects the scores instead).
+    Doing that for the values too lost precision on the H200 (history-partial error 1.2e-2, run 13): the long
+    value sums carry the 1024s through the tensor cores' truncating accumulation."""
+    if WITH_MAGIC:
+        asm: tl.constexpr = _UNPACK2_WITH_MAGIC
+    else:
+        asm: tl.constexpr = _UNPACK2_CENTRED
+    return tl.inline_asm_elementwise(
+        asm=asm,
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
         args=[packed],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
         is_pure=True,
         pack=4,
     )
+
+
+@triton.jit
+def _magic(c: tl.constexpr):
+    """2^(10-2c): the float16 whose mantissa step puts 2-bit plane c in place (`_unpack2_asm`)."""
+    if c == 0:
+        return 1024.0
+    elif c == 1:
+        return 256.0
+    elif c == 2:
+        return 64.0
+    else:
+        return 16.0
+
+
+@triton.jit
+def _key_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr,
+                FOLD: tl.constexpr):
+    """`_planes` for the key codes; with `FOLD` (2-bit codes, float16) each plane c is 2^(10-2c) + code
+    instead, and the caller subtracts `_folded_key_offset` from the scores."""
+    if FOLD:
+        if ASM_UNPACK:
+            return _unpack2_asm(lo_bytes, True)
+        else:
+            return (((lo_bytes & 3).to(tl.int32) + 1024).to(DT), (((lo_bytes >> 2) & 3).to(tl.int32) + 256).to(DT),
+                    (((lo_bytes >> 4) & 3).to(tl.int32) + 64).to(DT), (((lo_bytes >> 6) & 3).to(tl.int32) + 16).to(DT))
+    else:
+        return _planes(lo_bytes, hi_bytes, BITS, DT, ASM_UNPACK)
+
+
+@triton.jit
+def _folded_key_offset(q0, q1, q2, q3, q_sum):
+    """What folded key planes add to each score: sum_c 2^(10-2c) rowsum(q_c), plus 2 sum(q) because the
+    centred zero point (`_scale_zero`) assumes codes minus 2."""
+    return (tl.sum(q0.to(tl.float32), axis=1) * _magic(0) + tl.sum(q1.to(tl.float32), axis=1) * _magic(1)
+            + tl.sum(q2.to(tl.float32), axis=1) * _magic(2) + tl.sum(q3.to(tl.float32), axis=1) * _magic(3)
+            + 2.0 * q_sum)
 
 
 @triton.jit
@@ -393,7 +440,7 @@ def _quant_split_token_major(
     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """`_quant_split` with the tokens as the MMA's M dimension: scores are `codes @ qᵀ` [N, M] and the output is
     `codesᵀ @ (p * scale)ᵀ` [D/4, M] per quarter, so a decode row block of 8 (a GQA group of <= 8 heads) pads the
@@ -405,6 +452,8 @@ def _quant_split_token_major(
     offs_w = tl.arange(0, QW)
     q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
                                            b, kvh, h, qi, row_ok, scaling, D, DT, ROT_Q, UPCAST_DOTS)
+    if FOLD_K:
+        q_off = _folded_key_offset(q0, q1, q2, q3, q_sum)
     q0t = tl.trans(q0)
     q1t = tl.trans(q1)
     q2t = tl.trans(q2)
@@ -435,12 +484,14 @@ def _quant_split_token_major(
             vb_hi = vb_lo
         k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
-        k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
+        k0, k1, k2, k3 = _key_planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK, FOLD_K)
         qc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         qc = _qdot(k0, q0t, qc, DT)
         qc = _qdot(k1, q1t, qc, DT)
         qc = _qdot(k2, q2t, qc, DT)
         qc = _qdot(k3, q3t, qc, DT)
+        if FOLD_K:
+            qc = qc - q_off[None, :]
         s = (qc - k_zero[:, None] * q_sum[None, :]) * k_scale[:, None]
         s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
         s = _mask_scores(s, m_ptr, smb, sml, smc, b, qi[None, :], hist_col0 + offs_n[:, None], tok_ok[:, None],
@@ -492,6 +543,7 @@ def _attention_partials_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    FOLD_K: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -533,7 +585,7 @@ def _attention_partials_kernel(
                     m_ptr, smb, sml, smc,
                     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
                     D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS,
-                    ASM_UNPACK, SZ_DT)
+                    ASM_UNPACK, SZ_DT, FOLD_K)
             else:
                 acc0, acc1, acc2, acc3, l_i, m_i = _quant_split(
                     q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
@@ -581,6 +633,9 @@ class LaunchConfig:
     block_m: int = 16
     # History dots with the tokens as M (`_quant_split_token_major`): decode rows pad N to 8, not M to 16.
     token_major: bool = False
+    # Token-major, 2-bit, 16-bit queries: key codes keep the unpacking's magic numbers and the scores are corrected
+    # once per row (8% fewer instructions per tile, offline). Off until its precision is measured on a GPU.
+    fold_key_offsets: bool = False
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
@@ -774,5 +829,6 @@ def attention_partials(
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
+            FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
