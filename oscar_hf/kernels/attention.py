@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .codes import code_planes, folded_key_offset, key_planes, scale_zero
 from .interpreter import interpreting
 from .common import launch_device
 
@@ -143,147 +144,6 @@ def _dense_split(
 
 
 @triton.jit
-def _plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes minus the centre 2^(BITS-1), as
-    exact `DT` values (centred codes keep the value accumulators small: see `_quant_split`).
-
-    2 bits: every quarter lives in bytes [0, D/4) at shift 2c. 4 bits: quarters 0, 2 in bytes [0, D/4), quarters
-    1, 3 in bytes [D/4, D/2), at shift 0 (quarters 0, 1) or 4 (quarters 2, 3).
-    """
-    CENTER: tl.constexpr = 1 << (BITS - 1)
-    if BITS == 2:
-        return (((lo_bytes >> (2 * c)) & 3).to(tl.int32) - CENTER).to(DT)
-    else:
-        if c % 2 == 0:
-            return (((lo_bytes >> (4 * (c // 2))) & 15).to(tl.int32) - CENTER).to(DT)
-        else:
-            return (((hi_bytes >> (4 * (c // 2))) & 15).to(tl.int32) - CENTER).to(DT)
-
-
-_UNPACK2_MASK = """
-        .reg .b32 lo, hi, m0, m1, m2, m3, k0, k1, k2, k3, c0, c1, c2, c3;
-        mov.b32 m0, 0x00030003;
-        mov.b32 m1, 0x000C000C;
-        mov.b32 m2, 0x00300030;
-        mov.b32 m3, 0x00C000C0;
-        mov.b32 k0, 0x64006400;
-        mov.b32 k1, 0x5C005C00;
-        mov.b32 k2, 0x54005400;
-        mov.b32 k3, 0x4C004C00;
-        mov.b32 c0, 0x64026402;
-        mov.b32 c1, 0x5C085C08;
-        mov.b32 c2, 0x54205420;
-        mov.b32 c3, 0x4C804C80;
-        prmt.b32 lo, $8, 0, 0x4140;
-        prmt.b32 hi, $8, 0, 0x4342;
-        lop3.b32 $0, lo, m0, k0, 0xEA;
-        lop3.b32 $1, hi, m0, k0, 0xEA;
-        lop3.b32 $2, lo, m1, k1, 0xEA;
-        lop3.b32 $3, hi, m1, k1, 0xEA;
-        lop3.b32 $4, lo, m2, k2, 0xEA;
-        lop3.b32 $5, hi, m2, k2, 0xEA;
-        lop3.b32 $6, lo, m3, k3, 0xEA;
-        lop3.b32 $7, hi, m3, k3, 0xEA;
-"""
-_UNPACK2_SUBTRACT = """
-        sub.f16x2 $0, $0, c0;
-        sub.f16x2 $1, $1, c0;
-        sub.f16x2 $2, $2, c1;
-        sub.f16x2 $3, $3, c1;
-        sub.f16x2 $4, $4, c2;
-        sub.f16x2 $5, $5, c2;
-        sub.f16x2 $6, $6, c3;
-        sub.f16x2 $7, $7, c3;
-"""
-_UNPACK2_CENTRED = tl.constexpr("{" + _UNPACK2_MASK + _UNPACK2_SUBTRACT + "}")
-_UNPACK2_WITH_MAGIC = tl.constexpr("{" + _UNPACK2_MASK + "}")
-
-
-@triton.jit
-def _unpack2_asm(packed, WITH_MAGIC: tl.constexpr = False):
-    """The four 2-bit planes of uint8 codes minus 2 (see `_plane`) as exact float16 values, 4 bytes per call:
-    bytes are spread to 16-bit lanes (prmt); plane k (bits 2k, 2k+1) is masked in place into the mantissa of
-    2^(10-2k), whose mantissa step is 4^-k, so the lane reads 2^(10-2k) + code (lop3: (x & mask_k) | magic_k),
-    and magic + 2 is subtracted (sub.f16x2): no shifts, 18 instructions per 16 codes.
-
-    `WITH_MAGIC`: skip the subtraction and return 2^(10-2k) + code (`_key_planes` corrects the scores instead).
-    Doing that for the values too lost precision on the H200 (history-partial error 1.2e-2, run 13): the long
-    value sums carry the 1024s through the tensor cores' truncating accumulation."""
-    if WITH_MAGIC:
-        asm: tl.constexpr = _UNPACK2_WITH_MAGIC
-    else:
-        asm: tl.constexpr = _UNPACK2_CENTRED
-    return tl.inline_asm_elementwise(
-        asm=asm,
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-        args=[packed],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
-
-
-@triton.jit
-def _magic(c: tl.constexpr):
-    """2^(10-2c): the float16 whose mantissa step puts 2-bit plane c in place (`_unpack2_asm`)."""
-    if c == 0:
-        return 1024.0
-    elif c == 1:
-        return 256.0
-    elif c == 2:
-        return 64.0
-    else:
-        return 16.0
-
-
-@triton.jit
-def _key_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr,
-                FOLD: tl.constexpr):
-    """`_planes` for the key codes; with `FOLD` (2-bit codes, float16) each plane c is 2^(10-2c) + code
-    instead, and the caller subtracts `_folded_key_offset` from the scores."""
-    if FOLD:
-        if ASM_UNPACK:
-            return _unpack2_asm(lo_bytes, True)
-        else:
-            return (((lo_bytes & 3).to(tl.int32) + 1024).to(DT), (((lo_bytes >> 2) & 3).to(tl.int32) + 256).to(DT),
-                    (((lo_bytes >> 4) & 3).to(tl.int32) + 64).to(DT), (((lo_bytes >> 6) & 3).to(tl.int32) + 16).to(DT))
-    else:
-        return _planes(lo_bytes, hi_bytes, BITS, DT, ASM_UNPACK)
-
-
-@triton.jit
-def _folded_key_offset(q0, q1, q2, q3, q_sum):
-    """What folded key planes add to each score: sum_c 2^(10-2c) rowsum(q_c), plus 2 sum(q) because the
-    centred zero point (`_scale_zero`) assumes codes minus 2."""
-    return (tl.sum(q0.to(tl.float32), axis=1) * _magic(0) + tl.sum(q1.to(tl.float32), axis=1) * _magic(1)
-            + tl.sum(q2.to(tl.float32), axis=1) * _magic(2) + tl.sum(q3.to(tl.float32), axis=1) * _magic(3)
-            + 2.0 * q_sum)
-
-
-@triton.jit
-def _planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr):
-    if ASM_UNPACK:
-        return _unpack2_asm(lo_bytes)
-    else:
-        return (_plane(lo_bytes, hi_bytes, 0, BITS, DT), _plane(lo_bytes, hi_bytes, 1, BITS, DT),
-                _plane(lo_bytes, hi_bytes, 2, BITS, DT), _plane(lo_bytes, hi_bytes, 3, BITS, DT))
-
-
-@triton.jit
-def _scale_zero(word, SZ_DT: tl.constexpr, BITS: tl.constexpr):
-    """(scale, zero - 2^(BITS-1)) in float32 from one (scale, zero) pair read as a single integer (int32 for
-    16-bit pairs, int64 for float32 pairs): one load per token instead of two strided ones. The zero point is
-    centred like the codes (`_plane`)."""
-    if SZ_DT == tl.float32:
-        scale = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-        zero = ((word >> 32) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) - (1 << (BITS - 1))
-    else:
-        scale = (word & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32)
-        zero = ((word >> 16) & 0xFFFF).to(tl.int16).to(SZ_DT, bitcast=True).to(tl.float32) - (1 << (BITS - 1))
-    return scale, zero
-
-
-@triton.jit
 def _qdot(a, b, acc, DT: tl.constexpr):
     if DT == tl.float32:
         return tl.dot(a, b, acc=acc, input_precision="ieee")
@@ -360,8 +220,8 @@ def _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh, vz_ptr,
 @triton.jit
 def _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT: tl.constexpr, BITS: tl.constexpr):
     """Key scale, key zero, value scale, value zero (float32, zeros centred) of the tile's tokens."""
-    k_scale, k_zero = _scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
-    v_scale, v_zero = _scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
+    k_scale, k_zero = scale_zero(tl.load(kz_base + offs_n * szt, mask=tok_ok, other=0), SZ_DT, BITS)
+    v_scale, v_zero = scale_zero(tl.load(vz_base + offs_n * swt, mask=tok_ok, other=0), SZ_DT, BITS)
     return k_scale, k_zero, v_scale, v_zero
 
 
@@ -409,7 +269,7 @@ def _quant_split(
             vb_hi = vb_lo
         k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
-        k0, k1, k2, k3 = _planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
+        k0, k1, k2, k3 = code_planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
         qc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         qc = _qdot(q0, tl.trans(k0), qc, DT)
         qc = _qdot(q1, tl.trans(k1), qc, DT)
@@ -422,7 +282,7 @@ def _quant_split(
 
         pv = (p * v_scale[None, :]).to(DT)
         zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[None, :], axis=1)
-        v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
+        v0, v1, v2, v3 = code_planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
         acc0 = _rescale_add_dot(acc0, alpha[:, None], pv, v0, DT)
         acc1 = _rescale_add_dot(acc1, alpha[:, None], pv, v1, DT)
         acc2 = _rescale_add_dot(acc2, alpha[:, None], pv, v2, DT)
@@ -453,7 +313,7 @@ def _quant_split_token_major(
     q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
                                            b, kvh, h, qi, row_ok, scaling, D, DT, ROT_Q, UPCAST_DOTS)
     if FOLD_K:
-        q_off = _folded_key_offset(q0, q1, q2, q3, q_sum)
+        q_off = folded_key_offset(q0, q1, q2, q3, q_sum)
     q0t = tl.trans(q0)
     q1t = tl.trans(q1)
     q2t = tl.trans(q2)
@@ -484,7 +344,7 @@ def _quant_split_token_major(
             vb_hi = vb_lo
         k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
-        k0, k1, k2, k3 = _key_planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK, FOLD_K)
+        k0, k1, k2, k3 = key_planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK, FOLD_K)
         qc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         qc = _qdot(k0, q0t, qc, DT)
         qc = _qdot(k1, q1t, qc, DT)
@@ -500,7 +360,7 @@ def _quant_split_token_major(
 
         pv = (p * v_scale[:, None]).to(DT)
         zero_acc = zero_acc * alpha + tl.sum(pv.to(tl.float32) * v_zero[:, None], axis=0)
-        v0, v1, v2, v3 = _planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
+        v0, v1, v2, v3 = code_planes(vb_lo, vb_hi, BITS, DT, ASM_UNPACK)
         acc0 = _rescale_add_dot(acc0, alpha[None, :], v0, pv, DT)
         acc1 = _rescale_add_dot(acc1, alpha[None, :], v1, pv, DT)
         acc2 = _rescale_add_dot(acc2, alpha[None, :], v2, pv, DT)
