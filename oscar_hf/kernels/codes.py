@@ -1,9 +1,9 @@
 """Packed quantization codes inside the kernels: 2- and 4-bit planes as exact small-integer values, and the
 per-row (scale, zero) words.
 
-Layout (`oscar_hf.quantize.pack_codes`): a row of D codes is packed as quarters, quarter c (elements [c*D/4, (c+1)*D/4)) at
-bit 2c of bytes [0, D/4) for 2 bits, and at bit 4*(c//2) of bytes [0, D/4) (c even) or [D/4, D/2) (c odd) for 4
-bits. Planes are centred (code - 2^(bits-1), and the zero point likewise) so that value sums stay small.
+Layout (`oscar_hf.quantize.pack_codes`): a row of D codes is packed as quarters, quarter c (elements
+[c*D/4, (c+1)*D/4)) at bit 2c of bytes [0, D/4) for 2 bits, and at bit 4*(c//2) of bytes [0, D/4) (c even) or
+[D/4, D/2) (c odd) for 4 bits. Planes are centred (code - 2^(bits-1), and the zero point likewise) so that value sums stay small.
 """
 
 from __future__ import annotations
@@ -109,6 +109,12 @@ def magic(c: tl.constexpr):
 
 
 @triton.jit
+def _with_magic(lo_bytes, c: tl.constexpr, DT: tl.constexpr):
+    """2-bit plane c as 2^(10-2c) + code in `DT` (exact), what `unpack2_asm(..., WITH_MAGIC=True)` returns."""
+    return (((lo_bytes >> (2 * c)) & 3).to(tl.float32) + magic(c)).to(DT)
+
+
+@triton.jit
 def key_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr,
                 FOLD: tl.constexpr):
     """`code_planes` for the key codes; with `FOLD` (2-bit codes, float16) each plane c is 2^(10-2c) + code
@@ -117,8 +123,8 @@ def key_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNP
         if ASM_UNPACK:
             return unpack2_asm(lo_bytes, True)
         else:
-            return (((lo_bytes & 3).to(tl.int32) + 1024).to(DT), (((lo_bytes >> 2) & 3).to(tl.int32) + 256).to(DT),
-                    (((lo_bytes >> 4) & 3).to(tl.int32) + 64).to(DT), (((lo_bytes >> 6) & 3).to(tl.int32) + 16).to(DT))
+            return (_with_magic(lo_bytes, 0, DT), _with_magic(lo_bytes, 1, DT), _with_magic(lo_bytes, 2, DT),
+                    _with_magic(lo_bytes, 3, DT))
     else:
         return code_planes(lo_bytes, hi_bytes, BITS, DT, ASM_UNPACK)
 

@@ -80,7 +80,7 @@ def _merge_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
         for s0 in range(0, rotated_from, SPLIT_CHUNK):
             acc += _split_chunk(o_rows, lse_rows, top, row_ok, s0, 0, rotated_from, offs_j, D, SPLIT_CHUNK)
-        acc = tl.where(row_ok[:, None], acc, 0.0)
+        acc = tl.where(row_ok[:, None], acc, 0.0)  # not needed to compile (unlike acc_rot's), kept as timed in run 18
         if HAS_ROT:
             # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i], on the tensor cores as three TF32 products
             # (~float32 accuracy); the float32 FMA product ("ieee") spilled (255 registers + 352 B of stack)
