@@ -100,16 +100,23 @@ def _assert_lse(lse, ref, tolerance):
     ],
 )
 def test_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype):
+    _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, None, "history partial")
+
+
+def _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, launch, what, masked=True):
+    """One decode query per row over a quantized history, kernels vs reference; with `masked`, random padding
+    and a row whose first half is padding."""
     rotations = _rotations(rotation, dim)
     history = _history(dim, bits, scale_dtype, rotations, dtype)
     query = _query(groups, 1, dim, dtype)
-    mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
-    mask[0, ..., : HISTORY // 2] = False  # a row whose first half is padding
-    scaling = dim**-0.5
-    out, lse = _kernel_backend().history_attention(query, history, *rotations, mask, scaling)
-    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, scaling)
+    mask = None
+    if masked:
+        mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
+        mask[0, ..., : HISTORY // 2] = False
+    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, mask, dim**-0.5)
+    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, dim**-0.5)
     out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["history"]
-    _assert_close(out, ref, out_tol, "history partial")
+    _assert_close(out, ref, out_tol, what)
     _assert_lse(lse, ref_lse, lse_tol)
 
 
@@ -118,14 +125,8 @@ def test_history_partial_other_launch_configs(block_n, asm_unpack):
     """The unpacking without inline PTX (the GPU default uses it for 2-bit codes) and longer tiles."""
     from oscar_hf.kernels.attention import LaunchConfig
 
-    rotations = _rotations("shared", 128)
-    history = _history(128, 2, torch.float16, rotations, torch.bfloat16)
-    query = _query(4, 1, 128, torch.bfloat16)
     launch = LaunchConfig(block_n_history=block_n, asm_unpack=asm_unpack)
-    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, None, 128**-0.5)
-    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, None, 128**-0.5)
-    _assert_close(out, ref, TOLERANCE["history"][0], "history partial")
-    _assert_lse(lse, ref_lse, TOLERANCE["history"][1])
+    _check_history_partial(128, 2, torch.float16, 4, "shared", torch.bfloat16, launch, "history partial", False)
 
 
 @pytest.mark.parametrize(
@@ -146,17 +147,8 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
     blocks, 1 to 4 warps, with a padding mask."""
     from oscar_hf.kernels.attention import LaunchConfig
 
-    rotations = _rotations(rotation, dim)
-    history = _history(dim, bits, scale_dtype, rotations, dtype)
-    query = _query(groups, 1, dim, dtype)
-    mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
-    mask[0, ..., : HISTORY // 2] = False
     launch = LaunchConfig(token_major=True, block_m=block_m, num_warps=warps)
-    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, mask, dim**-0.5)
-    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, dim**-0.5)
-    out_tol, lse_tol = TOLERANCE[torch.float32] if dtype == torch.float32 else TOLERANCE["history"]
-    _assert_close(out, ref, out_tol, "token-major history partial")
-    _assert_lse(lse, ref_lse, lse_tol)
+    _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, launch, "token-major history partial")
 
 
 def test_default_launch_follows_the_head_dim_unless_one_is_given():
@@ -315,15 +307,9 @@ def test_folded_key_offsets_match_reference(dim, groups):
     are summed exactly; on a GPU the tensor cores' accumulation is what this test measures.)"""
     from oscar_hf.kernels.attention import LaunchConfig
 
-    rotations = _rotations("shared", dim)
-    history = _history(dim, 2, torch.float16, rotations, torch.bfloat16)
-    query = _query(groups, 1, dim, torch.bfloat16)
-    mask = torch.rand(BATCH, 1, 1, HISTORY, device=DEVICE) > 0.2
     launch = LaunchConfig(token_major=True, block_m=8, num_warps=2, fold_key_offsets=True)
-    out, lse = _kernel_backend(launch).history_attention(query, history, *rotations, mask, dim**-0.5)
-    ref, ref_lse = ReferenceBackend().history_attention(query, history, *rotations, mask, dim**-0.5)
-    _assert_close(out, ref, TOLERANCE["history"][0], "history partial, folded key offsets")
-    _assert_lse(lse, ref_lse, TOLERANCE["history"][1])
+    _check_history_partial(dim, 2, torch.float16, groups, "shared", torch.bfloat16, launch,
+                           "history partial, folded key offsets")
 
 
 def test_token_major_decode_step_and_prefill_chunk_match_reference():
