@@ -201,16 +201,15 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     return row
 
 
-# (tokens per history tile, warps, stages, inline-PTX unpack, programs per SM, dense keys per tile). Runs 2 and 7
-# swept the first five fields with 64-key dense tiles (bench/RESULTS.md); these candidates add 32-key dense tiles,
-# which halve the kernel's shared memory (70 -> 37 KB at d=128, `python bench/compile_stage1.py`) and, with 64-token
-# history tiles, its registers (168 -> 128), so 4 instead of 3 blocks fit an SM.
+# Candidates as LaunchConfig fields: history tile, warps, stages, programs per SM, dense tile, orientation, fold.
+# Runs 2 and 7 swept row-major configurations with 64-key dense tiles; run 14 chose token-major 8-row blocks with
+# 32-key dense tiles (bench/RESULTS.md).
 def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False):
     return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
                 block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold)
 
 
-# LaunchConfig fields per candidate; the first of each head_dim is its current default
+# per head_dim: the first is the row-major default before run 14, the second the current default
 SWEEP_CONFIGS = {
     128: [_cfg(128, 4, 3, 4, 64), _cfg(128, 2, 3, 4, token_major=True, block_m=8),
           _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True),
@@ -234,7 +233,8 @@ def sweep(copy_bw, dim=128):
         for cfg in configs:
             backend = TritonBackend(launch=cfg)
             name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}/{cfg.block_n_dense}"
-                    f"{'/token-major/' + str(cfg.block_m) if cfg.token_major else ''}")
+                    f"{'/token-major/' + str(cfg.block_m) if cfg.token_major else ''}"
+                    f"{'/fold' if cfg.fold_key_offsets else ''}")
             try:
                 ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw
