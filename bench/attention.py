@@ -39,7 +39,7 @@ from triton.testing import do_bench  # noqa: E402
 from oscar_hf.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.attention import LaunchConfig  # noqa: E402
+from oscar_hf.kernels.attention import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.rotation import hadamard_matrix  # noqa: E402
 
@@ -204,19 +204,29 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 # Candidates as LaunchConfig fields: history tile, warps, stages, programs per SM, dense tile, orientation, fold.
 # Runs 2 and 7 swept row-major configurations with 64-key dense tiles; run 14 chose token-major 8-row blocks with
 # 32-key dense tiles (bench/RESULTS.md).
-def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False):
+def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, fused=False):
     return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
-                block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold)
+                block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold,
+                fused_merge=fused)
 
 
-# per head_dim: the first is the current default, then the key-offset fold and other programs per SM (run 19 trimmed
-# the list to these; run 14's wider list is in bench/RESULTS.md)
+# per head_dim: the current default, then the fused merge and the key-offset fold (run 20; run 14's wider list of
+# tiles, warps and programs per SM is in bench/RESULTS.md)
 SWEEP_CONFIGS = {
-    128: [_cfg(128, 2, 3, 4, token_major=True, block_m=8), _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True),
-          _cfg(128, 2, 3, 8, token_major=True, block_m=8), _cfg(128, 2, 3, 6, token_major=True, block_m=8)],
-    64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8), _cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True),
-         _cfg(128, 1, 3, 16, token_major=True, block_m=8)],
+    128: [_cfg(128, 2, 3, 4, token_major=True, block_m=8), _cfg(128, 2, 3, 4, token_major=True, block_m=8, fused=True),
+          _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True),
+          _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True, fused=True)],
+    64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8), _cfg(128, 1, 3, 24, token_major=True, block_m=8, fused=True),
+         _cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True, fused=True)],
 }
+
+
+LAUNCH_OVERRIDES: dict = {}  # --launch: LaunchConfig fields over each head_dim's default
+
+
+def base_launch(dim: int) -> LaunchConfig:
+    """The head_dim's default launch configuration with the `--launch` fields over it."""
+    return LaunchConfig(**{**default_launch(dim).__dict__, **LAUNCH_OVERRIDES})
 
 
 def sweep(copy_bw, dim=128):
@@ -229,7 +239,7 @@ def sweep(copy_bw, dim=128):
             backend = TritonBackend(launch=cfg)
             name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}/{cfg.block_n_dense}"
                     f"{'/token-major/' + str(cfg.block_m) if cfg.token_major else ''}"
-                    f"{'/fold' if cfg.fold_key_offsets else ''}")
+                    f"{'/fold' if cfg.fold_key_offsets else ''}{'/fused' if cfg.fused_merge else ''}")
             try:
                 ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw
@@ -255,7 +265,7 @@ def sweep_split_minimums(copy_bw, dim=128):
     for batch, context in [(1, 4096), (8, 4096), (1, 32768), (1, 100_000), (8, 100_000)]:
         case = Case(batch, context, dim, TritonBackend())
         for dense_min, hist_min in SPLIT_MINIMUMS:
-            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min)
+            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min, launch=base_launch(dim))
             ms = bench(graphed(lambda: case.oscar(backend)))
             err = error_vs_reference(case, backend)
             out.append(dict(dim=dim, batch=batch, context=context, min_dense_tokens=dense_min,
@@ -274,8 +284,8 @@ def kernel_breakdown(dim=128, calls=50):
 
     out = []
     for batch, context in [(1, 4096), (1, 100_000), (8, 100_000)]:
-        case = Case(batch, context, dim, TritonBackend())
-        backend = TritonBackend()
+        backend = TritonBackend(launch=base_launch(dim))
+        case = Case(batch, context, dim, backend)
         for _ in range(5):
             case.oscar(backend)
         torch.cuda.synchronize()
@@ -355,8 +365,16 @@ def main():
     parser.add_argument("--breakdown", action="store_true", help="kernel times per call (torch.profiler) first")
     parser.add_argument("--dims", default="128,64")
     parser.add_argument("--launch-out", default=None, help="write the launch configs used (JSON) here")
+    parser.add_argument("--launch", default=None,
+                        help="LaunchConfig fields (JSON) over each head_dim's default, for the table without --sweep, "
+                             "the split minimums and the breakdown")
+    parser.add_argument("--contexts", default=None, help="table contexts (default: all)")
+    parser.add_argument("--batches", default=None, help="table batches (default: all)")
     args = parser.parse_args()
     dims = [int(d) for d in args.dims.split(",")]
+    LAUNCH_OVERRIDES.update(json.loads(args.launch or "{}"))
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else CONTEXTS
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else BATCHES
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
@@ -367,7 +385,7 @@ def main():
     for dim in dims:  # with --sweep, each head_dim's table uses the best of its candidates
         rows_dim = sweep(copy_bw, dim) if args.sweep and dim in SWEEP_CONFIGS else []
         sweep_rows += rows_dim
-        backends[dim] = usable_backend(best_config(rows_dim) if rows_dim else None)
+        backends[dim] = usable_backend(best_config(rows_dim) if rows_dim else base_launch(dim))
         print(f"launch config for d={dim}: {backends[dim].launch_for(dim)}", flush=True)
     launches = {str(dim): backend.launch_for(dim).__dict__ for dim, backend in backends.items()}
     if args.launch_out:
@@ -376,8 +394,8 @@ def main():
     rows = []
     for dim in dims:
         backend = backends[dim]
-        for context in CONTEXTS:
-            for batch in BATCHES:
+        for context in contexts:
+            for batch in batches:
                 try:
                     row = run_cell(batch, context, dim, backend, copy_bw, with_dense=dim == 128)
                 except Exception as exc:

@@ -312,6 +312,39 @@ def test_folded_key_offsets_match_reference(dim, groups):
                            "history partial, folded key offsets")
 
 
+@pytest.mark.parametrize(
+    "dim,groups,dtype,rotation,q_len",
+    [
+        (128, 4, torch.bfloat16, "shared", 1),
+        (64, 3, torch.bfloat16, "per_head", 1),
+        (128, 4, torch.float32, None, 1),
+        (128, 2, torch.bfloat16, "shared", 3),  # 6 rows: still one row block, merged by stage 1
+        (128, 4, torch.bfloat16, "shared", 5),  # 20 rows: two row blocks, the separate merge launch
+    ],
+)
+def test_fused_merge_matches_the_merge_launch(dim, groups, dtype, rotation, q_len):
+    """`LaunchConfig.fused_merge`: the last stage-1 program of a row block merges its splits. The output is
+    the separate merge's bit for bit (same partials, same `merge_rows`), within tolerance of the reference, twice
+    in a row (the arrival counters are zero again after each launch)."""
+    from oscar_hf.kernels.attention import LaunchConfig
+
+    rotations, history, query, keys, values = _tiered_case(dim, groups, q_len, dtype, rotation)
+    mask = _left_padded_mask(q_len, HISTORY + keys.shape[2], [0, SINK + 7] + [2] * (BATCH - 2))
+    scaling = dim**-0.5
+    separate = _kernel_backend(LaunchConfig(token_major=True, block_m=8))
+    fused = _kernel_backend(LaunchConfig(token_major=True, block_m=8, fused_merge=True))
+    want = separate.tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
+    ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
+    for call in range(2):
+        out = torch.full_like(want, float("nan"))
+        fused.tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, out=out)
+        assert torch.equal(out, want), f"call {call}: the fused merge differs from the merge launch"
+        assert fused._merge_counters.get(DEVICE) is None or not fused._merge_counters[DEVICE].any()
+    tol = TOLERANCE[torch.float32][0] if dtype == torch.float32 else TOLERANCE["dense"][0]
+    _assert_close(out, ref, tol, "fused merge")
+    assert (DEVICE in fused._merge_counters) == (groups * q_len <= 16)
+
+
 def test_token_major_decode_step_and_prefill_chunk_match_reference():
     """Token-major history dots with 8-row blocks: a left-padded decode step (one block per GQA group) and a
     chunk of queries (rows beyond 8 fall back to blocks of 16)."""
