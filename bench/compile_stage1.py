@@ -81,7 +81,8 @@ def compile_stage1(dim: int, launch: LaunchConfig):
             if values[name] % 16 == 0 and index not in unspecialized and name not in unspecialized:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200,
-                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
+                                       **({} if launch.max_registers is None else dict(maxnreg=launch.max_registers))))
 
 
 def resources(compiled, num_warps: int) -> dict:

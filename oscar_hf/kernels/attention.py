@@ -513,6 +513,9 @@ class LaunchConfig:
     # Decode (all rows in one row block): the last stage-1 program of each row block merges the splits (stage 2
     # inside stage 1, one launch per layer; `merge.merge_rows`).
     fused_merge: bool = False
+    # Register cap per thread (Triton's `maxnreg`; None: ptxas decides). 128 with 2 stages lets 8 two-warp programs
+    # share an SM instead of 6, for 104 B of spills (bench/compile_stage1.py).
+    max_registers: int | None = None
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
@@ -731,4 +734,5 @@ def attention_partials(
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
             **fused_constexprs,
             num_warps=config.num_warps, num_stages=config.num_stages,
+            **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
         )
