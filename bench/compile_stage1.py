@@ -35,7 +35,7 @@ H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32
 POINTERS = dict(q_ptr="*bf16", qr_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
                 hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", rk_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
-                n_ptr="*i32", ds_ptr="*i32", cnt_ptr="*i32", mo_ptr="*bf16")
+                n_ptr="*i32", ds_ptr="*i32")
 SASS_OPS = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU", "PRMT", "LOP3")
 
 
@@ -50,7 +50,6 @@ def decode_arguments(dim: int, batch: int = 8, kv_heads: int = 8, capacity: int 
         shwb=kv_heads * capacity, shwh=capacity, shwt=1, smb=0, sml=0, smc=0, srkp=dim * dim, srkh=0, srkr=dim,
         Lq=1, Ld=321, N=100_000, G=4, Hkv=kv_heads, gap_start=64, hist_col0=64, dense_splits=2,
         dense_split_len=192, hist_split_len=1536, total_splits=67, scaling=dim**-0.5, softcap=1.0,
-        srvh=0, srvr=dim, sob=32 * dim, soh=dim, sol=32 * dim, slb=0, slh=0, sll=0,
     )
 
 
@@ -60,8 +59,7 @@ def compile_stage1(dim: int, launch: LaunchConfig):
                       BLOCK_N=launch.block_n_dense, BLOCK_NQ=launch.block_n_history, HAS_MASK=False, MASK_BOOL=True,
                       IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, ROT_Q=True, UPCAST_DOTS=False,
                       ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16, TOKEN_MAJOR=launch.token_major,
-                      FOLD_K=launch.fold_key_offsets and launch.token_major, FUSED_MERGE=launch.fused_merge,
-                      MERGE_BM=4, MERGE_BJ=16, MERGE_BS=128, MERGE_CHUNK=2, MERGE_ROT=True, MERGE_LSE=False)
+                      FOLD_K=launch.fold_key_offsets and launch.token_major)
     constexprs["BLOCK_M"] = launch.block_m  # decode rows: a GQA group of 4 fits any block
     values = decode_arguments(dim)
     unspecialized = set(kernel.do_not_specialize)
@@ -127,7 +125,8 @@ def main() -> None:
         r = resources(compile_stage1(args.dim, launch), launch.num_warps)
         name = (f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
                 + (f" / token-major {launch.block_m}" if launch.token_major else "")
-                + (" / fold" if launch.fold_key_offsets else "") + (" / fused merge" if launch.fused_merge else ""))
+                + (" / fold" if launch.fold_key_offsets else "")
+                + (f" / {launch.max_registers} registers" if launch.max_registers else ""))
         print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
               f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
 

@@ -156,7 +156,7 @@ def test_default_launch_follows_the_head_dim_unless_one_is_given():
     from oscar_hf.kernels.backend import TritonBackend
 
     assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32,
-                                                          block_m=8, token_major=True)
+                                                          block_m=8, token_major=True, fold_key_offsets=True)
     assert TritonBackend().launch_for(128).token_major and TritonBackend().launch_for(128).num_warps == 2
     assert TritonBackend().launch_for(256) == LaunchConfig()
     given = LaunchConfig(block_n_history=64)
@@ -310,39 +310,6 @@ def test_folded_key_offsets_match_reference(dim, groups):
     launch = LaunchConfig(token_major=True, block_m=8, num_warps=2, fold_key_offsets=True)
     _check_history_partial(dim, 2, torch.float16, groups, "shared", torch.bfloat16, launch,
                            "history partial, folded key offsets")
-
-
-@pytest.mark.parametrize(
-    "dim,groups,dtype,rotation,q_len",
-    [
-        (128, 4, torch.bfloat16, "shared", 1),
-        (64, 3, torch.bfloat16, "per_head", 1),
-        (128, 4, torch.float32, None, 1),
-        (128, 2, torch.bfloat16, "shared", 3),  # 6 rows: still one row block, merged by stage 1
-        (128, 4, torch.bfloat16, "shared", 5),  # 20 rows: two row blocks, the separate merge launch
-    ],
-)
-def test_fused_merge_matches_the_merge_launch(dim, groups, dtype, rotation, q_len):
-    """`LaunchConfig.fused_merge`: the last stage-1 program of a row block merges its splits. The output is
-    the separate merge's bit for bit (same partials, same `merge_rows`), within tolerance of the reference, twice
-    in a row (the arrival counters are zero again after each launch)."""
-    from oscar_hf.kernels.attention import LaunchConfig
-
-    rotations, history, query, keys, values = _tiered_case(dim, groups, q_len, dtype, rotation)
-    mask = _left_padded_mask(q_len, HISTORY + keys.shape[2], [0, SINK + 7] + [2] * (BATCH - 2))
-    scaling = dim**-0.5
-    separate = _kernel_backend(LaunchConfig(token_major=True, block_m=8))
-    fused = _kernel_backend(LaunchConfig(token_major=True, block_m=8, fused_merge=True))
-    want = separate.tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
-    ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
-    for call in range(2):
-        out = torch.full_like(want, float("nan"))
-        fused.tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, out=out)
-        assert torch.equal(out, want), f"call {call}: the fused merge differs from the merge launch"
-        assert fused._merge_counters.get(DEVICE) is None or not fused._merge_counters[DEVICE].any()
-    tol = TOLERANCE[torch.float32][0] if dtype == torch.float32 else TOLERANCE["dense"][0]
-    _assert_close(out, ref, tol, "fused merge")
-    assert (DEVICE in fused._merge_counters) == (groups * q_len <= 16)
 
 
 def test_token_major_decode_step_and_prefill_chunk_match_reference():

@@ -49,7 +49,6 @@ import triton.language as tl
 from .codes import code_planes, folded_key_offset, key_planes, scale_zero
 from .common import launch_device
 from .interpreter import interpreting
-from .merge import MergeLaunch, merge_rows
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -397,7 +396,6 @@ def _attention_partials_kernel(
     m_ptr, smb, sml, smc,
     rk_ptr, srkp, srkh, srkr,
     o_ptr, lse_ptr, n_ptr, ds_ptr,
-    cnt_ptr, mr_ptr, srvh, srvr, mo_ptr, sob, soh, sol, ml_ptr, slb, slh, sll,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
@@ -405,8 +403,7 @@ def _attention_partials_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    FOLD_K: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_BM: tl.constexpr, MERGE_BJ: tl.constexpr,
-    MERGE_BS: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_ROT: tl.constexpr, MERGE_LSE: tl.constexpr,
+    FOLD_K: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -470,17 +467,6 @@ def _attention_partials_kernel(
                 b, kvh, h, qi, row_ok, lo, hi, 0, Lq, N, 0, hist_col0, scaling, softcap,
                 D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, False, HAS_SOFTCAP, UPCAST_DOTS)
             _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
-    if FUSED_MERGE:
-        # the row block's last program to finish merges all its splits: no second launch. The barrier puts every
-        # thread's partial before the counter's release; the acquire puts the other programs' partials before the
-        # merge's (L1-bypassing) loads.
-        tl.debug_barrier()
-        counter = cnt_ptr + tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == total_splits - 1:
-            merge_rows(o_ptr, lse_ptr, mr_ptr, srvh, srvr, mo_ptr, sob, soh, sol, ml_ptr, slb, slh, sll,
-                       tl.program_id(1) * BLOCK_M + tl.arange(0, MERGE_BM), b, kvh, Lq, G, Hkv, total_splits,
-                       dense_splits, D, MERGE_BM, MERGE_BJ, MERGE_BS, MERGE_CHUNK, MERGE_ROT, MERGE_LSE, ".cg")
-            tl.store(counter, 0)  # ready for the next launch (and the next replay of a CUDA graph)
 
 
 BLOCK_N_DENSE = 64
@@ -508,11 +494,9 @@ class LaunchConfig:
     # History dots with the tokens as M (`_quant_split_token_major`): decode rows pad N to 8, not M to 16.
     token_major: bool = False
     # Token-major, 2-bit, 16-bit queries: key codes keep the unpacking's magic numbers and the scores are corrected
-    # once per row (8% fewer instructions per tile, offline). Off until its precision is measured on a GPU.
+    # once per row (8% fewer instructions per tile, offline; run 19: 2-4% faster at 100k/bs8 and 32k/bs32, error
+    # vs the reference unchanged at 1.0e-3).
     fold_key_offsets: bool = False
-    # Decode (all rows in one row block): the last stage-1 program of each row block merges the splits (stage 2
-    # inside stage 1, one launch per layer; `merge.merge_rows`).
-    fused_merge: bool = False
     # Register cap per thread (Triton's `maxnreg`; None: ptxas decides). 128 with 2 stages lets 8 two-warp programs
     # share an SM instead of 6, for 104 B of spills (bench/compile_stage1.py).
     max_registers: int | None = None
@@ -520,11 +504,13 @@ class LaunchConfig:
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
 # in 8-row blocks with 32-key dense tiles; 2 warps / 4 programs per SM at head_dim 128 (0.358 ms instead of 0.462 at
-# 100k tokens / batch 8), 1 warp / 24 programs per SM at 64 (0.197 ms instead of 0.484). Other head_dims keep
-# `LaunchConfig()` (not swept).
+# 100k tokens / batch 8), 1 warp / 24 programs per SM at 64 (0.197 ms instead of 0.484); folded key offsets since
+# run 19. Other head_dims keep `LaunchConfig()` (not swept).
 DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
-    64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True),
-    128: LaunchConfig(num_warps=2, programs_per_sm=4, block_n_dense=32, block_m=8, token_major=True),
+    64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True,
+                     fold_key_offsets=True),
+    128: LaunchConfig(num_warps=2, programs_per_sm=4, block_n_dense=32, block_m=8, token_major=True,
+                      fold_key_offsets=True),
 }
 
 
@@ -628,8 +614,6 @@ def attention_partials(
     kv_heads: int,
     config: LaunchConfig = LaunchConfig(),
     dense_start: torch.Tensor | None = None,
-    merge: MergeLaunch | None = None,
-    merge_counters: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
@@ -637,11 +621,7 @@ def attention_partials(
     `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
     `partial_out` / `partial_lse`: float32 buffers of at least `B*Hq*Lq*S*D` / `B*Hq*Lq*S` elements, laid out
     as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine); `dense_start` (int32 `[B]`,
-    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask).
-
-    `merge` (`merge.merge_launch` of the same partials, `plan.dense_splits` plain splits; only with
-    `plan.row_blocks == 1`): the last program of each row block merges its splits into the output, counting
-    arrivals in `merge_counters` (int32, `>= B * Hkv` elements, zero before the launch and zero again after it)."""
+    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -695,21 +675,6 @@ def attention_partials(
                            "length while the history grows")
     n_ptr = history.length_ptr if n_from_ptr else partial_lse
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
-    if merge is not None:
-        if plan.row_blocks != 1 or merge_counters is None or merge_counters.dtype != torch.int32 \
-                or merge_counters.numel() < batch * kv_heads or merge.ints[3] != plan.total_splits:
-            raise ValueError("a fused merge needs one row block, the plan's split count and int32 counters for "
-                             "every (batch row, KV head)")
-        fused_args = (merge_counters, *merge.tensors)
-        fused_constexprs = dict(FUSED_MERGE=True, MERGE_BM=merge.constexprs["BLOCK_M"],
-                                MERGE_BJ=16,  # R_Vᵀ 16 columns at a time: 32 took 244 registers (bench/compile_stage1.py)
-                                MERGE_BS=merge.constexprs["BLOCK_S"],
-                                MERGE_CHUNK=merge.constexprs["SPLIT_CHUNK"], MERGE_ROT=merge.constexprs["HAS_ROT"],
-                                MERGE_LSE=merge.constexprs["WRITE_LSE"])
-    else:
-        fused_args = (partial_lse, partial_lse, 0, 0, partial_lse, 0, 0, 0, partial_lse, 0, 0, 0)
-        fused_constexprs = dict(FUSED_MERGE=False, MERGE_BM=1, MERGE_BJ=1, MERGE_BS=1, MERGE_CHUNK=1,
-                                MERGE_ROT=False, MERGE_LSE=False)
     with launch_device(query):
         _attention_partials_kernel[grid](
             query, query.stride(0), query.stride(1), query.stride(2),
@@ -721,7 +686,6 @@ def attention_partials(
             m, *m_strides,
             rk, *rk_strides,
             partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
-            *fused_args,
             q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
             scaling, 1.0 if softcap is None else softcap,
@@ -732,7 +696,6 @@ def attention_partials(
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
-            **fused_constexprs,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
         )

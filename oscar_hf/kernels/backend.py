@@ -20,7 +20,7 @@ from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
 from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, default_launch, plan_splits
 from .demote import demote_rows
-from .merge import merge_launch, merge_splits
+from .merge import merge_splits
 
 
 def kernel_head_dim(dim: int) -> bool:
@@ -51,7 +51,6 @@ class TritonBackend(ReferenceBackend):
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._merge_counters: dict[torch.device, torch.Tensor] = {}
         self._sms: dict[torch.device, int] = {}
         self._halves: dict[tuple, tuple] = {}
 
@@ -149,13 +148,6 @@ class TritonBackend(ReferenceBackend):
             return
         rows = batch * q_heads * q_len * plan.total_splits
         partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
-        if launch.fused_merge and plan.row_blocks == 1:  # decode: stage 1 merges its own splits
-            merge = merge_launch(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation,
-                                 plan.dense_splits, kv_heads, lse_out)
-            attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                               gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start, merge,
-                               self._counters(query.device, batch * kv_heads))
-            return
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
                            gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
@@ -203,15 +195,6 @@ class TritonBackend(ReferenceBackend):
                        torch.empty(lse_size, dtype=torch.float32, device=device))
             self._scratch[device] = buffers
         return buffers
-
-    def _counters(self, device: torch.device, numel: int) -> torch.Tensor:
-        """Zeroed int32 arrival counters for fused merges (each launch leaves them zero again); grows, never
-        shrinks."""
-        counters = self._merge_counters.get(device)
-        if counters is None or counters.numel() < numel:
-            counters = torch.zeros(max(numel, 1024), dtype=torch.int32, device=device)
-            self._merge_counters[device] = counters
-        return counters
 
     @staticmethod
     def _supported(query, key, value, mask, history=None) -> bool:

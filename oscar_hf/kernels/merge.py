@@ -16,8 +16,6 @@ One program handles `BLOCK_M` rows (query position, head of one GQA group) of on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -26,30 +24,27 @@ from .common import launch_device, round_to
 
 
 @triton.jit
-def _split_chunk(o_rows, lse_rows, top, row_ok, s0, lo, hi, offs, D_OFFS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                 CACHE: tl.constexpr):
+def _split_chunk(o_rows, lse_rows, top, row_ok, s0, lo, hi, offs, D_OFFS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
     """sum over splits s0 .. s0 + SPLIT_CHUNK (those in [lo, hi)) of exp(lse_s - top) * o_s[:, offs]: [M, len(offs)]."""
     splits = s0 + tl.arange(0, SPLIT_CHUNK)
     ok = row_ok[:, None] & ((splits >= lo) & (splits < hi))[None, :]
-    w = tl.exp(tl.load(lse_rows[:, None] + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=CACHE)
-               - top[:, None])
+    w = tl.exp(tl.load(lse_rows[:, None] + splits[None, :], mask=ok, other=float("-inf")) - top[:, None])
     o = tl.load(o_rows[:, None, None] + splits[None, :, None] * D_OFFS + offs[None, None, :], mask=ok[:, :, None],
-                other=0.0, cache_modifier=CACHE)
+                other=0.0)
     return tl.sum(w[:, :, None] * o, axis=1)
 
 
-@triton.jit
-def merge_rows(
+@triton.jit(do_not_specialize=["total_splits", "plain_splits"])
+def _merge_kernel(
     o_ptr, lse_ptr, r_ptr, srh, srr,
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
-    rows, b, kvh, Lq, G, Hkv, total_splits, plain_splits,
+    Lq, G, Hkv, total_splits, plain_splits,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr, CACHE: tl.constexpr = "",
+    SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """Merge the splits of `rows` (`BLOCK_M` (query position, head of the group) rows of KV head `kvh`, batch row
-    `b`) into the output: the body of `_merge_kernel`, also run by the last stage-1 program of a row block when
-    stage 1 merges itself (`LaunchConfig.fused_merge`; `CACHE=".cg"` there: the partials were written by other
-    programs of the same launch)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = tl.program_id(1) // Hkv
+    kvh = tl.program_id(1) % Hkv
     row_ok = rows < G * Lq
     qi = tl.minimum(rows // G, Lq - 1)
     h = kvh * G + rows % G
@@ -61,7 +56,7 @@ def merge_rows(
     # every split's log-sum-exp in one load (BLOCK_S >= total_splits), so no loop waits on a load per split
     offs_s = tl.arange(0, BLOCK_S)
     lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s < total_splits)[None, :],
-                  other=float("-inf"), cache_modifier=CACHE)
+                  other=float("-inf"))
     top = tl.max(lse, axis=1)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp(lse - top[:, None]), axis=1)
@@ -75,7 +70,7 @@ def merge_rows(
         acc_rot = tl.zeros((BLOCK_M, D), tl.float32)
         for s0 in range(plain_splits, total_splits, SPLIT_CHUNK):
             acc_rot += _split_chunk(o_rows, lse_rows, top, row_ok, s0, plain_splits, total_splits, offs_d, D,
-                                    SPLIT_CHUNK, CACHE)
+                                    SPLIT_CHUNK)
         acc_rot = tl.where(row_ok[:, None], acc_rot, 0.0)  # one use of the loop's result (a Triton 3.6 pass asserts)
         r_base = r_ptr + kvh.to(tl.int64) * srh
 
@@ -84,7 +79,7 @@ def merge_rows(
         offs_j = j0 + tl.arange(0, BLOCK_J)
         acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
         for s0 in range(0, rotated_from, SPLIT_CHUNK):
-            acc += _split_chunk(o_rows, lse_rows, top, row_ok, s0, 0, rotated_from, offs_j, D, SPLIT_CHUNK, CACHE)
+            acc += _split_chunk(o_rows, lse_rows, top, row_ok, s0, 0, rotated_from, offs_j, D, SPLIT_CHUNK)
         acc = tl.where(row_ok[:, None], acc, 0.0)  # not needed to compile (unlike acc_rot's), kept as timed in run 18
         if HAS_ROT:
             # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i], on the tensor cores as three TF32 products
@@ -99,34 +94,7 @@ def merge_rows(
                  mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["total_splits", "plain_splits"])
-def _merge_kernel(
-    o_ptr, lse_ptr, r_ptr, srh, srr,
-    out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
-    Lq, G, Hkv, total_splits, plain_splits,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    merge_rows(o_ptr, lse_ptr, r_ptr, srh, srr, out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
-               rows, tl.program_id(1) // Hkv, tl.program_id(1) % Hkv, Lq, G, Hkv, total_splits, plain_splits,
-               D, BLOCK_M, BLOCK_J, BLOCK_S, SPLIT_CHUNK, HAS_ROT, WRITE_LSE)
-
-
-@dataclass(frozen=True)
-class MergeLaunch:
-    """What a merge of `splits` partials into `out` passes to `merge_rows`: `tensors` (rotation, its head and row
-    strides, the output and its batch / head / position strides, the log-sum-exp target and its strides), the
-    integer arguments `ints` (Lq, G, Hkv, total splits, plain splits), the `constexprs` and the `_merge_kernel`
-    grid. Built by `merge_launch`; launched by `merge_splits` or by stage 1 itself (`LaunchConfig.fused_merge`)."""
-
-    tensors: tuple
-    ints: tuple
-    constexprs: dict
-    grid: tuple
-
-
-def merge_launch(
+def merge_splits(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     splits: int,
@@ -136,8 +104,14 @@ def merge_launch(
     plain_splits: int | None = None,
     kv_heads: int | None = None,
     lse_out: torch.Tensor | None = None,
-) -> MergeLaunch:
-    """Check the arguments of `merge_splits` and turn them into a `MergeLaunch`."""
+) -> None:
+    """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
+    `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
+
+    `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides; its
+    shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
+    `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
+    """
     if out_layout == "blhd":
         batch, q_len, q_heads, dim = out.shape
     else:
@@ -163,38 +137,13 @@ def merge_launch(
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
     rows = groups * q_len
     block_m = min(16, triton.next_power_of_2(rows))  # a decode step's GQA group, not 16 rows
-    return MergeLaunch(
-        tensors=(rot, rot_head_stride, rot_row_stride, out, sob, soh, sol, lse_target, *lse_strides),
-        ints=(q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits),
-        constexprs=dict(D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), BLOCK_S=max(16, triton.next_power_of_2(splits)),
-                        SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None),
-        grid=(triton.cdiv(rows, block_m), batch * kv_heads),
-    )
-
-
-def merge_splits(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    splits: int,
-    out: torch.Tensor,
-    out_layout: str = "blhd",
-    value_rotation: torch.Tensor | None = None,
-    plain_splits: int | None = None,
-    kv_heads: int | None = None,
-    lse_out: torch.Tensor | None = None,
-) -> None:
-    """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
-    `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
-
-    `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides; its
-    shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
-    `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
-    """
-    launch = merge_launch(partial_out, partial_lse, splits, out, out_layout, value_rotation, plain_splits, kv_heads,
-                          lse_out)
-    rot, srh, srr, out, sob, soh, sol, lse_target, slb, slh, sll = launch.tensors
+    grid = (triton.cdiv(rows, block_m), batch * kv_heads)
     with launch_device(out):
-        _merge_kernel[launch.grid](
-            partial_out, partial_lse, rot, srh, srr, out, sob, soh, sol, lse_target, slb, slh, sll,
-            *launch.ints, **launch.constexprs, num_warps=4,
+        _merge_kernel[grid](
+            partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
+            out, sob, soh, sol, lse_target, *lse_strides,
+            q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
+            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), BLOCK_S=max(16, triton.next_power_of_2(splits)),
+            SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            num_warps=4,
         )
