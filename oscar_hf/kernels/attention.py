@@ -505,11 +505,12 @@ class LaunchConfig:
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
 # in 8-row blocks with 32-key dense tiles; 2 warps / 4 programs per SM at head_dim 128 (0.358 ms instead of 0.462 at
 # 100k tokens / batch 8), 1 warp / 24 programs per SM at 64 (0.197 ms instead of 0.484); folded key offsets since
-# run 19. Other head_dims keep `LaunchConfig()` (not swept).
+# run 19; 6 programs per SM at 128 since run 21 (one full wave of 6 resident programs: 0.327 vs 0.331 ms at
+# 100k/bs8, 0.071 vs 0.075 at 100k/bs1). Other head_dims keep `LaunchConfig()` (not swept).
 DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
     64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True,
                      fold_key_offsets=True),
-    128: LaunchConfig(num_warps=2, programs_per_sm=4, block_n_dense=32, block_m=8, token_major=True,
+    128: LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, token_major=True,
                       fold_key_offsets=True),
 }
 
