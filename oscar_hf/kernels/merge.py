@@ -143,7 +143,9 @@ def merge_splits(
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
-            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32), BLOCK_S=max(16, triton.next_power_of_2(splits)),
+            # without R_Vᵀ, whole rows per load (fewer dependent loads); with it, 32 columns (registers)
+            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32) if has_rot else dim,
+            BLOCK_S=max(16, triton.next_power_of_2(splits)),
             SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
             num_warps=4,
         )
