@@ -48,7 +48,6 @@ def decode_arguments(dim: int, batch: int = 8, kv_heads: int = 8, capacity: int 
         shkb=kv_heads * capacity * codes, shkh=capacity * codes, shkt=codes, shzb=kv_heads * capacity,
         shzh=capacity, shzt=1, shvb=kv_heads * capacity * codes, shvh=capacity * codes, shvt=codes,
         shwb=kv_heads * capacity, shwh=capacity, shwt=1, smb=0, sml=0, smc=0, srkp=dim * dim, srkh=0, srkr=dim,
-        srvh=0, srvr=dim,
         Lq=1, Ld=321, N=100_000, G=4, Hkv=kv_heads, gap_start=64, hist_col0=64, dense_splits=2,
         dense_split_len=192, hist_split_len=1536, total_splits=67, scaling=dim**-0.5, softcap=1.0,
     )
@@ -60,7 +59,7 @@ def compile_stage1(dim: int, launch: LaunchConfig):
                       BLOCK_N=launch.block_n_dense, BLOCK_NQ=launch.block_n_history, HAS_MASK=False, MASK_BOOL=True,
                       IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, ROT_Q=True, UPCAST_DOTS=False,
                       ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16, TOKEN_MAJOR=launch.token_major,
-                      FOLD_K=launch.fold_key_offsets and launch.token_major, ROT_OUT=launch.unrotate_values)
+                      FOLD_K=launch.fold_key_offsets and launch.token_major)
     constexprs["BLOCK_M"] = launch.block_m  # decode rows: a GQA group of 4 fits any block
     values = decode_arguments(dim)
     unspecialized = set(kernel.do_not_specialize)
@@ -127,8 +126,7 @@ def main() -> None:
         name = (f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
                 + (f" / token-major {launch.block_m}" if launch.token_major else "")
                 + (" / fold" if launch.fold_key_offsets else "")
-                + (f" / {launch.max_registers} registers" if launch.max_registers else "")
-                + (" / unrotated values" if launch.unrotate_values else ""))
+                + (f" / {launch.max_registers} registers" if launch.max_registers else ""))
         print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
               f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
 

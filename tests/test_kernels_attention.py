@@ -312,32 +312,6 @@ def test_folded_key_offsets_match_reference(dim, groups):
                            "history partial, folded key offsets")
 
 
-@pytest.mark.parametrize(
-    "dim,groups,dtype,rotation,token_major,q_len",
-    [
-        (128, 4, torch.bfloat16, "shared", True, 1),
-        (64, 3, torch.bfloat16, "per_head", True, 1),
-        (128, 2, torch.float32, "per_head", False, 1),
-        (128, 4, torch.bfloat16, "shared", False, 3),
-        (256, 1, torch.bfloat16, "shared", False, 1),
-    ],
-)
-def test_values_unrotated_in_stage_one_match_reference(dim, groups, dtype, rotation, token_major, q_len):
-    """`LaunchConfig.unrotate_values`: stage 1 multiplies the history partials by R_Vᵀ and the merge only sums.
-    Same tolerance against the reference as the merge-side rotation, left-padded rows, both orientations."""
-    from oscar_hf.kernels.attention import LaunchConfig
-
-    rotations, history, query, keys, values = _tiered_case(dim, groups, q_len, dtype, rotation)
-    mask = _left_padded_mask(q_len, HISTORY + keys.shape[2], [0, SINK + 7] + [2] * (BATCH - 2))
-    scaling = dim**-0.5
-    launch = LaunchConfig(token_major=token_major, block_m=8 if token_major else 16, unrotate_values=True)
-    out = torch.full((BATCH, q_len, query.shape[1], dim), float("nan"), dtype=dtype, device=DEVICE)
-    _kernel_backend(launch).tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, out=out)
-    ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
-    tol = TOLERANCE[torch.float32][0] if dtype == torch.float32 else TOLERANCE["dense"][0]
-    _assert_close(out, ref, tol, "values un-rotated in stage 1")
-
-
 def test_token_major_decode_step_and_prefill_chunk_match_reference():
     """Token-major history dots with 8-row blocks: a left-padded decode step (one block per GQA group) and a
     chunk of queries (rows beyond 8 fall back to blocks of 16)."""

@@ -371,47 +371,18 @@ def _quant_split_token_major(
 
 @triton.jit
 def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   TRANSPOSED: tl.constexpr = False, STORE_OUT: tl.constexpr = True):
-    """Normalize and store `acc` ([M, WIDTH], or [WIDTH, M] when `TRANSPOSED`) at columns [col0, col0 + WIDTH);
-    `WRITE_LSE`: also the rows' log-sum-exps (`STORE_OUT=False`: only those)."""
+                   TRANSPOSED: tl.constexpr = False):
+    """Normalize and store `acc` ([M, WIDTH], or [WIDTH, M] when `TRANSPOSED`) at columns [col0, col0 + WIDTH)."""
     offs = col0 + tl.arange(0, WIDTH)
-    if STORE_OUT:
-        if TRANSPOSED:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[None, :]
-            tl.store(o_rows[None, :] + offs[:, None], out, mask=row_ok[None, :])
-        else:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(o_rows[:, None] + offs[None, :], out, mask=row_ok[:, None])
+    if TRANSPOSED:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[None, :]
+        tl.store(o_rows[None, :] + offs[:, None], out, mask=row_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_rows[:, None] + offs[None, :], out, mask=row_ok[:, None])
     if WRITE_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * _LN2)
         tl.store(lse_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def _store_unrotated(o_rows, lse_rows, acc0, acc1, acc2, acc3, l_i, m_i, row_ok, rv_base, srvr,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
-    """Store the history partial multiplied by R_Vᵀ (`rv_base`: R_V float32, row stride `srvr`), from its four
-    quarter accumulators: out[:, j] = sum_c acc_c @ R_V[j, quarter c]ᵀ, 32 output columns at a time, on the
-    tensor cores as three TF32 products (~float32 accuracy, as in the merge)."""
-    QW: tl.constexpr = D // 4
-    BLOCK_J: tl.constexpr = 32
-    offs_i = tl.arange(0, QW)
-    for j0 in tl.static_range(0, D, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        if TOKEN_MAJOR:  # out^T [BLOCK_J, M] = sum_c R_V[j, quarter c] @ acc_c
-            r = rv_base + offs_j[:, None].to(tl.int64) * srvr + offs_i[None, :]
-            out = tl.dot(tl.load(r), acc0, input_precision="tf32x3")
-            out = tl.dot(tl.load(r + QW), acc1, acc=out, input_precision="tf32x3")
-            out = tl.dot(tl.load(r + 2 * QW), acc2, acc=out, input_precision="tf32x3")
-            out = tl.dot(tl.load(r + 3 * QW), acc3, acc=out, input_precision="tf32x3")
-        else:  # out [M, BLOCK_J] = sum_c acc_c @ R_V[j, quarter c]^T
-            r = rv_base + offs_j[None, :].to(tl.int64) * srvr + offs_i[:, None]
-            out = tl.dot(acc0, tl.load(r), input_precision="tf32x3")
-            out = tl.dot(acc1, tl.load(r + QW), acc=out, input_precision="tf32x3")
-            out = tl.dot(acc2, tl.load(r + 2 * QW), acc=out, input_precision="tf32x3")
-            out = tl.dot(acc3, tl.load(r + 3 * QW), acc=out, input_precision="tf32x3")
-        _store_partial(o_rows, lse_rows, out, l_i, m_i, row_ok, j0, BLOCK_J, False, TOKEN_MAJOR)
-    _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True, TOKEN_MAJOR, False)
 
 
 @triton.jit(do_not_specialize=["Ld", "N", "gap_start", "hist_col0", "dense_splits", "dense_split_len",
@@ -423,7 +394,7 @@ def _attention_partials_kernel(
     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
-    rk_ptr, srkp, srkh, srkr, rv_ptr, srvh, srvr,
+    rk_ptr, srkp, srkh, srkr,
     o_ptr, lse_ptr, n_ptr, ds_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
@@ -432,7 +403,7 @@ def _attention_partials_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    FOLD_K: tl.constexpr, ROT_OUT: tl.constexpr,
+    FOLD_K: tl.constexpr,
 ):
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -484,15 +455,11 @@ def _attention_partials_kernel(
                     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
                     D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS,
                     ASM_UNPACK, SZ_DT)
-            if ROT_OUT:
-                _store_unrotated(o_rows, lse_rows, acc0, acc1, acc2, acc3, l_i, m_i, row_ok,
-                                 rv_ptr + kvh.to(tl.int64) * srvh, srvr, D, BLOCK_M, TOKEN_MAJOR)
-            else:
-                QW: tl.constexpr = D // 4
-                _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True, TOKEN_MAJOR)
-                _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False, TOKEN_MAJOR)
-                _store_partial(o_rows, lse_rows, acc2, l_i, m_i, row_ok, 2 * QW, QW, False, TOKEN_MAJOR)
-                _store_partial(o_rows, lse_rows, acc3, l_i, m_i, row_ok, 3 * QW, QW, False, TOKEN_MAJOR)
+            QW: tl.constexpr = D // 4
+            _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True, TOKEN_MAJOR)
+            _store_partial(o_rows, lse_rows, acc1, l_i, m_i, row_ok, QW, QW, False, TOKEN_MAJOR)
+            _store_partial(o_rows, lse_rows, acc2, l_i, m_i, row_ok, 2 * QW, QW, False, TOKEN_MAJOR)
+            _store_partial(o_rows, lse_rows, acc3, l_i, m_i, row_ok, 3 * QW, QW, False, TOKEN_MAJOR)
         else:
             # unquantized history: rotated rows in the model dtype, attended with the rotated query
             acc, l_i, m_i = _dense_split(
@@ -533,8 +500,6 @@ class LaunchConfig:
     # Register cap per thread (Triton's `maxnreg`; None: ptxas decides). 128 with 2 stages lets 8 two-warp programs
     # share an SM instead of 6, for 104 B of spills (bench/compile_stage1.py).
     max_registers: int | None = None
-    # Quantized history: stage 1 multiplies its partials by R_Vᵀ (`_store_unrotated`), so the merge only sums.
-    unrotate_values: bool = False
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
@@ -650,7 +615,6 @@ def attention_partials(
     kv_heads: int,
     config: LaunchConfig = LaunchConfig(),
     dense_start: torch.Tensor | None = None,
-    value_rotation: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
@@ -658,9 +622,7 @@ def attention_partials(
     `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
     `partial_out` / `partial_lse`: float32 buffers of at least `B*Hq*Lq*S*D` / `B*Hq*Lq*S` elements, laid out
     as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine); `dense_start` (int32 `[B]`,
-    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask);
-    `value_rotation` (float32 `[D, D]` / `[Hkv, D, D]`, unit stride along rows, optional, quantized history only):
-    the history partials are multiplied by its transpose here and come out in the model basis."""
+    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -713,14 +675,6 @@ def attention_partials(
         raise RuntimeError("a CUDA graph cannot capture a mask over the history: its width would stay the captured "
                            "length while the history grows")
     n_ptr = history.length_ptr if n_from_ptr else partial_lse
-    rot_out = value_rotation is not None and quantized and hist_len > 0
-    if rot_out:
-        if value_rotation.dtype != torch.float32 or value_rotation.stride(-1) != 1:
-            raise ValueError("value_rotation must be float32 with a unit stride along its rows")
-        rv, rv_strides = value_rotation, (value_rotation.stride(0) if value_rotation.dim() == 3 else 0,
-                                          value_rotation.stride(-2))
-    else:
-        rv, rv_strides = partial_lse, (0, 0)
     grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
     with launch_device(query):
         _attention_partials_kernel[grid](
@@ -731,7 +685,7 @@ def attention_partials(
             hk, *(hk.stride()[:3] if hist_len else (0, 0, 0)), hkz, *hkz_strides,
             hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
             m, *m_strides,
-            rk, *rk_strides, rv, *rv_strides,
+            rk, *rk_strides,
             partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
             q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
@@ -743,7 +697,6 @@ def attention_partials(
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
-            ROT_OUT=rot_out,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
         )

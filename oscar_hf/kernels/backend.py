@@ -148,13 +148,10 @@ class TritonBackend(ReferenceBackend):
             return
         rows = batch * q_heads * q_len * plan.total_splits
         partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
-        unrotate = None
-        if launch.unrotate_values and value_rotation is not None and tensors is not None and tensors.quantized:
-            unrotate = self._float_rotation(value_rotation)  # stage 1 un-rotates the history partials
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start, unrotate)
-        merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout,
-                     value_rotation if unrotate is None else None, plan.dense_splits, kv_heads, lse_out)
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start)
+        merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
+                     kv_heads, lse_out)
 
     def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """R as `[2, ...]` in `dtype`: a rounded copy and the rounded remainder (cached per rotation tensor)."""
@@ -167,18 +164,6 @@ class TritonBackend(ReferenceBackend):
         halves = torch.stack([hi, (r - hi.float()).to(dtype)]).contiguous()
         self._halves[key] = (weakref.ref(rotation), halves)
         return halves
-
-    def _float_rotation(self, rotation: torch.Tensor) -> torch.Tensor:
-        """R as contiguous float32 (cached per rotation tensor, like `_rotation_halves`)."""
-        if rotation.dtype == torch.float32 and rotation.stride(-1) == 1:
-            return rotation
-        key = (id(rotation), "float32")
-        cached = self._halves.get(key)
-        if cached is not None and cached[0]() is rotation:
-            return cached[1]
-        r = rotation.float().contiguous()
-        self._halves[key] = (weakref.ref(rotation), r)
-        return r
 
     def launch_for(self, head_dim: int) -> LaunchConfig:
         """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""
