@@ -126,7 +126,8 @@ def main() -> None:
         name = (f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
                 + (f" / token-major {launch.block_m}" if launch.token_major else "")
                 + (" / fold" if launch.fold_key_offsets else "")
-                + (f" / {launch.max_registers} registers" if launch.max_registers else ""))
+                + (f" / {launch.max_registers} registers" if launch.max_registers else "")
+                + f" ({launch.programs_per_sm} programs/SM: same compile)")
         print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
               f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
 
