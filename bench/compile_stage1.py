@@ -2,7 +2,7 @@
 costs in resources: registers per thread, shared memory per block, the blocks per SM these allow, and static
 SASS counts (MMA, shared-memory and global loads, barriers).
 
-    python bench/compile_stage1.py [--dim 128] [--sweep | --launch '{"block_n_dense": 32}']
+    python bench/compile_stage1.py [--dim 128] [--sweep | --launch '{"block_n_dense": 32}'] [--loops]
 
 The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query rotated
 in-kernel, 2-bit history with fp16 scale/zero, no mask), with the integer arguments' divisibility and value-1
@@ -104,11 +104,37 @@ def resources(compiled, num_warps: int) -> dict:
                 warps_per_sm=blocks * num_warps, sass=ops)
 
 
+def loop_mixes(compiled) -> list[tuple[int, dict]]:
+    """Every loop of the kernel's SASS (a backward branch and what it jumps over): instruction count and the
+    most common opcodes. The decode kernel has two: the dense tier's and the history's (the longer one)."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass)]
+    loops = []
+    for address, text in code:
+        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            ops: dict[str, int] = {}
+            for a, t in code:
+                if int(target.group(1), 16) <= a <= address:
+                    op = re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0]
+                    ops[op] = ops.get(op, 0) + 1
+            loops.append((sum(ops.values()), dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])))
+    return loops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--launch", default=None, help="LaunchConfig fields as JSON, over the head_dim's default")
     parser.add_argument("--sweep", action="store_true", help="the candidates of bench/attention.py --sweep")
+    parser.add_argument("--loops", action="store_true", help="also print each loop's SASS count and opcode mix")
     args = parser.parse_args()
     base = default_launch(args.dim)
     if args.sweep:
@@ -122,7 +148,8 @@ def main() -> None:
           + " | ".join(SASS_OPS) + " |")
     print("|---" * (6 + len(SASS_OPS)) + "|")
     for launch in launches:
-        r = resources(compile_stage1(args.dim, launch), launch.num_warps)
+        compiled = compile_stage1(args.dim, launch)
+        r = resources(compiled, launch.num_warps)
         name = (f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
                 + (f" / token-major {launch.block_m}" if launch.token_major else "")
                 + (" / fold" if launch.fold_key_offsets else "")
@@ -130,6 +157,9 @@ def main() -> None:
                 + f" ({launch.programs_per_sm} programs/SM: same compile)")
         print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
               f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
+        if args.loops:
+            for count, ops in loop_mixes(compiled):
+                print(f"  loop: {count} instructions per warp-tile, {ops}")
 
 
 if __name__ == "__main__":
