@@ -204,20 +204,20 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 # Candidates as LaunchConfig fields: history tile, warps, stages, programs per SM, dense tile, orientation, fold.
 # Runs 2 and 7 swept row-major configurations with 64-key dense tiles; run 14 chose token-major 8-row blocks with
 # 32-key dense tiles (bench/RESULTS.md).
-def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, regs=None, chunk=None):
+def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, regs=None):
     return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
                 block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold,
-                max_registers=regs, merge_split_chunk=chunk)
+                max_registers=regs)
 
 
-# per head_dim (run 24): the default, then the merge reading 16 or 32 splits per load instead of 8. Runs 14, 21 and
-# 22 tried tiles, warps, stages, register caps, programs per SM and R_V in stage 1 (bench/RESULTS.md).
+# per head_dim (run 22 tried R_V applied in stage 1 and dropped it; runs 14 and 21 tried tiles, warps, stages,
+# register caps and programs per SM: bench/RESULTS.md): the default first, then neighbours.
 SWEEP_CONFIGS = {
     128: [_cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True),
-          _cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True, chunk=16),
-          _cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True, chunk=32)],
+          _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True),
+          _cfg(128, 2, 3, 8, token_major=True, block_m=8, fold=True)],
     64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True),
-         _cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True, chunk=16)],
+         _cfg(128, 1, 3, 16, token_major=True, block_m=8, fold=True)],
 }
 
 
@@ -240,8 +240,7 @@ def sweep(copy_bw, dim=128):
             name = (f"{cfg.block_n_history}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}/{cfg.block_n_dense}"
                     f"{'/token-major/' + str(cfg.block_m) if cfg.token_major else ''}"
                     f"{'/fold' if cfg.fold_key_offsets else ''}"
-                    f"{'/regs' + str(cfg.max_registers) if cfg.max_registers else ''}"
-                    f"{'/merge-chunk' + str(cfg.merge_split_chunk) if cfg.merge_split_chunk else ''}")
+                    f"{'/regs' + str(cfg.max_registers) if cfg.max_registers else ''}")
             try:
                 ms = bench(graphed(lambda: case.oscar(backend)))
                 frac = case.bytes_history() / (ms * 1e-3) / copy_bw

@@ -202,13 +202,10 @@ def test_merge_matches_reference_and_handles_empty_partials():
     assert (out[0, 0] == 0).all() and torch.isinf(lse[0, 0]).all()
 
 
-@pytest.mark.parametrize("groups,q_len,splits,plain,chunk",
-                         [(4, 1, 70, 3, None), (16, 1, 9, 2, None), (3, 2, 33, 0, None), (4, 1, 5, 5, None),
-                          (4, 1, 70, 3, 32), (16, 1, 9, 2, 16)])
-def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, chunk):
+@pytest.mark.parametrize("groups,q_len,splits,plain", [(4, 1, 70, 3), (16, 1, 9, 2), (3, 2, 33, 0), (4, 1, 5, 5)])
+def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain):
     """Stage 2 over many splits (several split chunks, more than 64 log-sum-exps) and rows per program from 4 to
-    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty;
-    also with more splits per load (`split_chunk`)."""
+    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty."""
     from oscar_hf.kernels.merge import merge_splits
     from oscar_hf.partials import merge_partials
 
@@ -221,7 +218,7 @@ def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, ch
     rotation = _orthogonal(dim, kv_heads)
     out = torch.full((BATCH, q_len, heads, dim), float("nan"), device=DEVICE)
     lse = torch.full((BATCH, heads, q_len), float("nan"), device=DEVICE)
-    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse, chunk)
+    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse)
     group_rotation = rotation.repeat_interleave(groups, dim=0)[None, :, None]  # [1, Hq, 1, D, D]
     parts = []
     for s in range(splits):

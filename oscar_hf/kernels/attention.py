@@ -500,8 +500,6 @@ class LaunchConfig:
     # Register cap per thread (Triton's `maxnreg`; None: ptxas decides). 128 with 2 stages lets 8 two-warp programs
     # share an SM instead of 6, for 104 B of spills (bench/compile_stage1.py).
     max_registers: int | None = None
-    # Splits per partial load in the stage-2 merge (None: 32 / its row block, 8 for a decode GQA group of 4).
-    merge_split_chunk: int | None = None
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots

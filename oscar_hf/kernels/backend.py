@@ -151,7 +151,7 @@ class TritonBackend(ReferenceBackend):
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
                            gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
-                     kv_heads, lse_out, launch.merge_split_chunk)
+                     kv_heads, lse_out)
 
     def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """R as `[2, ...]` in `dtype`: a rounded copy and the rounded remainder (cached per rotation tensor)."""

@@ -104,7 +104,6 @@ def merge_splits(
     plain_splits: int | None = None,
     kv_heads: int | None = None,
     lse_out: torch.Tensor | None = None,
-    split_chunk: int | None = None,
 ) -> None:
     """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
     `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
@@ -112,7 +111,6 @@ def merge_splits(
     `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides; its
     shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
     `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
-    `split_chunk`: splits per partial load (a power of two; default 32 / rows per program).
     """
     if out_layout == "blhd":
         batch, q_len, q_heads, dim = out.shape
@@ -148,6 +146,6 @@ def merge_splits(
             # without R_Vᵀ, whole rows per load (fewer dependent loads); with it, 32 columns (registers)
             D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32) if has_rot else dim,
             BLOCK_S=max(16, triton.next_power_of_2(splits)),
-            SPLIT_CHUNK=split_chunk or max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
             num_warps=4,
         )
