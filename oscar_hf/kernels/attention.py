@@ -226,6 +226,24 @@ def _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT: tl.const
 
 
 @triton.jit
+def _code_bytes(base, stride, offs_n, tok_ok, offs_w, QW: tl.constexpr, BITS: tl.constexpr,
+                TOKENS_AS_ROWS: tl.constexpr):
+    """The tile's packed code bytes [0, D/4) and, for 4 bits, [D/4, D/2) (`code_plane`), as [N, D/4] tiles
+    (`TOKENS_AS_ROWS`) or [D/4, N]; 2-bit codes return the first twice."""
+    if TOKENS_AS_ROWS:
+        ptrs = base + offs_n[:, None].to(tl.int64) * stride + offs_w[None, :]
+        ok = tok_ok[:, None]
+    else:
+        ptrs = base + offs_n[None, :].to(tl.int64) * stride + offs_w[:, None]
+        ok = tok_ok[None, :]
+    lo_bytes = tl.load(ptrs, mask=ok, other=0)
+    if BITS == 4:
+        return lo_bytes, tl.load(ptrs + QW, mask=ok, other=0)
+    else:
+        return lo_bytes, lo_bytes
+
+
+@triton.jit
 def _quant_split(
     q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
     kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
@@ -258,15 +276,8 @@ def _quant_split(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < hi
-        rows = offs_n[:, None].to(tl.int64)
-        kb_lo = tl.load(kc_base + rows * skt + offs_w[None, :], mask=tok_ok[:, None], other=0)
-        vb_lo = tl.load(vc_base + rows * svt + offs_w[None, :], mask=tok_ok[:, None], other=0)
-        if BITS == 4:
-            kb_hi = tl.load(kc_base + rows * skt + QW + offs_w[None, :], mask=tok_ok[:, None], other=0)
-            vb_hi = tl.load(vc_base + rows * svt + QW + offs_w[None, :], mask=tok_ok[:, None], other=0)
-        else:
-            kb_hi = kb_lo
-            vb_hi = vb_lo
+        kb_lo, kb_hi = _code_bytes(kc_base, skt, offs_n, tok_ok, offs_w, QW, BITS, True)
+        vb_lo, vb_hi = _code_bytes(vc_base, svt, offs_n, tok_ok, offs_w, QW, BITS, True)
         k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
         k0, k1, k2, k3 = code_planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK)
@@ -330,18 +341,8 @@ def _quant_split_token_major(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < hi
-        kb_lo = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skt + offs_w[None, :], mask=tok_ok[:, None],
-                        other=0)
-        vb_lo = tl.load(vc_base + offs_n[None, :].to(tl.int64) * svt + offs_w[:, None], mask=tok_ok[None, :],
-                        other=0)
-        if BITS == 4:
-            kb_hi = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skt + QW + offs_w[None, :],
-                            mask=tok_ok[:, None], other=0)
-            vb_hi = tl.load(vc_base + offs_n[None, :].to(tl.int64) * svt + QW + offs_w[:, None],
-                            mask=tok_ok[None, :], other=0)
-        else:
-            kb_hi = kb_lo
-            vb_hi = vb_lo
+        kb_lo, kb_hi = _code_bytes(kc_base, skt, offs_n, tok_ok, offs_w, QW, BITS, True)
+        vb_lo, vb_hi = _code_bytes(vc_base, svt, offs_n, tok_ok, offs_w, QW, BITS, False)
         k_scale, k_zero, v_scale, v_zero = _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT, BITS)
 
         k0, k1, k2, k3 = key_planes(kb_lo, kb_hi, BITS, DT, ASM_UNPACK, FOLD_K)
