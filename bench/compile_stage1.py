@@ -83,17 +83,21 @@ def compile_stage1(dim: int, launch: LaunchConfig):
                                        **({} if launch.max_registers is None else dict(maxnreg=launch.max_registers))))
 
 
-def resources(compiled, num_warps: int) -> dict:
+def disassemble(compiled) -> tuple[str, str]:
+    """`cuobjdump -res-usage` and `-sass` of a compiled kernel (Triton's bundled cuobjdump)."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
+        return tuple(subprocess.run([os.path.join(bin_dir, "cuobjdump"), flag, f.name], capture_output=True,
+                                    text=True, check=True).stdout for flag in ("-res-usage", "-sass"))
     finally:
         os.unlink(f.name)
+
+
+def resources(compiled, num_warps: int, disassembly: tuple[str, str] | None = None) -> dict:
+    """Registers, stack, shared memory, the blocks and warps per SM these allow, and SASS opcode counts."""
+    usage, sass = disassembly or disassemble(compiled)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     spilled = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = compiled.metadata.shared
@@ -104,17 +108,9 @@ def resources(compiled, num_warps: int) -> dict:
                 warps_per_sm=blocks * num_warps, sass=ops)
 
 
-def loop_mixes(compiled) -> list[tuple[int, dict]]:
-    """Every loop of the kernel's SASS (a backward branch and what it jumps over): instruction count and the
+def loop_mixes(sass: str) -> list[tuple[int, dict]]:
+    """Every loop of a kernel's SASS text (a backward branch and what it jumps over): instruction count and the
     most common opcodes. The decode kernel has two: the dense tier's and the history's (the longer one)."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        os.unlink(f.name)
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass)]
     loops = []
     for address, text in code:
@@ -149,7 +145,8 @@ def main() -> None:
     print("|---" * (6 + len(SASS_OPS)) + "|")
     for launch in launches:
         compiled = compile_stage1(args.dim, launch)
-        r = resources(compiled, launch.num_warps)
+        disassembly = disassemble(compiled)
+        r = resources(compiled, launch.num_warps, disassembly)
         name = (f"{launch.block_n_history} / {launch.num_warps} / {launch.num_stages} / {launch.block_n_dense}"
                 + (f" / token-major {launch.block_m}" if launch.token_major else "")
                 + (" / fold" if launch.fold_key_offsets else "")
@@ -158,7 +155,7 @@ def main() -> None:
         print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared_bytes'] / 1024:.1f} | {r['blocks_per_sm']} | "
               f"{r['warps_per_sm']} | " + " | ".join(str(r["sass"][op]) for op in SASS_OPS) + " |", flush=True)
         if args.loops:
-            for count, ops in loop_mixes(compiled):
+            for count, ops in loop_mixes(disassembly[1]):
                 print(f"  loop: {count} instructions per warp-tile, {ops}")
 
 

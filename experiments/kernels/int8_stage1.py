@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from compile_stage1 import H200, loop_mixes  # noqa: E402
+from compile_stage1 import H200, disassemble, loop_mixes  # noqa: E402
 
 _PLANES = tl.constexpr("""{
  .reg .b32 t;
@@ -150,5 +150,5 @@ if __name__ == "__main__":
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--interleave", action="store_true")
     args = parser.parse_args()
-    for count, ops in loop_mixes(compile_prototype(args.dim, args.interleave)):
+    for count, ops in loop_mixes(disassemble(compile_prototype(args.dim, args.interleave))[1]):
         print(f"loop: {count} instructions per warp-tile, {ops}")
