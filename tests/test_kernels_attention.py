@@ -202,10 +202,12 @@ def test_merge_matches_reference_and_handles_empty_partials():
     assert (out[0, 0] == 0).all() and torch.isinf(lse[0, 0]).all()
 
 
-@pytest.mark.parametrize("groups,q_len,splits,plain", [(4, 1, 70, 3), (16, 1, 9, 2), (3, 2, 33, 0), (4, 1, 5, 5)])
-def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain):
+@pytest.mark.parametrize("groups,q_len,splits,plain,columns", [(4, 1, 70, 3, 1), (4, 1, 70, 3, 2), (16, 1, 9, 2, None),
+                                                           (3, 2, 33, 0, 2), (4, 1, 5, 5, 1)])
+def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, columns):
     """Stage 2 over many splits (several split chunks, more than 64 log-sum-exps) and rows per program from 4 to
-    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty."""
+    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty.
+    `columns`: programs sharing each row block's output columns (None: the default for the grid)."""
     from oscar_hf.kernels.merge import merge_splits
     from oscar_hf.partials import merge_partials
 
@@ -218,7 +220,7 @@ def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain):
     rotation = _orthogonal(dim, kv_heads)
     out = torch.full((BATCH, q_len, heads, dim), float("nan"), device=DEVICE)
     lse = torch.full((BATCH, heads, q_len), float("nan"), device=DEVICE)
-    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse)
+    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse, column_programs=columns)
     group_rotation = rotation.repeat_interleave(groups, dim=0)[None, :, None]  # [1, Hq, 1, D, D]
     parts = []
     for s in range(splits):
@@ -364,3 +366,13 @@ def test_split_plan_covers_every_token_once():
             assert (plan.history_splits - 1) * plan.history_split_len < tokens
             assert plan.history_split_len % 64 == 0 and plan.total_splits <= 256
             assert batch * 8 * plan.history_splits >= min(528, batch * 8 * math.ceil(tokens / 512))
+
+
+def test_merge_splits_rejects_column_programs_that_do_not_divide_the_row():
+    from oscar_hf.kernels.merge import merge_splits
+
+    part_out = torch.zeros(1, 4, 1, 3, 64, device=DEVICE)
+    part_lse = torch.zeros(1, 4, 1, 3, device=DEVICE)
+    out = torch.empty(1, 1, 4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="column_programs=3"):
+        merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, column_programs=3)

@@ -19,6 +19,7 @@ import torch
 from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
 from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, default_launch, plan_splits
+from .common import multiprocessors
 from .demote import demote_rows
 from .merge import merge_splits
 
@@ -51,7 +52,6 @@ class TritonBackend(ReferenceBackend):
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._sms: dict[torch.device, int] = {}
         self._halves: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
@@ -178,10 +178,7 @@ class TritonBackend(ReferenceBackend):
     def _target(self, device: torch.device, launch: LaunchConfig) -> int:
         if self.target_programs is not None:
             return self.target_programs
-        if device not in self._sms:
-            self._sms[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                                 if device.type == "cuda" else 4)
-        return launch.programs_per_sm * self._sms[device]
+        return launch.programs_per_sm * multiprocessors(device)
 
     def _workspace(self, device: torch.device, out_numel: int, lse_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat float32 scratch for the split outputs and log-sum-exps, reused across calls on the same device

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_device, round_to
+from .common import launch_device, multiprocessors, round_to
 
 
 @triton.jit
@@ -40,11 +40,20 @@ def _merge_kernel(
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
     Lq, G, Hkv, total_splits, plain_splits,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr, COL_SPAN: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.program_id(1) // Hkv
     kvh = tl.program_id(1) % Hkv
+    col0 = 0  # this program's output columns: [col0, col0 + COL_SPAN)
+    if COL_SPAN < D:
+        col0 = tl.program_id(2) * COL_SPAN
+    ONE_BLOCK: tl.constexpr = HAS_ROT and COL_SPAN == BLOCK_J
+    if HAS_ROT:
+        offs_d = tl.arange(0, D)
+        r_base = r_ptr + kvh.to(tl.int64) * srh
+    if ONE_BLOCK:  # the program's only R_V tile, loaded first: its latency overlaps the partials' loads
+        r_first = tl.load(r_base + (col0 + tl.arange(0, BLOCK_J))[None, :].to(tl.int64) * srr + offs_d[:, None])
     row_ok = rows < G * Lq
     qi = tl.minimum(rows // G, Lq - 1)
     h = kvh * G + rows % G
@@ -66,17 +75,15 @@ def _merge_kernel(
     rotated_from = total_splits
     if HAS_ROT:
         rotated_from = plain_splits
-        offs_d = tl.arange(0, D)
         acc_rot = tl.zeros((BLOCK_M, D), tl.float32)
         for s0 in range(plain_splits, total_splits, SPLIT_CHUNK):
             acc_rot += _split_chunk(o_rows, lse_rows, top, row_ok, s0, plain_splits, total_splits, offs_d, D,
                                     SPLIT_CHUNK)
         acc_rot = tl.where(row_ok[:, None], acc_rot, 0.0)  # one use of the loop's result (a Triton 3.6 pass asserts)
-        r_base = r_ptr + kvh.to(tl.int64) * srh
 
     out_rows = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + qi.to(tl.int64) * sol
-    for j0 in tl.static_range(0, D, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
+    for jj in tl.static_range(0, COL_SPAN, BLOCK_J):
+        offs_j = col0 + jj + tl.arange(0, BLOCK_J)
         acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
         for s0 in range(0, rotated_from, SPLIT_CHUNK):
             acc += _split_chunk(o_rows, lse_rows, top, row_ok, s0, 0, rotated_from, offs_j, D, SPLIT_CHUNK)
@@ -84,14 +91,17 @@ def _merge_kernel(
         if HAS_ROT:
             # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i], on the tensor cores as three TF32 products
             # (~float32 accuracy); the float32 FMA product ("ieee") spilled (255 registers + 352 B of stack)
-            r_t = tl.load(r_base + offs_j[None, :].to(tl.int64) * srr + offs_d[:, None])
+            if ONE_BLOCK:
+                r_t = r_first
+            else:
+                r_t = tl.load(r_base + offs_j[None, :].to(tl.int64) * srr + offs_d[:, None])
             acc = tl.dot(acc_rot, r_t, acc=acc, input_precision="tf32x3")
         out = acc * inv_total[:, None]
         tl.store(out_rows[:, None] + offs_j[None, :], round_to(out, out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
         lse_merged = tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
         tl.store(lo_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + qi.to(tl.int64) * sll, lse_merged,
-                 mask=row_ok)
+                 mask=row_ok & (tl.program_id(2) == 0))
 
 
 def merge_splits(
@@ -104,6 +114,7 @@ def merge_splits(
     plain_splits: int | None = None,
     kv_heads: int | None = None,
     lse_out: torch.Tensor | None = None,
+    column_programs: int | None = None,
 ) -> None:
     """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
     `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
@@ -111,6 +122,11 @@ def merge_splits(
     `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides; its
     shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
     `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
+
+    `column_programs`: programs sharing a row block's output columns (a power of two up to D / 32; each merges
+    the splits again for its own columns). Default: one per 32 columns when R_Vᵀ is applied and the row blocks
+    alone would not give every multiprocessor a program (decode at small batch, where the merge is latency-bound),
+    else 1.
     """
     if out_layout == "blhd":
         batch, q_len, q_heads, dim = out.shape
@@ -137,15 +153,21 @@ def merge_splits(
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
     rows = groups * q_len
     block_m = min(16, triton.next_power_of_2(rows))  # a decode step's GQA group, not 16 rows
-    grid = (triton.cdiv(rows, block_m), batch * kv_heads)
+    block_j = min(dim, 32) if has_rot else dim  # with R_Vᵀ, 32 columns at a time (registers); else whole rows
+    row_programs = triton.cdiv(rows, block_m) * batch * kv_heads
+    if column_programs is None:
+        column_programs = dim // block_j if has_rot and row_programs < multiprocessors(out.device) else 1
+    if column_programs < 1 or dim % (column_programs * block_j):
+        raise ValueError(f"merge_splits: column_programs={column_programs} does not divide {dim} columns into "
+                         f"blocks of {block_j}")
+    grid = (triton.cdiv(rows, block_m), batch * kv_heads, column_programs)
     with launch_device(out):
         _merge_kernel[grid](
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
-            # without R_Vᵀ, whole rows per load (fewer dependent loads); with it, 32 columns (registers)
-            D=dim, BLOCK_M=block_m, BLOCK_J=min(dim, 32) if has_rot else dim,
-            BLOCK_S=max(16, triton.next_power_of_2(splits)),
+            D=dim, BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_S=max(16, triton.next_power_of_2(splits)),
             SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            COL_SPAN=dim // column_programs,
             num_warps=4,
         )
