@@ -368,6 +368,22 @@ def test_split_plan_covers_every_token_once():
             assert batch * 8 * plan.history_splits >= min(528, batch * 8 * math.ceil(tokens / 512))
 
 
+def test_split_plan_shortens_splits_only_below_min_programs():
+    from oscar_hf.kernels.attention import plan_splits
+
+    args = dict(min_dense_tokens=256, min_history_tokens=512, block_n_history=128, block_n_dense=32, small_block_m=8)
+    # 4k tokens at batch 1: 8 heads x (2 + 8) splits = 80 programs < 132 -> one history tile, two dense tiles
+    short = plan_splits(1, 8, 4, 321, 3775, 792, min_programs=132, **args)
+    assert (short.history_split_len, short.history_splits) == (128, 30)
+    assert (short.dense_split_len, short.dense_splits) == (64, 6)
+    assert 8 * short.total_splits >= 132
+    # grids that fill the GPU with the usual minimums keep them
+    for batch, tokens in ((1, 32_000), (8, 3775)):
+        plan = plan_splits(batch, 8, 4, 321, tokens, 792, min_programs=132, **args)
+        assert plan == plan_splits(batch, 8, 4, 321, tokens, 792, **args)
+        assert plan.history_split_len >= 512
+
+
 def test_merge_splits_rejects_column_programs_that_do_not_divide_the_row():
     from oscar_hf.kernels.merge import merge_splits
 

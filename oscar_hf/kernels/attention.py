@@ -66,6 +66,25 @@ def _scores_to_log2(s, scaling, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _history_query_scale(scaling, HAS_SOFTCAP: tl.constexpr):
+    """What the history query is multiplied by before its rounding: the softmax scaling, and without a softcap
+    also log2(e), so that the history scores come out in log2 units (`_history_scores_to_log2`)."""
+    if HAS_SOFTCAP:
+        return scaling
+    else:
+        return scaling * _LOG2E
+
+
+@triton.jit
+def _history_scores_to_log2(s, softcap, HAS_SOFTCAP: tl.constexpr):
+    """History scores (query scaled by `_history_query_scale`) -> log2 units."""
+    if HAS_SOFTCAP:
+        return _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
+    else:
+        return s
+
+
+@triton.jit
 def _apply_mask(s, m_ptr, smb, sml, smc, b, qi, col, col_ok, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
     """Mask scores `s` [M, N] (log2 units) by key validity and the optional attention mask."""
     return _mask_scores(s, m_ptr, smb, sml, smc, b, qi[:, None], col[None, :], col_ok[None, :], HAS_MASK, MASK_BOOL)
@@ -184,7 +203,8 @@ def _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, sr
     rounded quarters (the zero-point term).
 
     The rotated query is `q @ R_K` computed here (`ROT_Q`, 16-bit queries) or read from `qr_ptr` (float32, or the
-    query itself when there is no rotation); the softmax scaling is folded in before the rounding to `DT`."""
+    query itself when there is no rotation); `scaling` (`_history_query_scale`: the softmax scaling, times log2(e)
+    without a softcap) is folded in before the rounding to `DT`."""
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
     if ROT_Q:
@@ -262,8 +282,9 @@ def _quant_split(
     """
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
+    q_scale = _history_query_scale(scaling, HAS_SOFTCAP)
     q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-                                           b, kvh, h, qi, row_ok, scaling, D, DT, ROT_Q, UPCAST_DOTS)
+                                           b, kvh, h, qi, row_ok, q_scale, D, DT, ROT_Q, UPCAST_DOTS)
     kc_base, vc_base, kz_base, vz_base = _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh,
                                                         vz_ptr, swb, swh, b, kvh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -287,7 +308,7 @@ def _quant_split(
         qc = _qdot(q2, tl.trans(k2), qc, DT)
         qc = _qdot(q3, tl.trans(k3), qc, DT)
         s = (qc - q_sum[:, None] * k_zero[None, :]) * k_scale[None, :]
-        s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
+        s = _history_scores_to_log2(s, softcap, HAS_SOFTCAP)
         s = _apply_mask(s, m_ptr, smb, sml, smc, b, qi, hist_col0 + offs_n, tok_ok, HAS_MASK, MASK_BOOL)
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
 
@@ -321,8 +342,9 @@ def _quant_split_token_major(
     """
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
+    q_scale = _history_query_scale(scaling, HAS_SOFTCAP)
     q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-                                           b, kvh, h, qi, row_ok, scaling, D, DT, ROT_Q, UPCAST_DOTS)
+                                           b, kvh, h, qi, row_ok, q_scale, D, DT, ROT_Q, UPCAST_DOTS)
     if FOLD_K:
         q_off = folded_key_offset(q0, q1, q2, q3, q_sum)
     q0t = tl.trans(q0)
@@ -354,7 +376,7 @@ def _quant_split_token_major(
         if FOLD_K:
             qc = qc - q_off[None, :]
         s = (qc - k_zero[:, None] * q_sum[None, :]) * k_scale[:, None]
-        s = _scores_to_log2(s, 1.0, softcap, HAS_SOFTCAP)
+        s = _history_scores_to_log2(s, softcap, HAS_SOFTCAP)
         s = _mask_scores(s, m_ptr, smb, sml, smc, b, qi[None, :], hist_col0 + offs_n[:, None], tok_ok[:, None],
                          HAS_MASK, MASK_BOOL)
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i, 0)
@@ -552,10 +574,14 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
                 min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128,
                 block_n_history: int = BLOCK_N_HISTORY, block_n_dense: int = BLOCK_N_DENSE,
-                small_block_m: int = 16) -> SplitPlan:
+                small_block_m: int = 16, min_programs: int = 0) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
     the minimums; `rows` = query heads per KV head x query length. Every layer of a decode step asks the same
     question, hence the cache.
+
+    When those minimums leave fewer than `min_programs` programs (the multiprocessors: a short context at batch
+    1, where the call is latency-bound), they drop to two dense tiles and one history tile (run 19: 4k/bs1 0.031 ->
+    0.028 ms at d=128; the same short minimums lost at 32k/bs1 and 4k/bs8, whose grids fill the GPU anyway).
 
     Rows come in blocks of 16 (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's GQA group):
     a 64-row variant (8 warps) faulted with an illegal address on the H200 and was dropped (not isolated; see
@@ -565,6 +591,11 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
     dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, block_n_dense, max_splits)
     hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, block_n_history, max_splits)
+    if batch * kv_heads * row_blocks * (dense_splits + hist_splits) < min_programs:
+        dense_splits, dense_len_each = _cut(dense_len, wanted, min(min_dense_tokens, 2 * block_n_dense),
+                                            block_n_dense, max_splits)
+        hist_splits, hist_len_each = _cut(history_len, wanted, min(min_history_tokens, block_n_history),
+                                          block_n_history, max_splits)
     return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each,
                      block_n_dense)
 

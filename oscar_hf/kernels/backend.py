@@ -38,6 +38,8 @@ class TritonBackend(ReferenceBackend):
             multiprocessor).
         min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
             splits on small inputs).
+        short_splits_on_small_grids: cut splits down to one or two tiles when the minimums would leave
+            multiprocessors without a program (`plan_splits`' `min_programs`).
         launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`); default: the measured best for
             the head_dim (`default_launch`).
     """
@@ -45,12 +47,14 @@ class TritonBackend(ReferenceBackend):
     name = "triton"
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
-                 min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None):
+                 min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None,
+                 short_splits_on_small_grids: bool = True):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
+        self.short_splits_on_small_grids = short_splits_on_small_grids
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._halves: dict[tuple, tuple] = {}
 
@@ -173,7 +177,8 @@ class TritonBackend(ReferenceBackend):
         return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device, launch),
                            self.min_dense_tokens, self.min_history_tokens,
                            block_n_history=launch.block_n_history, block_n_dense=launch.block_n_dense,
-                           small_block_m=launch.block_m)
+                           small_block_m=launch.block_m,
+                           min_programs=multiprocessors(device) if self.short_splits_on_small_grids else 0)
 
     def _target(self, device: torch.device, launch: LaunchConfig) -> int:
         if self.target_programs is not None:
