@@ -211,13 +211,16 @@ def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16,
 
 
 # per head_dim (run 22 tried R_V applied in stage 1 and dropped it; runs 14 and 21 tried tiles, warps, stages,
-# register caps and programs per SM: bench/RESULTS.md): the default first, then neighbours.
+# register caps and programs per SM: bench/RESULTS.md): the default first, then neighbours. The one-warp 64-token
+# tiles at d=128 keep each warp's share of a tile (64 tokens) but reduce the softmax within the warp (no barrier per
+# tile); 16-key dense tiles keep their shared memory (18 KB) from capping the programs per SM (188 registers: 10).
 SWEEP_CONFIGS = {
     128: [_cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True),
-          _cfg(128, 2, 3, 4, token_major=True, block_m=8, fold=True),
-          _cfg(128, 2, 3, 8, token_major=True, block_m=8, fold=True)],
+          _cfg(64, 1, 3, 10, dense=16, token_major=True, block_m=8, fold=True),
+          _cfg(64, 1, 3, 20, dense=16, token_major=True, block_m=8, fold=True),
+          _cfg(64, 1, 2, 12, dense=16, token_major=True, block_m=8, fold=True)],
     64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True),
-         _cfg(128, 1, 3, 16, token_major=True, block_m=8, fold=True)],
+         _cfg(64, 1, 3, 28, dense=16, token_major=True, block_m=8, fold=True)],
 }
 
 
@@ -256,23 +259,28 @@ def sweep(copy_bw, dim=128):
     return out
 
 
-SPLIT_MINIMUMS = [(256, 512), (128, 256), (64, 128), (32, 128), (64, 64)]  # (dense, history); the first is the default
+# (dense, history, shorter on small grids); the first is the default
+SPLIT_MINIMUMS = [(256, 512, True), (256, 512, False), (128, 256, False), (64, 128, False), (64, 64, False)]
 
 
 def sweep_split_minimums(copy_bw, dim=128):
-    """The shortest dense / history split (TritonBackend's min_dense_tokens / min_history_tokens) with the default
-    launch, on the cells where few splits leave SMs idle (batch 1 and short contexts)."""
+    """The shortest dense / history split (TritonBackend's min_dense_tokens / min_history_tokens, with and without
+    `short_splits_on_small_grids`) with the default launch, on the cells where few splits leave SMs idle (batch 1 and
+    short contexts)."""
     out = []
     for batch, context in [(1, 4096), (8, 4096), (1, 32768), (1, 100_000), (8, 100_000)]:
         case = Case(batch, context, dim, TritonBackend())
-        for dense_min, hist_min in SPLIT_MINIMUMS:
-            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min, launch=base_launch(dim))
+        for dense_min, hist_min, short in SPLIT_MINIMUMS:
+            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min, launch=base_launch(dim),
+                                    short_splits_on_small_grids=short)
             ms = bench(graphed(lambda: case.oscar(backend)))
             err = error_vs_reference(case, backend)
             out.append(dict(dim=dim, batch=batch, context=context, min_dense_tokens=dense_min,
-                            min_history_tokens=hist_min, ms=ms, rel_err_vs_reference=err))
-            print(f"split minimums d={dim} bs={batch} ctx={context} dense>={dense_min} history>={hist_min}: "
-                  f"{ms:.3f} ms, error vs reference {err:.1e}", flush=True)
+                            min_history_tokens=hist_min, short_on_small_grids=short, ms=ms,
+                            rel_err_vs_reference=err))
+            print(f"split minimums d={dim} bs={batch} ctx={context} dense>={dense_min} history>={hist_min}"
+                  f"{' (shorter on small grids)' if short else ''}: {ms:.3f} ms, error vs reference {err:.1e}",
+                  flush=True)
         del case
         torch.cuda.empty_cache()
     return out
