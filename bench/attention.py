@@ -212,15 +212,18 @@ def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16,
 
 # per head_dim (run 22 tried R_V applied in stage 1 and dropped it; runs 14 and 21 tried tiles, warps, stages,
 # register caps and programs per SM: bench/RESULTS.md): the default first, then neighbours. The one-warp 64-token
-# tiles at d=128 keep each warp's share of a tile (64 tokens) but reduce the softmax within the warp (no barrier per
-# tile); 16-key dense tiles keep their shared memory (18 KB) from capping the programs per SM (188 registers: 10).
+# tiles at d=128 (default since run 25) keep each warp's share of a tile (64 tokens) but reduce the softmax within
+# the warp (no barrier per tile); 16-key dense tiles keep their shared memory (18 KB) from capping the programs per SM
+# (188 registers: 10 resident).
 SWEEP_CONFIGS = {
-    128: [_cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True),
-          _cfg(64, 1, 3, 10, dense=16, token_major=True, block_m=8, fold=True),
-          _cfg(64, 1, 3, 20, dense=16, token_major=True, block_m=8, fold=True),
-          _cfg(64, 1, 2, 12, dense=16, token_major=True, block_m=8, fold=True)],
+    128: [_cfg(64, 1, 3, 20, dense=16, token_major=True, block_m=8, fold=True),
+          _cfg(64, 1, 3, 30, dense=16, token_major=True, block_m=8, fold=True),
+          _cfg(64, 1, 3, 40, dense=16, token_major=True, block_m=8, fold=True),
+          _cfg(32, 1, 3, 24, dense=16, token_major=True, block_m=8, fold=True),
+          _cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True)],
     64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True),
-         _cfg(64, 1, 3, 28, dense=16, token_major=True, block_m=8, fold=True)],
+         _cfg(64, 1, 3, 28, dense=16, token_major=True, block_m=8, fold=True),
+         _cfg(64, 1, 3, 40, dense=16, token_major=True, block_m=8, fold=True)],
 }
 
 

@@ -157,7 +157,8 @@ def test_default_launch_follows_the_head_dim_unless_one_is_given():
 
     assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32,
                                                           block_m=8, token_major=True, fold_key_offsets=True)
-    assert TritonBackend().launch_for(128).token_major and TritonBackend().launch_for(128).num_warps == 2
+    d128 = TritonBackend().launch_for(128)
+    assert d128.token_major and (d128.num_warps, d128.block_n_history, d128.block_n_dense) == (1, 64, 16)
     assert TritonBackend().launch_for(256) == LaunchConfig()
     given = LaunchConfig(block_n_history=64)
     assert TritonBackend(launch=given).launch_for(64) is given

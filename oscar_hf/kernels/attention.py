@@ -528,13 +528,15 @@ class LaunchConfig:
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
 # in 8-row blocks with 32-key dense tiles; 2 warps / 4 programs per SM at head_dim 128 (0.358 ms instead of 0.462 at
 # 100k tokens / batch 8), 1 warp / 24 programs per SM at 64 (0.197 ms instead of 0.484); folded key offsets since
-# run 19; 6 programs per SM at 128 since run 21 (one full wave of 6 resident programs: 0.327 vs 0.331 ms at
-# 100k/bs8, 0.071 vs 0.075 at 100k/bs1). Other head_dims keep `LaunchConfig()` (not swept).
+# run 19. At 128 since run 25: one warp per 64-token tile (the softmax reduces within the warp, no barrier per
+# tile), 16-key dense tiles (18 KB of shared memory), 20 programs per SM: 0.302 vs 0.317 ms at 100k/bs8, 0.382 vs
+# 0.438 at 32k/bs32, 0.060 vs 0.065 at 100k/bs1 (0.027 vs 0.023 at 4k/bs1). Other head_dims keep `LaunchConfig()`
+# (not swept).
 DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
     64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True,
                      fold_key_offsets=True),
-    128: LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, token_major=True,
-                      fold_key_offsets=True),
+    128: LaunchConfig(block_n_history=64, num_warps=1, programs_per_sm=20, block_n_dense=16, block_m=8,
+                      token_major=True, fold_key_offsets=True),
 }
 
 
