@@ -183,6 +183,29 @@ def test_rejects_what_it_cannot_decode():
         graphed_generate(sliding, ids, OscarCache(sliding, **OPTIONS), 4)
 
 
+def _assert_greedy_tokens_or_a_near_tie(model, ids, mask, options, tokens):
+    """`tokens` are `model.generate`'s greedy tokens through an OscarCache with the attention mask, except that
+    from the first step where they differ on, that step's top two logits must tie within two units in the last
+    place of the model dtype (bfloat16), the graphed token being the runner-up.
+
+    The masked reference cuts its splits for the history's length, the graphed steps for its pinned capacity:
+    the same attention summed in another order (H200 run 27: a bfloat16 tie at step 66 of 120 flipped when the
+    split plan changed). float32 models must match exactly."""
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=120, min_new_tokens=120, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True,
+                         **{cache_argument_name(model): OscarCache(model, rotations="hadamard", **options)})
+    differ = (tokens != ref.sequences).nonzero()
+    if differ.numel() == 0:
+        return
+    row, col = differ[0].tolist()
+    assert model.dtype == torch.bfloat16, f"float32 tokens differ at row {row}, position {col}"
+    logits = ref.scores[col - ids.shape[1]][row].float()
+    top2 = logits.topk(2)
+    ulp = 2.0 ** (torch.floor(torch.log2(top2.values[0].abs())) - 7)
+    assert top2.values[0] - top2.values[1] <= 2 * ulp, f"no near-tie at row {row}, position {col}: {top2}"
+    assert tokens[row, col] == top2.indices[1]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
@@ -197,8 +220,7 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(dtype):
     graphed = graphed_generate(model, ids, graph_cache, 120, attention_mask=mask, stats=stats)
     assert stats["graph_steps"] >= 100
     assert torch.equal(graphed, eager)
-    reference, _ = _reference_tokens(model, ids, 120, options, attention_mask=mask, min_new_tokens=120)  # masks
-    assert torch.equal(graphed, reference)
+    _assert_greedy_tokens_or_a_near_tie(model, ids, mask, options, graphed)
     for a, b in zip(graph_cache.layers, eager_cache.layers):
         assert a.host_state() == b.host_state()
         n = a.history_length
