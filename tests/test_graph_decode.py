@@ -191,9 +191,9 @@ def _assert_greedy_tokens_or_a_near_tie(model, ids, mask, options, tokens):
     The masked reference cuts its splits for the history's length, the graphed steps for its pinned capacity:
     the same attention summed in another order (H200 run 27: a bfloat16 tie at step 66 of 120 flipped when the
     split plan changed). float32 models must match exactly."""
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=120, min_new_tokens=120, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True,
-                         **{cache_argument_name(model): OscarCache(model, rotations="hadamard", **options)})
+    new_tokens = tokens.shape[1] - ids.shape[1]
+    ref, _ = _reference_tokens(model, ids, new_tokens, options, attention_mask=mask, min_new_tokens=new_tokens,
+                               output_scores=True, return_dict_in_generate=True)
     differ = (tokens != ref.sequences).nonzero()
     if differ.numel() == 0:
         return

@@ -18,12 +18,11 @@ OLD = LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, 
 real_merge = kb.merge_splits
 
 
-def variant(name, launch=None, short=True, columns=None):
+def use_variant(launch, short, columns):
     """Route every layer to a backend with these settings."""
     backend = kb.TritonBackend(launch=launch, short_splits_on_small_grids=short)
     oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
     kb.merge_splits = real_merge if columns is None else functools.partial(real_merge, column_programs=columns)
-    return name
 
 
 def first_diff(a, b):
@@ -36,13 +35,14 @@ for dtype in (torch.bfloat16, torch.float32):
     ids, mask = _left_padded((3000, 2500, 2950), seed=4)
     ids, mask = ids.cuda(), mask.cuda()
     options = dict(sink_tokens=64, recent_tokens=256, demote_block=8)
-    for args in [("new defaults", None, True, None), ("no short splits", None, False, None),
-                 ("merge columns 1", None, True, 1), ("old launch", OLD, True, None), ("all old", OLD, False, 1)]:
-        variant(*args)
+    for name, *settings in [("new defaults", None, True, None), ("no short splits", None, False, None),
+                            ("merge columns 1", None, True, 1), ("old launch", OLD, True, None),
+                            ("all old", OLD, False, 1)]:
+        use_variant(*settings)
         eager = graphed_generate(model, ids, OscarCache(model, rotations="hadamard", **options), 120,
                                  attention_mask=mask, use_graphs=False)
         graphed = graphed_generate(model, ids, OscarCache(model, rotations="hadamard", **options), 120,
                                    attention_mask=mask)
         ref, _ = _reference_tokens(model, ids, 120, options, attention_mask=mask, min_new_tokens=120)
-        print(f"{dtype} {args[0]}: graphed vs eager {first_diff(graphed, eager)}; graphed vs reference "
+        print(f"{dtype} {name}: graphed vs eager {first_diff(graphed, eager)}; graphed vs reference "
               f"{first_diff(graphed, ref)}", flush=True)

@@ -591,13 +591,15 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     block_m = small_block_m if rows <= small_block_m else 16
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
-    dense_splits, dense_len_each = _cut(dense_len, wanted, min_dense_tokens, block_n_dense, max_splits)
-    hist_splits, hist_len_each = _cut(history_len, wanted, min_history_tokens, block_n_history, max_splits)
+
+    def cut(min_dense: int, min_history: int):
+        return (_cut(dense_len, wanted, min_dense, block_n_dense, max_splits),
+                _cut(history_len, wanted, min_history, block_n_history, max_splits))
+
+    (dense_splits, dense_len_each), (hist_splits, hist_len_each) = cut(min_dense_tokens, min_history_tokens)
     if batch * kv_heads * row_blocks * (dense_splits + hist_splits) < min_programs:
-        dense_splits, dense_len_each = _cut(dense_len, wanted, min(min_dense_tokens, 2 * block_n_dense),
-                                            block_n_dense, max_splits)
-        hist_splits, hist_len_each = _cut(history_len, wanted, min(min_history_tokens, block_n_history),
-                                          block_n_history, max_splits)
+        (dense_splits, dense_len_each), (hist_splits, hist_len_each) = cut(
+            min(min_dense_tokens, 2 * block_n_dense), min(min_history_tokens, block_n_history))
     return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each,
                      block_n_dense)
 
