@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .codes import code_planes, folded_key_offset, key_planes, scale_zero
 from .common import launch_device
@@ -181,50 +182,61 @@ def _rescale_add_dot(acc, alpha, a, b, DT: tl.constexpr):
 
 @triton.jit
 def _rotated_quarter(q, r_base, srkp, srkr, c: tl.constexpr, D: tl.constexpr, QW: tl.constexpr,
-                     UPCAST_DOTS: tl.constexpr):
-    """Columns [c*QW, (c+1)*QW) of `q @ R` in float32, with R given as two 16-bit halves (hi + lo): products of
-    the exact 16-bit query with a 16-bit pair whose sum carries R to ~2^-17 relative."""
+                     UPCAST_DOTS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Columns [c*QW, (c+1)*QW) of `q @ R` in float32 ([M, QW]; with `TRANSPOSED`, `q` is `qᵀ` [D, M] and the
+    result is `(q @ R)ᵀ` [QW, M] = `Rᵀ qᵀ`), with R given as two 16-bit halves (hi + lo): products of the exact
+    16-bit query with a 16-bit pair whose sum carries R to ~2^-17 relative."""
     offs_d = tl.arange(0, D)
-    offs = offs_d[:, None] * srkr + c * QW + tl.arange(0, QW)[None, :]
+    cols = c * QW + tl.arange(0, QW)
+    if TRANSPOSED:
+        offs = cols[:, None] + offs_d[None, :] * srkr
+    else:
+        offs = offs_d[:, None] * srkr + cols[None, :]
     r_hi = tl.load(r_base + offs)
     r_lo = tl.load(r_base + srkp + offs)
     if UPCAST_DOTS:
-        q32 = q.to(tl.float32)
-        out = tl.dot(q32, r_hi.to(tl.float32), input_precision="ieee")
-        return tl.dot(q32, r_lo.to(tl.float32), acc=out, input_precision="ieee")
+        q = q.to(tl.float32)
+        r_hi = r_hi.to(tl.float32)
+        r_lo = r_lo.to(tl.float32)
+    if TRANSPOSED:
+        return _qdot(r_lo, q, _qdot(r_hi, q, tl.zeros((QW, q.shape[1]), tl.float32), q.dtype), q.dtype)
     else:
-        return tl.dot(q, r_lo, acc=tl.dot(q, r_hi))
+        return _qdot(q, r_lo, _qdot(q, r_hi, tl.zeros((q.shape[0], QW), tl.float32), q.dtype), q.dtype)
 
 
 @triton.jit
 def _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr, b, kvh, h, qi, row_ok,
-                   scaling, D: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr, UPCAST_DOTS: tl.constexpr):
-    """The rotated, scaled query of the rows as four `DT` quarters [M, D/4] and the float32 row sums of the
-    rounded quarters (the zero-point term).
+                   scaling, D: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+                   TRANSPOSED: tl.constexpr = False):
+    """The rotated, scaled query of the rows as four `DT` quarters [M, D/4] (`TRANSPOSED`: [D/4, M], what the
+    token-major dots take, rotated in that orientation: the rows are the MMA's 8-wide N, not a 16-tall M) and the
+    float32 row sums of the rounded quarters (the zero-point term).
 
     The rotated query is `q @ R_K` computed here (`ROT_Q`, 16-bit queries) or read from `qr_ptr` (float32, or the
     query itself when there is no rotation); `scaling` (`_history_query_scale`: the softmax scaling, times log2(e)
     without a softcap) is folded in before the rounding to `DT`."""
     QW: tl.constexpr = D // 4
-    offs_w = tl.arange(0, QW)
+    AXIS: tl.constexpr = 0 if TRANSPOSED else 1  # the feature axis of a quarter
     if ROT_Q:
-        q_full = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh
-                         + qi[:, None].to(tl.int64) * sql + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+        offs_d = tl.arange(0, D)
+        q_rows = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + qi.to(tl.int64) * sql
+        q_full = tl.load(tl.expand_dims(q_rows, AXIS) + tl.expand_dims(offs_d, 1 - AXIS),
+                         mask=tl.expand_dims(row_ok, AXIS), other=0.0)
         r_base = rk_ptr + kvh.to(tl.int64) * srkh
-        q0 = (_rotated_quarter(q_full, r_base, srkp, srkr, 0, D, QW, UPCAST_DOTS) * scaling).to(DT)
-        q1 = (_rotated_quarter(q_full, r_base, srkp, srkr, 1, D, QW, UPCAST_DOTS) * scaling).to(DT)
-        q2 = (_rotated_quarter(q_full, r_base, srkp, srkr, 2, D, QW, UPCAST_DOTS) * scaling).to(DT)
-        q3 = (_rotated_quarter(q_full, r_base, srkp, srkr, 3, D, QW, UPCAST_DOTS) * scaling).to(DT)
+        q0 = (_rotated_quarter(q_full, r_base, srkp, srkr, 0, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
+        q1 = (_rotated_quarter(q_full, r_base, srkp, srkr, 1, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
+        q2 = (_rotated_quarter(q_full, r_base, srkp, srkr, 2, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
+        q3 = (_rotated_quarter(q_full, r_base, srkp, srkr, 3, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
     else:
-        q_rows = qr_ptr + b.to(tl.int64) * srb + h[:, None].to(tl.int64) * srh + qi[:, None].to(tl.int64) * srl
-        q0 = (tl.load(q_rows + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scaling).to(DT)
-        q1 = (tl.load(q_rows + QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scaling).to(DT)
-        q2 = (tl.load(q_rows + 2 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-              * scaling).to(DT)
-        q3 = (tl.load(q_rows + 3 * QW + offs_w[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-              * scaling).to(DT)
-    q_sum = (tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1)
-             + tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1))
+        q_rows = tl.expand_dims(qr_ptr + b.to(tl.int64) * srb + h.to(tl.int64) * srh + qi.to(tl.int64) * srl, AXIS)
+        offs_w = tl.expand_dims(tl.arange(0, QW), 1 - AXIS)
+        ok = tl.expand_dims(row_ok, AXIS)
+        q0 = (tl.load(q_rows + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+        q1 = (tl.load(q_rows + QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+        q2 = (tl.load(q_rows + 2 * QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+        q3 = (tl.load(q_rows + 3 * QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+    q_sum = (tl.sum(q0.to(tl.float32), axis=AXIS) + tl.sum(q1.to(tl.float32), axis=AXIS)
+             + tl.sum(q2.to(tl.float32), axis=AXIS) + tl.sum(q3.to(tl.float32), axis=AXIS))
     return q0, q1, q2, q3, q_sum
 
 
@@ -344,13 +356,10 @@ def _quant_split_token_major(
     offs_w = tl.arange(0, QW)
     q_scale = _history_query_scale(scaling, HAS_SOFTCAP)
     q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-                                           b, kvh, h, qi, row_ok, q_scale, D, DT, ROT_Q, UPCAST_DOTS)
+                                           b, kvh, h, qi, row_ok, q_scale, D, DT, ROT_Q, UPCAST_DOTS, True)
+    q0t, q1t, q2t, q3t = q0, q1, q2, q3  # [D/4, M]
     if FOLD_K:
-        q_off = folded_key_offset(q0, q1, q2, q3, q_sum)
-    q0t = tl.trans(q0)
-    q1t = tl.trans(q1)
-    q2t = tl.trans(q2)
-    q3t = tl.trans(q3)
+        q_off = folded_key_offset(q0t, q1t, q2t, q3t, q_sum, 0)
     kc_base, vc_base, kz_base, vz_base = _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh,
                                                         vz_ptr, swb, swh, b, kvh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -426,8 +435,10 @@ def _attention_partials_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    FOLD_K: tl.constexpr,
+    FOLD_K: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the merge (launched as a programmatic dependent) may start its prologue now
+        gdc_launch_dependents()
     split = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.program_id(2) // Hkv
@@ -651,6 +662,7 @@ def attention_partials(
     kv_heads: int,
     config: LaunchConfig = LaunchConfig(),
     dense_start: torch.Tensor | None = None,
+    launch_dependents: bool = False,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
@@ -658,7 +670,9 @@ def attention_partials(
     `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
     `partial_out` / `partial_lse`: float32 buffers of at least `B*Hq*Lq*S*D` / `B*Hq*Lq*S` elements, laid out
     as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine); `dense_start` (int32 `[B]`,
-    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask)."""
+    optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask);
+    `launch_dependents`: let a kernel queued after this one with programmatic dependent launch start at once
+    (`merge_splits(after_stage1=True)`)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -733,6 +747,7 @@ def attention_partials(
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
+            LAUNCH_DEPENDENTS=launch_dependents,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
         )

@@ -19,7 +19,7 @@ import torch
 from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
 from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, default_launch, plan_splits
-from .common import multiprocessors
+from .common import dependent_launch, multiprocessors
 from .demote import demote_rows
 from .merge import merge_splits
 
@@ -42,19 +42,22 @@ class TritonBackend(ReferenceBackend):
             multiprocessors without a program (`plan_splits`' `min_programs`).
         launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`); default: the measured best for
             the head_dim (`default_launch`).
+        dependent_merge: launch the merge as a programmatic dependent of stage 1 where the GPU has it
+            (`kernels.common.dependent_launch`), so that its launch and prologue overlap stage 1's tail.
     """
 
     name = "triton"
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
                  min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None,
-                 short_splits_on_small_grids: bool = True):
+                 short_splits_on_small_grids: bool = True, dependent_merge: bool = True):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
         self.short_splits_on_small_grids = short_splits_on_small_grids
+        self.dependent_merge = dependent_merge
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._halves: dict[tuple, tuple] = {}
 
@@ -152,10 +155,12 @@ class TritonBackend(ReferenceBackend):
             return
         rows = batch * q_heads * q_len * plan.total_splits
         partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
+        dependent = self.dependent_merge and dependent_launch(query.device)
         attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start)
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                           launch_dependents=dependent)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
-                     kv_heads, lse_out)
+                     kv_heads, lse_out, after_stage1=dependent)
 
     def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """R as `[2, ...]` in `dtype`: a rounded copy and the rounded remainder (cached per rotation tensor)."""

@@ -130,11 +130,11 @@ def key_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNP
 
 
 @triton.jit
-def folded_key_offset(q0, q1, q2, q3, q_sum):
+def folded_key_offset(q0, q1, q2, q3, q_sum, AXIS: tl.constexpr = 1):
     """What folded key planes add to each score: sum_c 2^(10-2c) rowsum(q_c), plus 2 sum(q) because the
-    centred zero point (`scale_zero`) assumes codes minus 2."""
-    return (tl.sum(q0.to(tl.float32), axis=1) * magic(0) + tl.sum(q1.to(tl.float32), axis=1) * magic(1)
-            + tl.sum(q2.to(tl.float32), axis=1) * magic(2) + tl.sum(q3.to(tl.float32), axis=1) * magic(3)
+    centred zero point (`scale_zero`) assumes codes minus 2. `AXIS`: the quarters' feature axis."""
+    return (tl.sum(q0.to(tl.float32), axis=AXIS) * magic(0) + tl.sum(q1.to(tl.float32), axis=AXIS) * magic(1)
+            + tl.sum(q2.to(tl.float32), axis=AXIS) * magic(2) + tl.sum(q3.to(tl.float32), axis=AXIS) * magic(3)
             + 2.0 * q_sum)
 
 

@@ -31,6 +31,13 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch (Hopper and newer): a kernel launched so
+    starts while the one before it drains, and waits (`griddepcontrol.wait`) only where it reads that one's output."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """float32 -> `dtype` rounding to nearest even; bfloat16 by integer arithmetic so that the interpreter (which

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_wait
+
 from .common import launch_device, multiprocessors, round_to
 
 
@@ -41,6 +43,7 @@ def _merge_kernel(
     Lq, G, Hkv, total_splits, plain_splits,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr, COL_SPAN: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.program_id(1) // Hkv
@@ -61,6 +64,8 @@ def _merge_kernel(
     part0 = ((b * Hq + h).to(tl.int64) * Lq + qi) * total_splits
     lse_rows = lse_ptr + part0
     o_rows = o_ptr + part0 * D
+    if WAIT_PRIOR:  # launched as a dependent of stage 1: everything above overlapped its tail
+        gdc_wait()
 
     # every split's log-sum-exp in one load (BLOCK_S >= total_splits), so no loop waits on a load per split
     offs_s = tl.arange(0, BLOCK_S)
@@ -115,6 +120,9 @@ def merge_splits(
     kv_heads: int | None = None,
     lse_out: torch.Tensor | None = None,
     column_programs: int | None = None,
+    split_chunk: int | None = None,
+    num_warps: int = 4,
+    after_stage1: bool = False,
 ) -> None:
     """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
     `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
@@ -167,7 +175,7 @@ def merge_splits(
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, splits, splits if plain_splits is None else plain_splits,
             D=dim, BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_S=max(16, triton.next_power_of_2(splits)),
-            SPLIT_CHUNK=max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
-            COL_SPAN=dim // column_programs,
-            num_warps=4,
+            SPLIT_CHUNK=split_chunk or max(1, 32 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
+            COL_SPAN=dim // column_programs, WAIT_PRIOR=after_stage1,
+            num_warps=num_warps, **(dict(launch_pdl=True) if after_stage1 else {}),
         )

@@ -1,0 +1,104 @@
+"""Where the time of a latency-bound decode attention call goes (GPU; d=128, Qwen3-8B heads): the floor of one and
+two graphed launches, the query rotation's share (the same call with R_K left out), the merge's loop over splits
+(`merge_splits(split_chunk, num_warps)` alone), programmatic dependent launch of the merge on and off, and the
+two-warp 128-token launch, against SDPA and its kernels.
+
+    python experiments/diag/small_grid.py
+"""
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from attention import SINK, Case, bench, error_vs_reference, graphed  # noqa: E402
+
+from oscar_hf.kernels.attention import LaunchConfig  # noqa: E402
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.merge import merge_splits  # noqa: E402
+
+TWO_WARP = LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, token_major=True,
+                        fold_key_offsets=True)
+CELLS = [(1, 4096), (1, 32768), (1, 100_000), (8, 100_000), (32, 32768)]
+
+
+@triton.jit
+def _empty(x_ptr):
+    tl.store(x_ptr + tl.program_id(0), 1.0)
+
+
+def floors():
+    x = torch.zeros(1024, device="cuda")
+    one = bench(graphed(lambda: _empty[(1,)](x)))
+    two = bench(graphed(lambda: (_empty[(1,)](x), _empty[(1,)](x))))
+    print(f"floor: one empty launch {1e3 * one:.1f} us, two {1e3 * two:.1f} us (graphed, L2 flushed)", flush=True)
+
+
+def breakdown(fn, calls=30):
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:40]: round(e.self_device_time_total / calls, 1) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
+
+
+def call(case, backend, key_rotation=True):
+    return backend.tiered_attention(case.query, case.dense_keys, case.dense_values, None, case.history, SINK,
+                                    case.rotation if key_rotation else None, case.rotation, case.dim**-0.5)
+
+
+def merge_variants(case, backend):
+    """The merge alone on this cell's plan, per (split_chunk, num_warps)."""
+    q = case.query
+    plan = backend.plan(q.device, case.batch, 8, 4, case.dense_keys.shape[2], case.history_len,
+                        backend.launch_for(case.dim))
+    rows = case.batch * 32 * plan.total_splits
+    part_out = torch.randn(rows * case.dim, device="cuda")
+    part_lse = torch.randn(rows, device="cuda")
+    out = torch.empty(case.batch, 1, 32, case.dim, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for chunk in (None, 16, 32):
+        for warps in (4, 8):
+            ms = bench(graphed(lambda: merge_splits(part_out, part_lse, plan.total_splits, out, "blhd", case.rotation,
+                                                    plan.dense_splits, 8, split_chunk=chunk, num_warps=warps)))
+            res.append(f"chunk {chunk or 'default'}/{warps}w {1e3 * ms:.1f}")
+    return f"{plan.dense_splits}+{plan.history_splits} splits: " + ", ".join(res) + " us"
+
+
+def main():
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    floors()
+    for batch, context in CELLS:
+        variants = {
+            "default (PDL merge)": (TritonBackend(), True),
+            "no PDL": (TritonBackend(dependent_merge=False), True),
+            "no R_K (query not rotated)": (TritonBackend(), False),
+        }
+        if batch == 1:
+            variants["two-warp 128 tiles"] = (TritonBackend(launch=TWO_WARP), True)
+            variants["two-warp 128 tiles, no PDL"] = (TritonBackend(launch=TWO_WARP, dependent_merge=False), True)
+        case = Case(batch, context, 128, variants["default (PDL merge)"][0])
+        sdpa = bench(graphed(case.sdpa))
+        print(f"\ncell bs={batch} ctx={context}: SDPA {1e3 * sdpa:.1f} us, kernels {breakdown(case.sdpa)}", flush=True)
+        for name, (backend, rot) in variants.items():
+            ms = bench(graphed(lambda: call(case, backend, rot)))
+            err = error_vs_reference(case, backend) if rot else float("nan")
+            print(f"  {name}: {1e3 * ms:.1f} us ({sdpa / ms:.2f}x SDPA), error vs reference {err:.1e}", flush=True)
+        print("  kernels (no PDL):", breakdown(lambda: call(case, variants["no PDL"][0])), flush=True)
+        if batch == 1:
+            print("  merge alone:", merge_variants(case, variants["no PDL"][0]), flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
