@@ -34,7 +34,7 @@ from oscar_hf.kernels.attention import _attention_partials_kernel, default_launc
 H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32
 POINTERS = dict(q_ptr="*bf16", qr_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
-                hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", rk_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
+                hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
                 n_ptr="*i32", ds_ptr="*i32")
 SASS_OPS = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU", "PRMT", "LOP3")
 
@@ -57,9 +57,9 @@ def compile_stage1(dim: int, launch: LaunchConfig):
     kernel = _attention_partials_kernel
     constexprs = dict(D=dim, BITS=2, HIST_QUANT=True, N_FROM_PTR=False, HAS_DENSE_START=False, BLOCK_M=16,
                       BLOCK_N=launch.block_n_dense, BLOCK_NQ=launch.block_n_history, HAS_MASK=False, MASK_BOOL=True,
-                      IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, ROT_Q=True, UPCAST_DOTS=False,
+                      IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, UPCAST_DOTS=False,
                       ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16, TOKEN_MAJOR=launch.token_major,
-                      FOLD_K=launch.fold_key_offsets and launch.token_major, LAUNCH_DEPENDENTS=True)
+                      FOLD_K=launch.fold_key_offsets and launch.token_major, WAIT_ROTATION=True, LAUNCH_DEPENDENTS=True)
     constexprs["BLOCK_M"] = launch.block_m  # decode rows: a GQA group of 4 fits any block
     values = decode_arguments(dim)
     unspecialized = set(kernel.do_not_specialize)

@@ -42,7 +42,7 @@ TOLERANCE = {torch.float32: (2e-5, 2e-5), "history": (4e-3, 4e-3), "dense": (1.5
 def _kernel_backend(launch=None):
     """A Triton backend that cuts even these small inputs into several splits, its scratch poisoned."""
     backend = TritonBackend(target_programs=256, min_dense_tokens=16, min_history_tokens=32, launch=launch)
-    for buffer in backend._workspace(DEVICE, 1 << 22, 1 << 16):
+    for buffer in backend._workspace(DEVICE, 1 << 22, 1 << 16, 1 << 16):
         buffer.fill_(float("nan"))
     return backend
 
@@ -393,3 +393,26 @@ def test_merge_splits_rejects_column_programs_that_do_not_divide_the_row():
     out = torch.empty(1, 1, 4, 64, device=DEVICE)
     with pytest.raises(ValueError, match="column_programs=3"):
         merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, column_programs=3)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_rotate_query_matches_float64_product(per_head, q_len):
+    from oscar_hf.kernels.query_rotation import rotate_query
+
+    dim, groups = 64, 3
+    query = torch.randn(2, KV_HEADS * groups, q_len, dim, device=DEVICE).to(torch.bfloat16)
+    rotation = _orthogonal(dim, KV_HEADS if per_head else None)
+    out = torch.full(query.shape, float("nan"), device=DEVICE)
+    rotate_query(query, rotation, out)
+    q = query.double().cpu().view(2, KV_HEADS, groups * q_len, dim)
+    r = rotation.double().cpu()
+    want = (q @ (r[None] if per_head else r)).view(query.shape)
+    assert (out.double().cpu() - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+def test_rotate_query_rejects_a_rotation_of_another_size():
+    from oscar_hf.kernels.query_rotation import rotate_query
+
+    with pytest.raises(ValueError, match="does not fit"):
+        rotate_query(torch.randn(1, 4, 1, 64, device=DEVICE), _orthogonal(128))

@@ -1,7 +1,8 @@
 """Where the time of a latency-bound decode attention call goes (GPU; d=128, Qwen3-8B heads): the floor of one and
 two graphed launches, the query rotation's share (the same call with R_K left out), the merge's loop over splits
-(`merge_splits(split_chunk, num_warps)` alone), programmatic dependent launch of the merge on and off, and the
-two-warp 128-token launch, against SDPA and its kernels.
+(`merge_splits(split_chunk, num_warps)` alone), programmatic dependent launches on and off, register caps and the
+two-warp 128-token launch, against SDPA and its kernels. Run 29 timed the in-kernel rotation, run 30 the rotation
+kernel (`kernels/query_rotation.py`).
 
     python experiments/diag/small_grid.py
 """
@@ -16,12 +17,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from attention import SINK, Case, bench, error_vs_reference, graphed  # noqa: E402
 
-from oscar_hf.kernels.attention import LaunchConfig  # noqa: E402
+from oscar_hf.kernels.attention import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.merge import merge_splits  # noqa: E402
 
 TWO_WARP = LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, token_major=True,
                         fold_key_offsets=True)
+CAPPED = {r: LaunchConfig(**{**default_launch(128).__dict__, "max_registers": r}) for r in (168, 192)}
 CELLS = [(1, 4096), (1, 32768), (1, 100_000), (8, 100_000), (32, 32768)]
 
 
@@ -66,36 +68,81 @@ def merge_variants(case, backend):
     part_lse = torch.randn(rows, device="cuda")
     out = torch.empty(case.batch, 1, 32, case.dim, device="cuda", dtype=torch.bfloat16)
     res = []
-    for chunk in (None, 16, 32):
-        for warps in (4, 8):
+    for chunk in (None, 8, 16):
+        for warps in (4,):
             ms = bench(graphed(lambda: merge_splits(part_out, part_lse, plan.total_splits, out, "blhd", case.rotation,
                                                     plan.dense_splits, 8, split_chunk=chunk, num_warps=warps)))
             res.append(f"chunk {chunk or 'default'}/{warps}w {1e3 * ms:.1f}")
     return f"{plan.dense_splits}+{plan.history_splits} splits: " + ", ".join(res) + " us"
 
 
+def rotation_not_triggering(backend):
+    """`backend` with the rotation kernel launched without its early trigger: stage 1 (still a programmatic
+    dependent) starts only when the rotation has finished; the merge still overlaps stage 1."""
+    import functools
+
+    import oscar_hf.kernels.backend as kb
+
+    real = kb.rotate_query
+
+    def run(*args, **kwargs):
+        kb.rotate_query = functools.partial(real, launch_dependents=False)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            kb.rotate_query = real
+    return run
+
+
+def dependent_launch_ab(rounds=4):
+    """Dependent launches all on / stage 1 -> merge only / off, interleaved `rounds` times per cell."""
+    for batch, context in CELLS:
+        modes = {"all": (TritonBackend(), call), "merge only": (TritonBackend(), None),
+                 "off": (TritonBackend(dependent_launches=False), call)}
+        case = Case(batch, context, 128, modes["off"][0])
+        fns = {}
+        for name, (backend, fn) in modes.items():
+            run = rotation_not_triggering(backend) if fn is None else fn
+            fns[name] = graphed(lambda run=run, backend=backend: run(case, backend))
+        times = {name: [] for name in modes}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(1e3 * bench(fn))
+        print(f"dependent launches bs={batch} ctx={context}: " + "; ".join(
+            f"{name} " + "/".join(f"{t:.1f}" for t in ts) + f" (min {min(ts):.1f})" for name, ts in times.items())
+            + " us", flush=True)
+        del case, fns
+        torch.cuda.empty_cache()
+
+
 def main():
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if "--ab" in sys.argv:
+        return dependent_launch_ab()
     floors()
     for batch, context in CELLS:
         variants = {
-            "default (PDL merge)": (TritonBackend(), True),
-            "no PDL": (TritonBackend(dependent_merge=False), True),
+            "default (rotation kernel, dependent launches)": (TritonBackend(), True),
+            "no dependent launches": (TritonBackend(dependent_launches=False), True),
             "no R_K (query not rotated)": (TritonBackend(), False),
+            "168 registers": (TritonBackend(launch=CAPPED[168]), True),
+            "192 registers": (TritonBackend(launch=CAPPED[192]), True),
         }
         if batch == 1:
             variants["two-warp 128 tiles"] = (TritonBackend(launch=TWO_WARP), True)
-            variants["two-warp 128 tiles, no PDL"] = (TritonBackend(launch=TWO_WARP, dependent_merge=False), True)
-        case = Case(batch, context, 128, variants["default (PDL merge)"][0])
+            variants["two-warp 128 tiles, 168 registers"] = (
+                TritonBackend(launch=LaunchConfig(**{**TWO_WARP.__dict__, "max_registers": 168})), True)
+        case = Case(batch, context, 128, variants["no R_K (query not rotated)"][0])
         sdpa = bench(graphed(case.sdpa))
         print(f"\ncell bs={batch} ctx={context}: SDPA {1e3 * sdpa:.1f} us, kernels {breakdown(case.sdpa)}", flush=True)
         for name, (backend, rot) in variants.items():
             ms = bench(graphed(lambda: call(case, backend, rot)))
             err = error_vs_reference(case, backend) if rot else float("nan")
             print(f"  {name}: {1e3 * ms:.1f} us ({sdpa / ms:.2f}x SDPA), error vs reference {err:.1e}", flush=True)
-        print("  kernels (no PDL):", breakdown(lambda: call(case, variants["no PDL"][0])), flush=True)
+        plain = variants["no dependent launches"][0]
+        print("  kernels (no dependent launches):", breakdown(lambda: call(case, plain)), flush=True)
         if batch == 1:
-            print("  merge alone:", merge_variants(case, variants["no PDL"][0]), flush=True)
+            print("  merge alone:", merge_variants(case, plain), flush=True)
         del case
         torch.cuda.empty_cache()
 

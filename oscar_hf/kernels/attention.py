@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .codes import code_planes, folded_key_offset, key_planes, scale_zero
 from .common import launch_device
@@ -181,60 +181,23 @@ def _rescale_add_dot(acc, alpha, a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _rotated_quarter(q, r_base, srkp, srkr, c: tl.constexpr, D: tl.constexpr, QW: tl.constexpr,
-                     UPCAST_DOTS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Columns [c*QW, (c+1)*QW) of `q @ R` in float32 ([M, QW]; with `TRANSPOSED`, `q` is `qᵀ` [D, M] and the
-    result is `(q @ R)ᵀ` [QW, M] = `Rᵀ qᵀ`), with R given as two 16-bit halves (hi + lo): products of the exact
-    16-bit query with a 16-bit pair whose sum carries R to ~2^-17 relative."""
-    offs_d = tl.arange(0, D)
-    cols = c * QW + tl.arange(0, QW)
-    if TRANSPOSED:
-        offs = cols[:, None] + offs_d[None, :] * srkr
-    else:
-        offs = offs_d[:, None] * srkr + cols[None, :]
-    r_hi = tl.load(r_base + offs)
-    r_lo = tl.load(r_base + srkp + offs)
-    if UPCAST_DOTS:
-        q = q.to(tl.float32)
-        r_hi = r_hi.to(tl.float32)
-        r_lo = r_lo.to(tl.float32)
-    if TRANSPOSED:
-        return _qdot(r_lo, q, _qdot(r_hi, q, tl.zeros((QW, q.shape[1]), tl.float32), q.dtype), q.dtype)
-    else:
-        return _qdot(q, r_lo, _qdot(q, r_hi, tl.zeros((q.shape[0], QW), tl.float32), q.dtype), q.dtype)
-
-
-@triton.jit
-def _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr, b, kvh, h, qi, row_ok,
-                   scaling, D: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+def _history_query(qr_ptr, srb, srh, srl, b, h, qi, row_ok, scaling, D: tl.constexpr, DT: tl.constexpr,
                    TRANSPOSED: tl.constexpr = False):
     """The rotated, scaled query of the rows as four `DT` quarters [M, D/4] (`TRANSPOSED`: [D/4, M], what the
-    token-major dots take, rotated in that orientation: the rows are the MMA's 8-wide N, not a 16-tall M) and the
-    float32 row sums of the rounded quarters (the zero-point term).
+    token-major dots take) and the float32 row sums of the rounded quarters (the zero-point term).
 
-    The rotated query is `q @ R_K` computed here (`ROT_Q`, 16-bit queries) or read from `qr_ptr` (float32, or the
-    query itself when there is no rotation); `scaling` (`_history_query_scale`: the softmax scaling, times log2(e)
-    without a softcap) is folded in before the rounding to `DT`."""
+    The rotated query is read from `qr_ptr` (`query_rotation.rotate_query`'s float32 output, or the query itself
+    when there is no rotation); `scaling` (`_history_query_scale`: the softmax scaling, times log2(e) without a
+    softcap) is folded in before the rounding to `DT`."""
     QW: tl.constexpr = D // 4
     AXIS: tl.constexpr = 0 if TRANSPOSED else 1  # the feature axis of a quarter
-    if ROT_Q:
-        offs_d = tl.arange(0, D)
-        q_rows = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + qi.to(tl.int64) * sql
-        q_full = tl.load(tl.expand_dims(q_rows, AXIS) + tl.expand_dims(offs_d, 1 - AXIS),
-                         mask=tl.expand_dims(row_ok, AXIS), other=0.0)
-        r_base = rk_ptr + kvh.to(tl.int64) * srkh
-        q0 = (_rotated_quarter(q_full, r_base, srkp, srkr, 0, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
-        q1 = (_rotated_quarter(q_full, r_base, srkp, srkr, 1, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
-        q2 = (_rotated_quarter(q_full, r_base, srkp, srkr, 2, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
-        q3 = (_rotated_quarter(q_full, r_base, srkp, srkr, 3, D, QW, UPCAST_DOTS, TRANSPOSED) * scaling).to(DT)
-    else:
-        q_rows = tl.expand_dims(qr_ptr + b.to(tl.int64) * srb + h.to(tl.int64) * srh + qi.to(tl.int64) * srl, AXIS)
-        offs_w = tl.expand_dims(tl.arange(0, QW), 1 - AXIS)
-        ok = tl.expand_dims(row_ok, AXIS)
-        q0 = (tl.load(q_rows + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
-        q1 = (tl.load(q_rows + QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
-        q2 = (tl.load(q_rows + 2 * QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
-        q3 = (tl.load(q_rows + 3 * QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+    q_rows = tl.expand_dims(qr_ptr + b.to(tl.int64) * srb + h.to(tl.int64) * srh + qi.to(tl.int64) * srl, AXIS)
+    offs_w = tl.expand_dims(tl.arange(0, QW), 1 - AXIS)
+    ok = tl.expand_dims(row_ok, AXIS)
+    q0 = (tl.load(q_rows + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+    q1 = (tl.load(q_rows + QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+    q2 = (tl.load(q_rows + 2 * QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
+    q3 = (tl.load(q_rows + 3 * QW + offs_w, mask=ok, other=0.0).to(tl.float32) * scaling).to(DT)
     q_sum = (tl.sum(q0.to(tl.float32), axis=AXIS) + tl.sum(q1.to(tl.float32), axis=AXIS)
              + tl.sum(q2.to(tl.float32), axis=AXIS) + tl.sum(q3.to(tl.float32), axis=AXIS))
     return q0, q1, q2, q3, q_sum
@@ -277,14 +240,14 @@ def _code_bytes(base, stride, offs_n, tok_ok, offs_w, QW: tl.constexpr, BITS: tl
 
 @triton.jit
 def _quant_split(
-    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+    qr_ptr, srb, srh, srl,
     kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
     vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
     m_ptr, smb, sml, smc,
     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
+    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
+    ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr,
 ):
     """Attention of the rows over history tokens [lo, hi) read from packed codes, in the rotated basis, with the
     rows as the MMA's M dimension (scores [M, N]).
@@ -295,8 +258,7 @@ def _quant_split(
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
     q_scale = _history_query_scale(scaling, HAS_SOFTCAP)
-    q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-                                           b, kvh, h, qi, row_ok, q_scale, D, DT, ROT_Q, UPCAST_DOTS)
+    q0, q1, q2, q3, q_sum = _history_query(qr_ptr, srb, srh, srl, b, h, qi, row_ok, q_scale, D, DT)
     kc_base, vc_base, kz_base, vz_base = _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh,
                                                         vz_ptr, swb, swh, b, kvh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -337,14 +299,14 @@ def _quant_split(
 
 @triton.jit
 def _quant_split_token_major(
-    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+    qr_ptr, srb, srh, srl,
     kc_ptr, skb, skh, skt, kz_ptr, szb, szh, szt,
     vc_ptr, svb, svh, svt, vz_ptr, swb, swh, swt,
     m_ptr, smb, sml, smc,
     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, FOLD_K: tl.constexpr,
+    MASK_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
+    ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """`_quant_split` with the tokens as the MMA's M dimension: scores are `codes @ qᵀ` [N, M] and the output is
     `codesᵀ @ (p * scale)ᵀ` [D/4, M] per quarter, so a decode row block of 8 (a GQA group of <= 8 heads) pads the
@@ -355,8 +317,7 @@ def _quant_split_token_major(
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
     q_scale = _history_query_scale(scaling, HAS_SOFTCAP)
-    q0, q1, q2, q3, q_sum = _history_query(q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
-                                           b, kvh, h, qi, row_ok, q_scale, D, DT, ROT_Q, UPCAST_DOTS, True)
+    q0, q1, q2, q3, q_sum = _history_query(qr_ptr, srb, srh, srl, b, h, qi, row_ok, q_scale, D, DT, True)
     q0t, q1t, q2t, q3t = q0, q1, q2, q3  # [D/4, M]
     if FOLD_K:
         q_off = folded_key_offset(q0t, q1t, q2t, q3t, q_sum, 0)
@@ -426,16 +387,15 @@ def _attention_partials_kernel(
     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
-    rk_ptr, srkp, srkh, srkr,
     o_ptr, lse_ptr, n_ptr, ds_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
     HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr, ROT_Q: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    FOLD_K: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    FOLD_K: tl.constexpr, WAIT_ROTATION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # the merge (launched as a programmatic dependent) may start its prologue now
         gdc_launch_dependents()
@@ -468,26 +428,28 @@ def _attention_partials_kernel(
             D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, IS_CAUSAL, HAS_SOFTCAP, UPCAST_DOTS)
         _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
     else:
+        if WAIT_ROTATION:  # launched as a dependent of the query rotation: its output is read from here on
+            gdc_wait()
         lo = (split - dense_splits) * hist_split_len
         hi = tl.minimum(lo + hist_split_len, N)
         if HIST_QUANT:
             if TOKEN_MAJOR:
                 acc0, acc1, acc2, acc3, l_i, m_i = _quant_split_token_major(
-                    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+                    qr_ptr, srb, srh, srl,
                     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
                     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
                     m_ptr, smb, sml, smc,
                     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-                    D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS,
+                    D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT,
                     ASM_UNPACK, SZ_DT, FOLD_K)
             else:
                 acc0, acc1, acc2, acc3, l_i, m_i = _quant_split(
-                    q_ptr, sqb, sqh, sql, qr_ptr, srb, srh, srl, rk_ptr, srkp, srkh, srkr,
+                    qr_ptr, srb, srh, srl,
                     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
                     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
                     m_ptr, smb, sml, smc,
                     b, kvh, h, qi, row_ok, lo, hi, hist_col0, scaling, softcap,
-                    D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT, ROT_Q, UPCAST_DOTS,
+                    D, BITS, BLOCK_M, BLOCK_NQ, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, DT,
                     ASM_UNPACK, SZ_DT)
             QW: tl.constexpr = D // 4
             _store_partial(o_rows, lse_rows, acc0, l_i, m_i, row_ok, 0, QW, True, TOKEN_MAJOR)
@@ -649,7 +611,6 @@ def attention_partials(
     values: torch.Tensor | None,
     history: HistoryTensors | None,
     rotated_query: torch.Tensor | None,
-    key_rotation_halves: torch.Tensor | None,
     mask: torch.Tensor | None,
     plan: SplitPlan,
     scaling: float,
@@ -663,16 +624,18 @@ def attention_partials(
     config: LaunchConfig = LaunchConfig(),
     dense_start: torch.Tensor | None = None,
     launch_dependents: bool = False,
+    wait_for_rotation: bool = False,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
-    `plan.dense_splits == 0`); for the history, either `key_rotation_halves` `[2, D, D]` / `[2, Hkv, D, D]` (R_K
-    as hi + lo in the query's 16-bit dtype: the kernel rotates the query, quantized history only) or
-    `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32, or the query itself without a rotation);
+    `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
+    `query_rotation.rotate_query`, or the query itself without a rotation);
     `partial_out` / `partial_lse`: float32 buffers of at least `B*Hq*Lq*S*D` / `B*Hq*Lq*S` elements, laid out
     as contiguous `[B, Hq, Lq, S, D]` / `[B, Hq, Lq, S]` (flat workspaces are fine); `dense_start` (int32 `[B]`,
     optional): row b skips its first `dense_start[b]` dense keys (left padding, for steps without a mask);
     `launch_dependents`: let a kernel queued after this one with programmatic dependent launch start at once
-    (`merge_splits(after_stage1=True)`)."""
+    (`merge_splits(after_stage1=True)`); `wait_for_rotation`: launch as a programmatic dependent of the kernel
+    queued just before (`rotate_query(launch_dependents=True)`, which wrote `rotated_query`): the dense splits
+    start at once, the history splits wait for it."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -702,14 +665,6 @@ def attention_partials(
             hkz = hvz = partial_lse.view(torch.int32)
     if rotated_query is None:
         rotated_query = query
-    rot_q = key_rotation_halves is not None and quantized and hist_len > 0
-    if rot_q:
-        rk = key_rotation_halves
-        rk_strides = (rk.stride(0), rk.stride(1) if rk.dim() == 4 else 0, rk.stride(-2))
-        if rk.dtype != query.dtype or rk.stride(-1) != 1:
-            raise ValueError("key_rotation_halves must be contiguous along its rows and in the query dtype")
-    else:
-        rk, rk_strides = query, (0, 0, 0)
     if mask is None:
         m, m_strides, mask_bool = query, (0, 0, 0), True
     else:
@@ -735,7 +690,6 @@ def attention_partials(
             hk, *(hk.stride()[:3] if hist_len else (0, 0, 0)), hkz, *hkz_strides,
             hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
             m, *m_strides,
-            rk, *rk_strides,
             partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
             q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
@@ -743,11 +697,12 @@ def attention_partials(
             D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
             HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
-            HAS_SOFTCAP=softcap is not None, DT=hist_dt, ROT_Q=rot_q, UPCAST_DOTS=_UPCAST_DOTS,
+            HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
-            LAUNCH_DEPENDENTS=launch_dependents,
+            WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
+            **(dict(launch_pdl=True) if wait_for_rotation else {}),
         )

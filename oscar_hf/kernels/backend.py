@@ -3,16 +3,15 @@
 Inputs the kernels do not cover (head_dim not a power of two in [64, 256], key and value head sizes that differ,
 per-head masks) fall back to the PyTorch reference, which defines the semantics either way.
 
-Decode (`tiered_attention`) per layer: one stage-1 launch covering the BF16 tiers and the quantized history
-(`kernels/attention.py`, which also rotates the query by R_K for 16-bit models; float32 queries are rotated by a
-float32 matmul beforehand) and one stage-2 launch that merges the splits,
-un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`kernels/merge.py`). The split
-scratch is reused across calls (no allocation that grows with the history), and nothing synchronizes the host.
+Decode (`tiered_attention`) per layer: the query rotated by R_K once (`kernels/query_rotation.py`), one stage-1
+launch covering the BF16 tiers and the quantized history (`kernels/attention.py`) and one stage-2 launch that
+merges the splits, un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype
+(`kernels/merge.py`); on Hopper each is a programmatic dependent of the one before. The scratch (split partials,
+rotated query) is reused across calls (no allocation that grows with the history), and nothing synchronizes the
+host.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -22,6 +21,7 @@ from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partia
 from .common import dependent_launch, multiprocessors
 from .demote import demote_rows
 from .merge import merge_splits
+from .query_rotation import rotate_query
 
 
 def kernel_head_dim(dim: int) -> bool:
@@ -42,24 +42,24 @@ class TritonBackend(ReferenceBackend):
             multiprocessors without a program (`plan_splits`' `min_programs`).
         launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`); default: the measured best for
             the head_dim (`default_launch`).
-        dependent_merge: launch the merge as a programmatic dependent of stage 1 where the GPU has it
-            (`kernels.common.dependent_launch`), so that its launch and prologue overlap stage 1's tail.
+        dependent_launches: launch stage 1 as a programmatic dependent of the query rotation, and the merge of
+            stage 1, where the GPU has it (`kernels.common.dependent_launch`): each launch and prologue overlaps
+            the tail of the kernel before it.
     """
 
     name = "triton"
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
                  min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None,
-                 short_splits_on_small_grids: bool = True, dependent_merge: bool = True):
+                 short_splits_on_small_grids: bool = True, dependent_launches: bool = True):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
         self.min_history_tokens = min_history_tokens
         self.short_splits_on_small_grids = short_splits_on_small_grids
-        self.dependent_merge = dependent_merge
-        self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._halves: dict[tuple, tuple] = {}
+        self.dependent_launches = dependent_launches
+        self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
     def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
@@ -136,14 +136,6 @@ class TritonBackend(ReferenceBackend):
     def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
              gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None):
         batch, q_heads, q_len, dim = query.shape
-        rotated = halves = None
-        if tensors is not None:
-            if key_rotation is None:
-                rotated = query
-            elif tensors.quantized and query.dtype in (torch.bfloat16, torch.float16):
-                halves = self._rotation_halves(key_rotation, query.dtype)
-            else:
-                rotated = _rotate_query(query, key_rotation, kv_heads)
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
@@ -154,25 +146,17 @@ class TritonBackend(ReferenceBackend):
                 lse_out.fill_(float("-inf"))
             return
         rows = batch * q_heads * q_len * plan.total_splits
-        partial_out, partial_lse = self._workspace(query.device, rows * dim, rows)
-        dependent = self.dependent_merge and dependent_launch(query.device)
-        attention_partials(query, key, value, tensors, rotated, halves, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
-                           launch_dependents=dependent)
+        partial_out, partial_lse, rotated = self._workspace(query.device, rows * dim, rows, query.numel())
+        dependent = self.dependent_launches and dependent_launch(query.device)
+        rotated = rotated[: query.numel()].view(query.shape)
+        rotating = tensors is not None and key_rotation is not None
+        if rotating:
+            rotate_query(query, key_rotation, rotated, launch_dependents=dependent)
+        attention_partials(query, key, value, tensors, rotated if rotating else query, mask, plan, scaling, softcap,
+                           causal, gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                           launch_dependents=dependent, wait_for_rotation=dependent and rotating)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
-
-    def _rotation_halves(self, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """R as `[2, ...]` in `dtype`: a rounded copy and the rounded remainder (cached per rotation tensor)."""
-        key = (id(rotation), dtype)
-        cached = self._halves.get(key)
-        if cached is not None and cached[0]() is rotation:
-            return cached[1]
-        r = rotation.float()
-        hi = r.to(dtype)
-        halves = torch.stack([hi, (r - hi.float()).to(dtype)]).contiguous()
-        self._halves[key] = (weakref.ref(rotation), halves)
-        return halves
 
     def launch_for(self, head_dim: int) -> LaunchConfig:
         """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""
@@ -190,16 +174,16 @@ class TritonBackend(ReferenceBackend):
             return self.target_programs
         return launch.programs_per_sm * multiprocessors(device)
 
-    def _workspace(self, device: torch.device, out_numel: int, lse_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat float32 scratch for the split outputs and log-sum-exps, reused across calls on the same device
-        (the stage-2 launch consumes it before the next stage-1 launch on the stream); grows, never shrinks."""
+    def _workspace(self, device: torch.device, out_numel: int, lse_numel: int,
+                   query_numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat float32 scratch for the split outputs, their log-sum-exps and the rotated query, reused across
+        calls on the same device (each call's kernels consume them before the next call's first kernel starts,
+        which is not launched as a dependent); grows, never shrinks."""
         buffers = self._scratch.get(device)
-        if buffers is None or buffers[0].numel() < out_numel or buffers[1].numel() < lse_numel:
-            old_out, old_lse = buffers if buffers is not None else (None, None)
-            out_size = max(out_numel, 1 << 16, old_out.numel() if old_out is not None else 0)
-            lse_size = max(lse_numel, 1 << 12, old_lse.numel() if old_lse is not None else 0)
-            buffers = (torch.empty(out_size, dtype=torch.float32, device=device),
-                       torch.empty(lse_size, dtype=torch.float32, device=device))
+        wanted = (max(out_numel, 1 << 16), max(lse_numel, 1 << 12), max(query_numel, 1 << 12))
+        if buffers is None or any(b.numel() < n for b, n in zip(buffers, wanted)):
+            old = [b.numel() for b in buffers] if buffers is not None else [0, 0, 0]
+            buffers = tuple(torch.empty(max(n, o), dtype=torch.float32, device=device) for n, o in zip(wanted, old))
             self._scratch[device] = buffers
         return buffers
 
@@ -228,15 +212,3 @@ def _history_tensors(history) -> HistoryTensors | None:
     if keys is None:
         return None
     return HistoryTensors(keys, history.values, None, None, history.length, length_ptr=history.device_length)
-
-
-def _rotate_query(query: torch.Tensor, rotation: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
-    """`query @ R_K` in float32, `[B, Hq, Lq, D]` (per-KV-head R applied to each head of its group)."""
-    q = query.float()
-    if rotation is None:
-        return q
-    if rotation.dim() == 2:
-        return torch.matmul(q, rotation)
-    batch, q_heads, q_len, dim = q.shape
-    grouped = q.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
-    return torch.matmul(grouped, rotation).view(batch, q_heads, q_len, dim)
