@@ -263,7 +263,7 @@ def sweep(copy_bw, dim=128):
 
 
 # (dense, history, shorter on small grids); the first is the default
-SPLIT_MINIMUMS = [(256, 512, True), (256, 512, False), (128, 256, False), (64, 128, False), (64, 64, False)]
+SPLIT_MINIMUMS = [(256, None, True), (256, 256, True), (256, 512, True), (128, 256, True), (64, 128, False)]
 
 
 def sweep_split_minimums(copy_bw, dim=128):
@@ -281,7 +281,8 @@ def sweep_split_minimums(copy_bw, dim=128):
             out.append(dict(dim=dim, batch=batch, context=context, min_dense_tokens=dense_min,
                             min_history_tokens=hist_min, short_on_small_grids=short, ms=ms,
                             rel_err_vs_reference=err))
-            print(f"split minimums d={dim} bs={batch} ctx={context} dense>={dense_min} history>={hist_min}"
+            print(f"split minimums d={dim} bs={batch} ctx={context} dense>={dense_min} "
+                  f"history>={hist_min or 'launch default'}"
                   f"{' (shorter on small grids)' if short else ''}: {ms:.3f} ms, error vs reference {err:.1e}",
                   flush=True)
         del case

@@ -496,6 +496,9 @@ class LaunchConfig:
     # Register cap per thread (Triton's `maxnreg`; None: ptxas decides). 128 with 2 stages lets 8 two-warp programs
     # share an SM instead of 6, for 104 B of spills (bench/compile_stage1.py).
     max_registers: int | None = None
+    # The shortest history split the backend cuts (`TritonBackend(min_history_tokens=None)`): 256 at d=128 (32k/bs1
+    # 0.027 vs 0.032 ms at 512, run 35), 512 at d=64 (32k/bs1 0.025 vs 0.029 at 256, runs 31 and 34).
+    min_history_tokens: int = 512
 
 
 # Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
@@ -509,7 +512,7 @@ DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
     64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True,
                      fold_key_offsets=True),
     128: LaunchConfig(block_n_history=64, num_warps=1, programs_per_sm=20, block_n_dense=16, block_m=8,
-                      token_major=True, fold_key_offsets=True),
+                      token_major=True, fold_key_offsets=True, min_history_tokens=256),
 }
 
 
@@ -554,9 +557,9 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     the minimums; `rows` = query heads per KV head x query length. Every layer of a decode step asks the same
     question, hence the cache.
 
-    When those minimums leave fewer than `min_programs` programs (the multiprocessors: a short context at batch
-    1, where the call is latency-bound), they drop to two dense tiles and one history tile (run 19: 4k/bs1 0.031 ->
-    0.028 ms at d=128; the same short minimums lost at 32k/bs1 and 4k/bs8, whose grids fill the GPU anyway).
+    When those minimums leave fewer than `min_programs` programs (a short context at batch 1, where the call is
+    latency-bound), they drop to two dense tiles and one history tile (run 19: 4k/bs1 0.031 -> 0.028 ms at d=128;
+    run 33: 0.018 -> 0.016; the same short minimums lost at 32k/bs1 and 4k/bs8, whose grids fill the GPU anyway).
 
     Rows come in blocks of 16 (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's GQA group):
     a 64-row variant (8 warps) faulted with an illegal address on the H200 and was dropped (not isolated; see

@@ -24,6 +24,13 @@ from .merge import merge_splits
 from .query_rotation import rotate_query
 
 
+# The small-grid rule, from run 33 at d=128 with the query rotated once per call: splits of one history tile
+# when the grid stays under 4 programs per SM (half of the 8 that fit), 4k/bs1 0.018 -> 0.016 ms. (The history
+# split minimum is per launch, `LaunchConfig.min_history_tokens`; 128 dense tokens instead of 256 cost 10% at bs32,
+# a third dense split per KV head, run 34.)
+SMALL_GRID_PROGRAMS_PER_SM = 4
+
+
 def kernel_head_dim(dim: int) -> bool:
     """Head sizes the kernels take: powers of two from 64 (a quarter of a row feeds a 16-wide dot) to 256."""
     return 64 <= dim <= 256 and dim & (dim - 1) == 0
@@ -37,9 +44,9 @@ class TritonBackend(ReferenceBackend):
         target_programs: programs per stage-1 launch to aim for (default: `launch.programs_per_sm` per
             multiprocessor).
         min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
-            splits on small inputs).
-        short_splits_on_small_grids: cut splits down to one or two tiles when the minimums would leave
-            multiprocessors without a program (`plan_splits`' `min_programs`).
+            splits on small inputs); history default: the launch's `min_history_tokens`.
+        short_splits_on_small_grids: cut splits down to one or two tiles when the minimums would leave the grid
+            under `SMALL_GRID_PROGRAMS_PER_SM` programs per multiprocessor (`plan_splits`' `min_programs`).
         launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`); default: the measured best for
             the head_dim (`default_launch`).
         dependent_launches: launch stage 1 as a programmatic dependent of the query rotation, and the merge of
@@ -50,7 +57,7 @@ class TritonBackend(ReferenceBackend):
     name = "triton"
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
-                 min_dense_tokens: int = 256, min_history_tokens: int = 512, launch: LaunchConfig | None = None,
+                 min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
                  short_splits_on_small_grids: bool = True, dependent_launches: bool = True):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
@@ -164,10 +171,12 @@ class TritonBackend(ReferenceBackend):
 
     def plan(self, device, batch, kv_heads, rows, dense_len, hist_len, launch: LaunchConfig) -> SplitPlan:
         return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device, launch),
-                           self.min_dense_tokens, self.min_history_tokens,
+                           self.min_dense_tokens,
+                           launch.min_history_tokens if self.min_history_tokens is None else self.min_history_tokens,
                            block_n_history=launch.block_n_history, block_n_dense=launch.block_n_dense,
                            small_block_m=launch.block_m,
-                           min_programs=multiprocessors(device) if self.short_splits_on_small_grids else 0)
+                           min_programs=(SMALL_GRID_PROGRAMS_PER_SM * multiprocessors(device)
+                                         if self.short_splits_on_small_grids else 0))
 
     def _target(self, device: torch.device, launch: LaunchConfig) -> int:
         if self.target_programs is not None:
