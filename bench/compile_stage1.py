@@ -4,11 +4,11 @@ SASS counts (MMA, shared-memory and global loads, barriers).
 
     python bench/compile_stage1.py [--dim 128] [--sweep | --launch '{"block_n_dense": 32}'] [--loops]
 
-The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query rotated
-in-kernel, 2-bit history with fp16 scale/zero, no mask), with the integer arguments' divisibility and value-1
-specialization that a real launch gets. Run 8's kernel (`--launch '{"token_major": false, "num_warps": 4,
-"block_n_dense": 64, "block_m": 16}'`) compiles to 168 registers and 71,680 bytes of shared memory here, which are
-the values Nsight Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and cuobjdump only.
+The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query, its
+float32 rotation from `rotate_query`, 2-bit history with fp16 scale/zero, no mask, dependent launches), with the
+integer arguments' divisibility and value-1 specialization that a real launch gets. Run 8's kernel (which still
+rotated the query itself) compiled to 168 registers and 71,680 bytes of shared memory here, the values Nsight
+Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and cuobjdump only.
 It gives resources, not time: time is measured with `bench/attention.py --sweep` on the GPU.
 """
 
@@ -33,7 +33,7 @@ from oscar_hf.kernels.attention import _attention_partials_kernel, default_launc
 
 H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32
-POINTERS = dict(q_ptr="*bf16", qr_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
+POINTERS = dict(q_ptr="*bf16", qr_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
                 hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
                 n_ptr="*i32", ds_ptr="*i32")
 SASS_OPS = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU", "PRMT", "LOP3")
@@ -43,11 +43,11 @@ def decode_arguments(dim: int, batch: int = 8, kv_heads: int = 8, capacity: int 
     """Integer and float arguments of a decode step (strides of HF's query view, the BF16 buffers, the history)."""
     codes = dim // 4
     return dict(
-        sqb=32 * dim, sqh=dim, sql=32 * dim, srb=32 * dim, srh=dim, srl=32 * dim,
+        sqb=32 * dim, sqh=dim, sql=32 * dim, srb=32 * dim, srh=dim, srl=dim,
         skb=kv_heads * dense * dim, skh=dense * dim, skt=dim, svb=kv_heads * dense * dim, svh=dense * dim, svt=dim,
         shkb=kv_heads * capacity * codes, shkh=capacity * codes, shkt=codes, shzb=kv_heads * capacity,
         shzh=capacity, shzt=1, shvb=kv_heads * capacity * codes, shvh=capacity * codes, shvt=codes,
-        shwb=kv_heads * capacity, shwh=capacity, shwt=1, smb=0, sml=0, smc=0, srkp=dim * dim, srkh=0, srkr=dim,
+        shwb=kv_heads * capacity, shwh=capacity, shwt=1, smb=0, sml=0, smc=0,
         Lq=1, Ld=321, N=100_000, G=4, Hkv=kv_heads, gap_start=64, hist_col0=64, dense_splits=2,
         dense_split_len=192, hist_split_len=1536, total_splits=67, scaling=dim**-0.5, softcap=1.0,
     )

@@ -317,8 +317,7 @@ def _quant_split_token_major(
     QW: tl.constexpr = D // 4
     offs_w = tl.arange(0, QW)
     q_scale = _history_query_scale(scaling, HAS_SOFTCAP)
-    q0, q1, q2, q3, q_sum = _history_query(qr_ptr, srb, srh, srl, b, h, qi, row_ok, q_scale, D, DT, True)
-    q0t, q1t, q2t, q3t = q0, q1, q2, q3  # [D/4, M]
+    q0t, q1t, q2t, q3t, q_sum = _history_query(qr_ptr, srb, srh, srl, b, h, qi, row_ok, q_scale, D, DT, True)
     if FOLD_K:
         q_off = folded_key_offset(q0t, q1t, q2t, q3t, q_sum, 0)
     kc_base, vc_base, kz_base, vz_base = _history_bases(kc_ptr, skb, skh, vc_ptr, svb, svh, kz_ptr, szb, szh,
