@@ -204,23 +204,25 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
 # Candidates as LaunchConfig fields: history tile, warps, stages, programs per SM, dense tile, orientation, fold.
 # Runs 2 and 7 swept row-major configurations with 64-key dense tiles; run 14 chose token-major 8-row blocks with
 # 32-key dense tiles (bench/RESULTS.md).
-def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, regs=None):
+def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, regs=None,
+         min_history=512):
     return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
                 block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold,
-                max_registers=regs)
+                max_registers=regs, min_history_tokens=min_history)
 
 
 # per head_dim (run 22 tried R_V applied in stage 1 and dropped it; runs 14 and 21 tried tiles, warps, stages,
 # register caps and programs per SM: bench/RESULTS.md): the default first, then neighbours. The one-warp 64-token
 # tiles at d=128 (default since run 25) keep each warp's share of a tile (64 tokens) but reduce the softmax within
-# the warp (no barrier per tile); 16-key dense tiles keep their shared memory (18 KB) from capping the programs per SM
-# (188 registers: 10 resident).
+# the warp (no barrier per tile); 16-key dense tiles keep their shared memory (18 KB) from capping the programs per SM.
+# Since the query is rotated once per call (run 31) the default takes 240 registers (8 resident); 32-token tiles
+# take 168 (12 resident) for 12% more instructions per token (`compile_stage1.py --loops`), not yet timed.
 SWEEP_CONFIGS = {
-    128: [_cfg(64, 1, 3, 20, dense=16, token_major=True, block_m=8, fold=True),
-          _cfg(64, 1, 3, 30, dense=16, token_major=True, block_m=8, fold=True),
-          _cfg(64, 1, 3, 40, dense=16, token_major=True, block_m=8, fold=True),
-          _cfg(32, 1, 3, 24, dense=16, token_major=True, block_m=8, fold=True),
-          _cfg(128, 2, 3, 6, token_major=True, block_m=8, fold=True)],
+    128: [_cfg(64, 1, 3, 20, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
+          _cfg(64, 1, 3, 30, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
+          _cfg(64, 1, 2, 20, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
+          _cfg(32, 1, 3, 24, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
+          _cfg(32, 1, 3, 36, dense=16, token_major=True, block_m=8, fold=True, min_history=256)],
     64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True),
          _cfg(64, 1, 3, 28, dense=16, token_major=True, block_m=8, fold=True),
          _cfg(64, 1, 3, 40, dense=16, token_major=True, block_m=8, fold=True)],
