@@ -39,7 +39,7 @@ from triton.testing import do_bench  # noqa: E402
 from oscar_hf.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.attention import LaunchConfig, default_launch  # noqa: E402
+from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.rotation import hadamard_matrix  # noqa: E402
 

@@ -335,7 +335,7 @@ def main():
         DEVICE = "cpu"
     if args.launch_config and os.path.exists(args.launch_config):
         import oscar_hf.backend
-        from oscar_hf.kernels.attention import LaunchConfig
+        from oscar_hf.kernels.launch_plan import LaunchConfig
         from oscar_hf.kernels.backend import TritonBackend
 
         with open(args.launch_config) as f:

@@ -123,7 +123,7 @@ def _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, laun
 @pytest.mark.parametrize("block_n,asm_unpack", [(64, False), (128, True)])
 def test_history_partial_other_launch_configs(block_n, asm_unpack):
     """The unpacking without inline PTX (the GPU default uses it for 2-bit codes) and longer tiles."""
-    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.launch_plan import LaunchConfig
 
     launch = LaunchConfig(block_n_history=block_n, asm_unpack=asm_unpack)
     _check_history_partial(128, 2, torch.float16, 4, "shared", torch.bfloat16, launch, "history partial", False)
@@ -145,14 +145,14 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
                                                        warps):
     """The history path with the tokens as the dots' M dimension (`LaunchConfig.token_major`), 8- and 16-row
     blocks, 1 to 4 warps, with a padding mask."""
-    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.launch_plan import LaunchConfig
 
     launch = LaunchConfig(token_major=True, block_m=block_m, num_warps=warps)
     _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, launch, "token-major history partial")
 
 
 def test_default_launch_follows_the_head_dim_unless_one_is_given():
-    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.launch_plan import LaunchConfig
     from oscar_hf.kernels.backend import TritonBackend
 
     assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32,
@@ -287,7 +287,7 @@ def test_decode_step_matches_reference(dim, groups, dtype, rotation, softcap):
 def test_decode_step_with_row_starts_instead_of_a_mask(block_n_dense):
     """`dense_start` (what graph decode passes instead of a mask) skips each row's leading dense keys exactly like a
     left-padding mask over the sink; also with 32-key dense tiles."""
-    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.launch_plan import LaunchConfig
 
     rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared")
     pads = [0, SINK - 1] + [3] * (BATCH - 2)
@@ -308,7 +308,7 @@ def test_folded_key_offsets_match_reference(dim, groups):
     """`LaunchConfig.fold_key_offsets`: key codes keep the unpacking's magic numbers (1024 + code ...) and the
     scores subtract them per row; same tolerance as the exact path. (Under the interpreter the float16 products
     are summed exactly; on a GPU the tensor cores' accumulation is what this test measures.)"""
-    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.launch_plan import LaunchConfig
 
     launch = LaunchConfig(token_major=True, block_m=8, num_warps=2, fold_key_offsets=True)
     _check_history_partial(dim, 2, torch.float16, groups, "shared", torch.bfloat16, launch,
@@ -318,7 +318,7 @@ def test_folded_key_offsets_match_reference(dim, groups):
 def test_token_major_decode_step_and_prefill_chunk_match_reference():
     """Token-major history dots with 8-row blocks: a left-padded decode step (one block per GQA group) and a
     chunk of queries (rows beyond 8 fall back to blocks of 16)."""
-    from oscar_hf.kernels.attention import LaunchConfig
+    from oscar_hf.kernels.launch_plan import LaunchConfig
 
     launch = LaunchConfig(token_major=True, block_m=8)
     scaling = 128**-0.5
@@ -358,7 +358,7 @@ def test_unquantized_history_matches_reference():
 
 
 def test_split_plan_covers_every_token_once():
-    from oscar_hf.kernels.attention import plan_splits
+    from oscar_hf.kernels.launch_plan import plan_splits
 
     for tokens in (1, 63, 64, 65, 5000, 100_000):
         for batch in (1, 8, 32):
@@ -370,7 +370,7 @@ def test_split_plan_covers_every_token_once():
 
 
 def test_split_plan_shortens_splits_only_below_min_programs():
-    from oscar_hf.kernels.attention import plan_splits
+    from oscar_hf.kernels.launch_plan import plan_splits
 
     args = dict(min_dense_tokens=256, min_history_tokens=512, block_n_history=128, block_n_dense=32, small_block_m=8)
     # 4k tokens at batch 1: 8 heads x (2 + 8) splits = 80 programs < 132 -> one history tile, two dense tiles
@@ -386,7 +386,7 @@ def test_split_plan_shortens_splits_only_below_min_programs():
 
 
 def test_backend_takes_the_history_split_minimum_from_its_launch():
-    from oscar_hf.kernels.attention import default_launch
+    from oscar_hf.kernels.launch_plan import default_launch
 
     def history_splits(dim):
         backend = TritonBackend(target_programs=2640)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from attention import SINK, Case, bench, error_vs_reference, graphed  # noqa: E402
 
-from oscar_hf.kernels.attention import LaunchConfig, default_launch  # noqa: E402
+from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.merge import merge_splits  # noqa: E402
 

@@ -17,8 +17,9 @@ import torch
 
 from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
-from .attention import HistoryTensors, LaunchConfig, SplitPlan, attention_partials, default_launch, plan_splits
+from .attention import HistoryTensors, attention_partials
 from .common import dependent_launch, multiprocessors
+from .launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
 from .demote import demote_rows
 from .merge import merge_splits
 from .query_rotation import rotate_query
