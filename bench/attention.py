@@ -113,9 +113,10 @@ class Case:
         backend.demote_kv(*self.demote_args)
         self.history.length = self.history_len
 
-    def oscar(self, backend):
+    def oscar(self, backend, key_rotation=True):
+        """The decode attention call; `key_rotation=False` leaves R_K out (a timing probe, not the same output)."""
         return backend.tiered_attention(self.query, self.dense_keys, self.dense_values, None, self.history, SINK,
-                                        self.rotation, self.rotation, self.dim**-0.5)
+                                        self.rotation if key_rotation else None, self.rotation, self.dim**-0.5)
 
     def reference(self):
         """The reference backend's output over the same tiers (float32 dequantization), computed once."""

@@ -15,7 +15,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from attention import SINK, Case, bench, error_vs_reference, graphed  # noqa: E402
+from attention import Case, bench, error_vs_reference, graphed  # noqa: E402
 
 from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
@@ -54,8 +54,7 @@ def breakdown(fn, calls=30):
 
 
 def call(case, backend, key_rotation=True):
-    return backend.tiered_attention(case.query, case.dense_keys, case.dense_values, None, case.history, SINK,
-                                    case.rotation if key_rotation else None, case.rotation, case.dim**-0.5)
+    return case.oscar(backend, key_rotation)
 
 
 def merge_variants(case, backend):

@@ -154,14 +154,15 @@ class TritonBackend(ReferenceBackend):
                 lse_out.fill_(float("-inf"))
             return
         rows = batch * q_heads * q_len * plan.total_splits
-        partial_out, partial_lse, rotated = self._workspace(query.device, rows * dim, rows, query.numel())
+        partial_out, partial_lse, rotation_scratch = self._workspace(query.device, rows * dim, rows, query.numel())
         dependent = self.dependent_launches and dependent_launch(query.device)
-        rotated = rotated[: query.numel()].view(query.shape)
         rotating = tensors is not None and key_rotation is not None
+        history_query = query
         if rotating:
-            rotate_query(query, key_rotation, rotated, launch_dependents=dependent)
-        attention_partials(query, key, value, tensors, rotated if rotating else query, mask, plan, scaling, softcap,
-                           causal, gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+            history_query = rotation_scratch[: query.numel()].view(query.shape)
+            rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
+        attention_partials(query, key, value, tensors, history_query, mask, plan, scaling, softcap, causal,
+                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
                            launch_dependents=dependent, wait_for_rotation=dependent and rotating)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
