@@ -1,0 +1,142 @@
+"""The CUDA history kernel (`oscar_hf/kernels/int2_history.cu`) against the Triton stage 1 on the history tier
+alone: same random codes, same split plan; partials compared (and merged outputs), then both timed from CUDA-graph
+replays (L2 flushed by `do_bench`). GPU only.
+
+    python3 experiments/kernels/cuda_history_ab.py [--check-only] [--programs 8,20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from triton.testing import do_bench  # noqa: E402
+
+from oscar_hf.kernels.attention import HistoryTensors, attention_partials  # noqa: E402
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda_history import history_partials  # noqa: E402
+from oscar_hf.kernels.launch_plan import default_launch  # noqa: E402
+from oscar_hf.kernels.merge import merge_splits  # noqa: E402
+
+KV_HEADS = 8
+
+
+def random_history(batch, length, dim, capacity=None, pinned=False, device="cuda"):
+    capacity = capacity or length
+    shape = (batch, KV_HEADS, capacity)
+
+    def scale_zero():
+        scale = torch.rand(*shape, 1, device=device) * 0.2 + 0.02
+        zero = torch.randint(0, 4, (*shape, 1), device=device).float() + torch.rand(*shape, 1, device=device) - 0.5
+        return torch.cat([scale, zero], dim=-1).half()
+
+    codes = lambda: torch.randint(0, 256, (*shape, dim // 4), dtype=torch.uint8, device=device)  # noqa: E731
+    length_ptr = torch.tensor([length], dtype=torch.int32, device=device) if pinned else None
+    return HistoryTensors(codes(), codes(), scale_zero(), scale_zero(), length, 2, length_ptr)
+
+
+def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None):
+    history = random_history(batch, length, dim, capacity, pinned)
+    rotated = torch.randn(batch, q_heads, q_len, dim, device="cuda") * 2.0
+    query = rotated.to(torch.bfloat16)
+    launch = default_launch(dim)
+    backend = TritonBackend()
+    if programs_per_sm:
+        backend.target_programs = programs_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    rows = (q_heads // KV_HEADS) * q_len
+    plan = backend.plan(query.device, batch, KV_HEADS, rows, 0, history.plan_length, launch)
+    n = batch * q_heads * q_len * plan.total_splits
+    buffers = [(torch.full((n * dim,), float("nan"), device="cuda"), torch.full((n,), float("nan"), device="cuda"))
+               for _ in range(2)]
+    scaling = dim**-0.5
+
+    def triton_call():
+        attention_partials(query, None, None, history, rotated, None, plan, scaling, None, False, 0, 0,
+                           buffers[0][0], buffers[0][1], KV_HEADS, launch)
+
+    def cuda_call():
+        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1])
+
+    return history, rotated, plan, buffers, triton_call, cuda_call
+
+
+def compare(batch, length, dim, **kw):
+    history, rotated, plan, buffers, triton_call, cuda_call = run_both(batch, length, dim, **kw)
+    triton_call()
+    cuda_call()
+    torch.cuda.synchronize()
+    q_heads, q_len = rotated.shape[1], rotated.shape[2]
+    shape = (batch, q_heads, q_len, plan.total_splits)
+    (ot, lt), (oc, lc) = [(o[: batch * q_heads * q_len * plan.total_splits * dim].view(*shape, dim),
+                           lse[: batch * q_heads * q_len * plan.total_splits].view(shape)) for o, lse in buffers]
+    finite = torch.isfinite(lt)
+    same_inf = bool(((lt == float("-inf")) == (lc == float("-inf"))).all())
+    nan_c = int(torch.isnan(oc).sum() + torch.isnan(lc).sum())
+    out_err = ((oc - ot).norm() / ot.norm()).item()
+    lse_err = (lc[finite] - lt[finite]).abs().max().item() if finite.any() else 0.0
+    merged = []
+    for o, lse in ((ot, lt), (oc, lc)):
+        out = torch.empty(batch, q_heads, q_len, dim, device="cuda")
+        merge_splits(o.reshape(-1), lse.reshape(-1), plan.total_splits, out, "bhld")
+        merged.append(out)
+    merged_err = ((merged[1] - merged[0]).norm() / merged[0].norm()).item()
+    return dict(out=out_err, lse=lse_err, merged=merged_err, same_inf=same_inf, nan=nan_c,
+                splits=plan.total_splits)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--programs", default="20", help="programs per SM to plan splits for (CUDA kernel)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
+    print("| check | splits | partial out rel err | lse max abs err | merged rel err | -inf agree | NaN |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    checks = [
+        ("d128 B2 N5000", dict(batch=2, length=5000, dim=128)),
+        ("d64 B2 N5000", dict(batch=2, length=5000, dim=64)),
+        ("d128 B1 N64", dict(batch=1, length=64, dim=128)),
+        ("d128 B1 N100", dict(batch=1, length=100, dim=128)),
+        ("d128 B2 N3001 Lq2 (8 rows)", dict(batch=2, length=3001, dim=128, q_len=2)),
+        ("d128 B2 G2 (16q/8kv)", dict(batch=2, length=3001, dim=128, q_heads=16)),
+        ("d128 B2 pinned N3001 cap 8192", dict(batch=2, length=3001, dim=128, capacity=8192, pinned=True)),
+        ("d64 B3 pinned N777 cap 4096", dict(batch=3, length=777, dim=64, capacity=4096, pinned=True)),
+        ("d128 B8 N100000", dict(batch=8, length=100_000, dim=128)),
+    ]
+    for name, kw in checks:
+        r = compare(**kw)
+        print(f"| {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | {r['merged']:.2e} | {r['same_inf']} | "
+              f"{r['nan']} |", flush=True)
+    if args.check_only:
+        return
+    print()
+    print("| d | ctx | bs | programs/SM | splits | Triton history us | CUDA history us | speedup | CUDA GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dim, batch, length in [(128, 1, 4096), (128, 1, 100_000), (128, 8, 32768), (128, 8, 100_000),
+                               (128, 32, 32768), (128, 32, 100_000), (64, 8, 100_000), (64, 32, 100_000)]:
+        for programs in [int(p) for p in args.programs.split(",")]:
+            history, rotated, plan, buffers, triton_call, cuda_call = run_both(batch, length, dim,
+                                                                               programs_per_sm=programs)
+            times = []
+            for fn in (triton_call, cuda_call):
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                times.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3)
+            nbytes = batch * KV_HEADS * length * 2 * (dim // 4 + 4)
+            print(f"| {dim} | {length} | {batch} | {programs} | {plan.total_splits} | {times[0]:.1f} | {times[1]:.1f} | "
+                  f"{times[0] / times[1]:.2f}x | {nbytes / times[1] / 1e3:.0f} |", flush=True)
+            del history, buffers
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

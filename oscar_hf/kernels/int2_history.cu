@@ -1,0 +1,407 @@
+// Stage-1 partials over a 2-bit history, hand-written for NVIDIA tensor cores (sm_80+): the decode hot path of
+// `attention._quant_split_token_major` (same contract, same rounding points), with the register layouts that
+// Triton cannot express. Compiled at run time by NVRTC (`cuda_history.py`); no headers.
+//
+// One warp per (history split, batch row x KV head), 64-token tiles, up to 8 query rows (a GQA group x query
+// positions) as the MMA's N. Per lane (g = lane / 4, t = lane % 4), per tile:
+//   keys    A = codes [16 tokens x 16 features] per m16n8k16: lane holds tokens 16j+g and 16j+g+8 (j = 0..3), bytes
+//           [KB*t, KB*t+KB) of each row; a 32-bit word's even bytes (w) and odd bytes (w >> 8) are masked plane by
+//           plane into the mantissa of 2^(10-2c) (one LOP3 per 2 codes; the scores subtract the magic numbers once
+//           per row, `q_off`). The features are permuted (free: q is permuted the same way once per program).
+//   scores  C = [16 tokens x 8 rows], softmax in registers (row max over the warp by 3 shuffles per row pair).
+//   values  A = codesᵀ [16 features x 16 tokens]: lane holds tokens 16j+2t+{0,1,8,9}, bytes [VB*g, VB*g+VB) of
+//           each; PRMT pairs two tokens' bytes, LOP3 + HSUB2 give exact centred codes (one of each per 2 codes).
+//           B = pᵀ: the score fragment (rounded p * scale) transposed in registers by `movmatrix`.
+// No shared memory and no barriers; the next tile's words are loaded while the current one is computed.
+
+typedef unsigned int u32;
+#define NEG_INF __int_as_float(0xff800000)
+#ifndef MIN_WARPS_PER_SM
+#define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
+#endif
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ float half_lo(u32 x) {
+    float f;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(x));
+    return f;
+}
+
+__device__ __forceinline__ float half_hi(u32 x) {
+    float f;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(x));
+    return f;
+}
+
+__device__ __forceinline__ float round_half(float x) { return half_lo(pack_half2(x, 0.0f)); }
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// (x & mask) | magic in one LOP3 (ptxas splits it in two when both constants are immediates)
+__device__ __forceinline__ u32 mask_or(u32 x, u32 mask, u32 magic) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "r"(mask), "r"(magic));
+    return d;
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 d;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(x));
+    return d;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// plane c of 2-bit codes in bits 2c, 2c+1 of a 16-bit lane; 2^(10-2c) as float16, and that + 2 (the centre)
+__device__ __forceinline__ u32 plane_mask(int c) { return 0x00030003u << (2 * c); }
+__device__ __forceinline__ u32 plane_magic(int c) { return c == 0 ? 0x64006400u : c == 1 ? 0x5C005C00u : c == 2 ? 0x54005400u : 0x4C004C00u; }
+__device__ __forceinline__ u32 plane_centre(int c) { return c == 0 ? 0x64026402u : c == 1 ? 0x5C085C08u : c == 2 ? 0x54205420u : 0x4C804C80u; }
+__device__ __forceinline__ float magic_value(int c) { return c == 0 ? 1024.0f : c == 1 ? 256.0f : c == 2 ? 64.0f : 16.0f; }
+
+template <int D>
+struct Tile {
+    static constexpr int KW = D / 64;  // key words per lane per token row (KB = 4 * KW bytes)
+    u32 key[4][2][KW];                 // [j][half]: token 16j + 8*half + g, bytes [KB*t, KB*t + KB)
+    u32 value[4][4];                   // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
+    u32 key_sz[4][2];                  // (scale, zero) words of the key rows' tokens
+    u32 value_sz[4][2];
+};
+
+// Tile offsets are immediates: code rows are D/4 bytes apart, and `*_lane` hold this lane's part of each address.
+// `FULL`: all 64 tokens from `t0` are below `hi`; otherwise tokens past it read token hi - 1 (masked later).
+template <int D, bool FULL>
+__device__ __forceinline__ void load_tile(Tile<D>& tile, const unsigned char* key_lane, const unsigned char* value_lane,
+                                          const u32* key_sz_lane, const u32* value_sz_lane, int t0, int hi, int g,
+                                          int t) {
+    constexpr int QW = D / 4;
+    constexpr int KW = D / 64;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int token = t0 + 16 * j + 8 * half;  // + g, in the lane pointers
+            if (!FULL) token = min(token + g, hi - 1) - g;
+            const unsigned char* row = key_lane + (long long)token * QW;
+            if (KW == 2) {
+                uint2 w = *reinterpret_cast<const uint2*>(row);
+                tile.key[j][half][0] = w.x;
+                tile.key[j][half][KW - 1] = w.y;
+            } else {
+                tile.key[j][half][0] = *reinterpret_cast<const u32*>(row);
+            }
+            tile.key_sz[j][half] = key_sz_lane[token];
+            tile.value_sz[j][half] = value_sz_lane[token];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int token = t0 + 16 * j + (u & 1) + 8 * (u >> 1);  // + 2t, in the lane pointer
+            if (!FULL) token = min(token + 2 * t, hi - 1) - 2 * t;
+            const unsigned char* row = value_lane + (long long)token * QW;
+            if (D == 128) {
+                tile.value[j][u] = *reinterpret_cast<const u32*>(row);
+            } else {
+                tile.value[j][u] = *reinterpret_cast<const unsigned short*>(row);
+            }
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void load_next(Tile<D>& tile, const unsigned char* key_lane, const unsigned char* value_lane,
+                                          const u32* key_sz_lane, const u32* value_sz_lane, int t0, int hi, int g,
+                                          int t) {
+    if (t0 + 64 <= hi) load_tile<D, true>(tile, key_lane, value_lane, key_sz_lane, value_sz_lane, t0, hi, g, t);
+    else if (t0 < hi) load_tile<D, false>(tile, key_lane, value_lane, key_sz_lane, value_sz_lane, t0, hi, g, t);
+}
+
+__device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) {
+    scale = half_lo(word);
+    zero = half_hi(word) - 2.0f;  // centred like the codes
+}
+
+template <int D>
+struct State {
+    float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x rows, rotated basis, centred codes
+    float m[2], l[2], z[2];   // rows 2t, 2t+1: running max (log2), lane part of the sum and of the zero-point term
+};
+
+// One 64-token tile: scores, online softmax, values; `qb` the query's B fragments, `row_sum` / `row_off` the
+// rows' sums of the rounded query and the magic-number offset of the folded key planes.
+template <int D>
+__device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, const u32 (&qb)[4][D / 64][2],
+                                            const float (&row_sum)[2], const float (&row_off)[2], int t0, int hi,
+                                            int g) {
+    constexpr int KW = D / 64;
+    constexpr int H = D / 64;
+    // scores: [16 tokens x 8 rows] per m-tile j, magic numbers folded into the key planes
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float qc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int e = 0; e < KW; ++e) {
+                const u32 top = cur.key[j][0][e], bottom = cur.key[j][1][e];
+                const u32 mask = plane_mask(c), magic = plane_magic(c);
+                mma16816(qc, mask_or(top, mask, magic), mask_or(bottom, mask, magic), mask_or(top >> 8, mask, magic),
+                         mask_or(bottom >> 8, mask, magic), qb[c][e][0], qb[c][e][1]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float scale, zero;
+            scale_zero(cur.key_sz[j][i >> 1], scale, zero);
+            const int r = i & 1;
+            float x = (qc[i] - row_off[r] - zero * row_sum[r]) * scale;
+            s[j][i] = (t0 + 16 * j + g + 8 * (i >> 1) < hi) ? x : NEG_INF;
+        }
+    }
+    // online softmax per row (rows 2t, 2t+1: columns i & 1)
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = s[0][r];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(st.m[r], mx);
+        alpha[r] = exp2_approx(st.m[r] - m_new);
+        st.m[r] = m_new;
+    }
+    u32 pb[4][2];
+    float p_sum[2] = {0.0f, 0.0f}, z_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float pv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = i & 1;
+            const float p = exp2_approx(s[j][i] - st.m[r]);
+            float scale, zero;
+            scale_zero(cur.value_sz[j][i >> 1], scale, zero);
+            pv[i] = round_half(p * scale);
+            p_sum[r] += p;
+            z_sum[r] += pv[i] * zero;
+        }
+        pb[j][0] = transpose8x8(pack_half2(pv[0], pv[1]));
+        pb[j][1] = transpose8x8(pack_half2(pv[2], pv[3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.l[r] = st.l[r] * alpha[r] + p_sum[r];
+        st.z[r] = st.z[r] * alpha[r] + z_sum[r];
+    }
+    // values: out[features x rows] += codesᵀ @ pᵀ, each tile summed from zero (the tensor cores truncate)
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+        u32 pairs[4][2][2];  // [j][tokens +0/+8][row g / g+8]
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const u32 byte = 2 * h + rr;
+                    pairs[j][k][rr] = byte_perm(cur.value[j][2 * k], cur.value[j][2 * k + 1], byte | ((4 + byte) << 8));
+                }
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const u32 mask = plane_mask(c), magic = plane_magic(c), centre = plane_centre(c);
+            float tile_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                mma16816(tile_acc, hsub2(mask_or(pairs[j][0][0], mask, magic), centre),
+                         hsub2(mask_or(pairs[j][0][1], mask, magic), centre),
+                         hsub2(mask_or(pairs[j][1][0], mask, magic), centre),
+                         hsub2(mask_or(pairs[j][1][1], mask, magic), centre), pb[j][0], pb[j][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) st.acc[c][h][i] = fmaf(st.acc[c][h][i], alpha[i & 1], tile_acc[i]);
+        }
+    }
+}
+
+template <int D>
+__device__ void history_partials(
+    const float* __restrict__ rotated_query, int sqb, int sqh, int sql,
+    const unsigned char* __restrict__ key_codes, int skb, int skh,
+    const u32* __restrict__ key_sz, int szb, int szh,
+    const unsigned char* __restrict__ value_codes, int svb, int svh,
+    const u32* __restrict__ value_sz, int swb, int swh,
+    float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
+    int code_stride, int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
+    int total_splits, int length_from_ptr, float q_scale) {
+    constexpr int QW = D / 4;   // features per plane (bytes per token row)
+    constexpr int KW = D / 64;  // key words per lane and token; also k-steps per plane
+    constexpr int KB = 4 * KW;
+    constexpr int VB = D / 32;  // value bytes per lane and token
+    constexpr int H = D / 64;   // value m-tiles per plane
+
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");  // the merge, a programmatic dependent, may start
+#endif
+    const int lane = threadIdx.x;
+    const int g = lane >> 2, t = lane & 3;
+    const int split = blockIdx.x;
+    const int b = blockIdx.y / kv_heads, kvh = blockIdx.y % kv_heads;
+    const int rows = groups * q_len;
+    const int history_splits = total_splits - dense_splits;
+    if (length_from_ptr) {
+        length = *length_ptr;
+        split_len = ((length + history_splits - 1) / history_splits + 63) / 64 * 64;
+    }
+    const int lo = split * split_len;
+    const int hi = min(lo + split_len, length);
+
+    // rotated query of row g (the MMA's B: k = permuted features, n = row), scaled and rounded to float16
+    u32 qb[4][KW][2];
+    float q_sum = 0.0f, q_off = 0.0f;
+    {
+        const bool row_ok = g < rows;
+        const int qi = row_ok ? g / groups : 0;
+        const int head = kvh * groups + (row_ok ? g % groups : 0);
+        const float* q = rotated_query + (long long)b * sqb + (long long)head * sqh + (long long)qi * sql;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float plane_sum = 0.0f;
+#pragma unroll
+            for (int e = 0; e < KW; ++e) {
+                float4 v = row_ok ? *reinterpret_cast<const float4*>(q + c * QW + KB * t + 4 * e)
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+                float x0 = round_half(v.x * q_scale), x1 = round_half(v.y * q_scale);
+                float x2 = round_half(v.z * q_scale), x3 = round_half(v.w * q_scale);
+                // k = 2t, 2t+1 <- even bytes (features +0, +2); k = 2t+8, 2t+9 <- odd bytes (+1, +3)
+                qb[c][e][0] = pack_half2(x0, x2);
+                qb[c][e][1] = pack_half2(x1, x3);
+                plane_sum += (x0 + x1) + (x2 + x3);
+            }
+            q_sum += plane_sum;
+            q_off += plane_sum * magic_value(c);
+        }
+        q_sum += __shfl_xor_sync(0xffffffffu, q_sum, 1);
+        q_sum += __shfl_xor_sync(0xffffffffu, q_sum, 2);
+        q_off += __shfl_xor_sync(0xffffffffu, q_off, 1);
+        q_off += __shfl_xor_sync(0xffffffffu, q_off, 2);
+        q_off += 2.0f * q_sum;
+    }
+    // this lane's score columns are rows 2t and 2t+1
+    float row_sum[2], row_off[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] = __shfl_sync(0xffffffffu, q_sum, (2 * t + r) * 4);
+        row_off[r] = __shfl_sync(0xffffffffu, q_off, (2 * t + r) * 4);
+    }
+
+    const int QW_ = QW;
+    const unsigned char* key_lane = key_codes + (long long)b * skb + (long long)kvh * skh + g * QW_ + KB * t;
+    const unsigned char* value_lane = value_codes + (long long)b * svb + (long long)kvh * svh + 2 * t * QW_ + VB * g;
+    const u32* key_sz_lane = key_sz + (long long)b * szb + (long long)kvh * szh + g;
+    const u32* value_sz_lane = value_sz + (long long)b * swb + (long long)kvh * swh + g;
+
+    State<D> st;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int h = 0; h < H; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) st.acc[c][h][i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.m[r] = NEG_INF;
+        st.l[r] = 0.0f;
+        st.z[r] = 0.0f;
+    }
+
+    // two tiles in flight: attend to one while the other loads (ping-pong, no register copies)
+    Tile<D> even, odd;
+    load_next<D>(even, key_lane, value_lane, key_sz_lane, value_sz_lane, lo, hi, g, t);
+    for (int t0 = lo; t0 < hi; t0 += 128) {
+        load_next<D>(odd, key_lane, value_lane, key_sz_lane, value_sz_lane, t0 + 64, hi, g, t);
+        attend_tile<D>(st, even, qb, row_sum, row_off, t0, hi, g);
+        if (t0 + 64 >= hi) break;
+        load_next<D>(even, key_lane, value_lane, key_sz_lane, value_sz_lane, t0 + 128, hi, g, t);
+        attend_tile<D>(st, odd, qb, row_sum, row_off, t0 + 64, hi, g);
+    }
+    float (&acc)[4][H][4] = st.acc;
+    float (&m_i)[2] = st.m;
+    float (&l_i)[2] = st.l;
+    float (&z_i)[2] = st.z;
+
+    // the lane sums of l and of the zero-point term over the 8 token groups
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) {
+            l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], x);
+            z_i[r] += __shfl_xor_sync(0xffffffffu, z_i[r], x);
+        }
+    }
+    const int hq = kvh * groups;
+    const int heads = kv_heads * groups;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 2 * t + r;
+        if (row < rows) {
+            const int head = hq + row % groups, qi = row / groups;
+            const long long part = (((long long)b * heads + head) * q_len + qi) * total_splits + dense_splits + split;
+            const float inv = 1.0f / (l_i[r] == 0.0f ? 1.0f : l_i[r]);
+            float* o = out + part * D;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+#pragma unroll
+                for (int h = 0; h < H; ++h) {
+                    float2 v = make_float2((acc[c][h][r] - z_i[r]) * inv, (acc[c][h][2 + r] - z_i[r]) * inv);
+                    *reinterpret_cast<float2*>(o + c * QW + VB * g + 2 * h) = v;
+                }
+            }
+            if (g == 0) {
+                lse[part] = l_i[r] == 0.0f ? NEG_INF : (m_i[r] + __log2f(fmaxf(l_i[r], 1e-30f))) * 0.6931471805599453f;
+            }
+        }
+    }
+}
+
+#define HISTORY_KERNEL(NAME, D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                                          \
+        const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh,    \
+        const u32* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,                   \
+        const u32* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int code_stride,      \
+        int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,        \
+        int length_from_ptr, float q_scale) {                                                                       \
+        history_partials<D>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes, svb,  \
+                            svh, value_sz, swb, swh, out, lse, length_ptr, code_stride, length, groups, kv_heads,   \
+                            q_len, dense_splits, split_len, total_splits, length_from_ptr, q_scale);               \
+    }
+
+HISTORY_KERNEL(int2_history_partials_d64, 64)
+HISTORY_KERNEL(int2_history_partials_d128, 128)
