@@ -103,7 +103,7 @@ class _Kernel:
 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARG_TYPES = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P] + [_I] * 9 + [_F]
+_ARG_TYPES = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P] + [_I] * 10 + [_F]
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +142,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     batch, q_heads, q_len, dim = rotated_query.shape
     if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
-    if plan.block_n_history != TILE or plan.history_split_len % TILE:
+    if plan.block_n_history % TILE or plan.history_split_len % TILE:
         raise ValueError(f"history splits must be multiples of {TILE} tokens, got {plan.history_split_len}")
     keys, values = history.keys, history.values
     kz = history.key_scale_zero.view(torch.int32)
@@ -156,6 +156,6 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
             keys.stride(2), history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
-            plan.history_split_len, plan.total_splits, int(n_from_ptr), scaling * _LOG2E]
+            plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
     with torch.cuda.device(rotated_query.device):
         kernel((plan.history_splits, batch * kv_heads, 1), args)

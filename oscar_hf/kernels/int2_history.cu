@@ -260,7 +260,7 @@ __device__ void history_partials(
     const u32* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
     int code_stride, int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
-    int total_splits, int length_from_ptr, float q_scale) {
+    int total_splits, int length_from_ptr, int split_multiple, float q_scale) {
     constexpr int QW = D / 4;   // features per plane (bytes per token row)
     constexpr int KW = D / 64;  // key words per lane and token; also k-steps per plane
     constexpr int KB = 4 * KW;
@@ -278,7 +278,7 @@ __device__ void history_partials(
     const int history_splits = total_splits - dense_splits;
     if (length_from_ptr) {
         length = *length_ptr;
-        split_len = ((length + history_splits - 1) / history_splits + 63) / 64 * 64;
+        split_len = ((length + history_splits - 1) / history_splits + split_multiple - 1) / split_multiple * split_multiple;
     }
     const int lo = split * split_len;
     const int hi = min(lo + split_len, length);
@@ -397,10 +397,10 @@ __device__ void history_partials(
         const u32* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,                   \
         const u32* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int code_stride,      \
         int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,        \
-        int length_from_ptr, float q_scale) {                                                                       \
+        int length_from_ptr, int split_multiple, float q_scale) {                                                   \
         history_partials<D>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes, svb,  \
                             svh, value_sz, swb, swh, out, lse, length_ptr, code_stride, length, groups, kv_heads,   \
-                            q_len, dense_splits, split_len, total_splits, length_from_ptr, q_scale);               \
+                            q_len, dense_splits, split_len, total_splits, length_from_ptr, split_multiple, q_scale);               \
     }
 
 HISTORY_KERNEL(int2_history_partials_d64, 64)
