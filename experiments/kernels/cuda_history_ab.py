@@ -40,7 +40,8 @@ def random_history(batch, length, dim, capacity=None, pinned=False, device="cuda
     return HistoryTensors(codes(), codes(), scale_zero(), scale_zero(), length, 2, length_ptr)
 
 
-def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None):
+def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None,
+             stages=3, min_warps=12):
     history = random_history(batch, length, dim, capacity, pinned)
     rotated = torch.randn(batch, q_heads, q_len, dim, device="cuda") * 2.0
     query = rotated.to(torch.bfloat16)
@@ -60,7 +61,7 @@ def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=Fals
                            buffers[0][0], buffers[0][1], KV_HEADS, launch)
 
     def cuda_call():
-        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1])
+        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1], stages, min_warps)
 
     return history, rotated, plan, buffers, triton_call, cuda_call
 
@@ -93,6 +94,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--programs", default="20", help="programs per SM to plan splits for (CUDA kernel)")
+    parser.add_argument("--variants", default="3:12", help="CUDA kernel stages:min warps per SM, comma-separated")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
@@ -116,15 +118,20 @@ def main():
     if args.check_only:
         return
     print()
-    print("| d | ctx | bs | programs/SM | splits | Triton history us | CUDA history us | speedup | CUDA GB/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+    print("| d | ctx | bs | programs/SM | splits | Triton history us | " + " | ".join(
+        f"CUDA {s}st/{w}w us" for s, w in variants) + " | best speedup | best GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(variants) + "---:|---:|")
     for dim, batch, length in [(128, 1, 4096), (128, 1, 100_000), (128, 8, 32768), (128, 8, 100_000),
                                (128, 32, 32768), (128, 32, 100_000), (64, 8, 100_000), (64, 32, 100_000)]:
         for programs in [int(p) for p in args.programs.split(",")]:
-            history, rotated, plan, buffers, triton_call, cuda_call = run_both(batch, length, dim,
-                                                                               programs_per_sm=programs)
+            calls = []
+            for stages, warps in variants:
+                history, rotated, plan, buffers, triton_call, cuda_call = run_both(
+                    batch, length, dim, programs_per_sm=programs, stages=stages, min_warps=warps)
+                calls.append(cuda_call)
             times = []
-            for fn in (triton_call, cuda_call):
+            for fn in [triton_call] + calls:
                 fn()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -132,8 +139,10 @@ def main():
                     fn()
                 times.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3)
             nbytes = batch * KV_HEADS * length * 2 * (dim // 4 + 4)
-            print(f"| {dim} | {length} | {batch} | {programs} | {plan.total_splits} | {times[0]:.1f} | {times[1]:.1f} | "
-                  f"{times[0] / times[1]:.2f}x | {nbytes / times[1] / 1e3:.0f} |", flush=True)
+            best = min(times[1:])
+            print(f"| {dim} | {length} | {batch} | {programs} | {plan.total_splits} | {times[0]:.1f} | "
+                  + " | ".join(f"{x:.1f}" for x in times[1:])
+                  + f" | {times[0] / best:.2f}x | {nbytes / best / 1e3:.0f} |", flush=True)
             del history, buffers
             torch.cuda.empty_cache()
 

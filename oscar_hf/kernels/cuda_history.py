@@ -51,16 +51,16 @@ def _nvrtc() -> ctypes.CDLL:
                   "nvidia-cuda-nvrtc)")
 
 
-def compile_cubin(arch: int, min_warps_per_sm: int = 1) -> bytes:
-    """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN (no GPU needed), with registers
-    capped so that `min_warps_per_sm` programs fit on a multiprocessor."""
+def compile_cubin(arch: int, stages: int = 4, min_warps_per_sm: int = 1) -> bytes:
+    """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN (no GPU needed): `stages` tiles
+    of shared memory per warp, registers capped so that `min_warps_per_sm` programs fit on a multiprocessor."""
     lib = _nvrtc()
     with open(_SOURCE, "rb") as f:
         source = f.read()
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", b"-default-device"]
-    options.append(f"-DMIN_WARPS_PER_SM={min_warps_per_sm}".encode())
+    options += [f"-DSTAGES={stages}".encode(), f"-DMIN_WARPS_PER_SM={min_warps_per_sm}".encode()]
     array = (ctypes.c_char_p * len(options))(*options)
     status = lib.nvrtcCompileProgram(prog, len(options), array)
     if status != 0:
@@ -87,16 +87,17 @@ def _check(lib: ctypes.CDLL, status: int) -> None:
 class _Kernel:
     """A CUDA function and the ctypes signature of its arguments, launched on the current stream."""
 
-    def __init__(self, function, arg_types):
+    def __init__(self, function, arg_types, shared_bytes):
         self.function = function
         self.arg_types = arg_types
+        self.shared_bytes = shared_bytes
         self.libcuda = torch.cuda._utils._get_gpu_runtime_library()
 
     def __call__(self, grid, args) -> None:
         values = [t(a) for t, a in zip(self.arg_types, args)]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         stream = torch.cuda.current_stream()
-        status = self.libcuda.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32, 1, 1, 0,
+        status = self.libcuda.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32, 1, 1, self.shared_bytes,
                                              ctypes.c_void_p(stream.cuda_stream), pointers, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {status}")
@@ -106,13 +107,18 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARG_TYPES = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P] + [_I] * 10 + [_F]
 
 
+def stage_bytes(dim: int) -> int:
+    """Shared memory of one staged tile: codes of 64 keys and 64 values, and their (scale, zero) words."""
+    return 2 * 64 * dim // 4 + 2 * 64 * 4
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, dim: int) -> _Kernel:
+def _kernel(device_index: int, dim: int, stages: int = 4, min_warps_per_sm: int = 1) -> _Kernel:
     major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin(10 * major + minor)
+    cubin = compile_cubin(10 * major + minor, stages, min_warps_per_sm)
     with torch.cuda.device(device_index):
         module = torch.cuda._utils._cuda_load_module(cubin, [_KERNELS[dim]])
-    return _Kernel(module[_KERNELS[dim]].func, _ARG_TYPES)
+    return _Kernel(module[_KERNELS[dim]].func, _ARG_TYPES, stages * stage_bytes(dim))
 
 
 def history_kernel_supports(query: torch.Tensor, history, mask, softcap, kv_heads: int) -> bool:
@@ -136,7 +142,8 @@ def _code_layout_ok(history) -> bool:
 
 
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
-                     partial_out: torch.Tensor, partial_lse: torch.Tensor) -> None:
+                     partial_out: torch.Tensor, partial_lse: torch.Tensor, stages: int = 4,
+                     min_warps_per_sm: int = 1) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (layout of
     `attention.attention_partials`); `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`)."""
     batch, q_heads, q_len, dim = rotated_query.shape
@@ -150,7 +157,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
     kernel = _kernel(rotated_query.device.index if rotated_query.device.index is not None
-                     else torch.cuda.current_device(), dim)
+                     else torch.cuda.current_device(), dim, stages, min_warps_per_sm)
     args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),

@@ -16,6 +16,9 @@
 
 typedef unsigned int u32;
 #define NEG_INF __int_as_float(0xff800000)
+#ifndef STAGES
+#define STAGES 4  // tiles per warp in shared memory (STAGES - 1 in flight): -DSTAGES=...
+#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -92,51 +95,104 @@ struct Tile {
     u32 value_sz[4][2];
 };
 
-// Tile offsets are immediates: code rows are D/4 bytes apart, and `*_lane` hold this lane's part of each address.
-// `FULL`: all 64 tokens from `t0` are below `hi`; otherwise tokens past it read token hi - 1 (masked later).
-template <int D, bool FULL>
-__device__ __forceinline__ void load_tile(Tile<D>& tile, const unsigned char* key_lane, const unsigned char* value_lane,
-                                          const u32* key_sz_lane, const u32* value_sz_lane, int t0, int hi, int g,
-                                          int t) {
+// One tile's stage in shared memory: [key codes 64 x D/4 | value codes 64 x D/4 | key (scale, zero) x 64 | value
+// (scale, zero) x 64]. Token row r is stored at row `slot(r)`: the value reads (rows 2t+u of lanes t = 0..3) then
+// fall in distinct banks.
+template <int D>
+struct Stage {
+    static constexpr int QW = D / 4;
+    static constexpr int VALUES = 64 * QW;
+    static constexpr int KEY_SZ = 2 * 64 * QW;
+    static constexpr int VALUE_SZ = KEY_SZ + 256;
+    static constexpr int BYTES = VALUE_SZ + 256;
+};
+
+__device__ __forceinline__ int slot(int row) { return row ^ ((row >> 2) & 1); }
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 r;
+    asm("{.reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a;}" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void copy16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void copy4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Queue the asynchronous copies of tokens [t0, t0 + 64) into the stage at shared address `dst`: 16-byte chunks of
+// code rows, 4-byte (scale, zero) words; tokens from `hi` on are zero-filled (and masked by the scores).
+template <int D>
+__device__ __forceinline__ void copy_tile(u32 dst, const unsigned char* key_codes, const unsigned char* value_codes,
+                                          const u32* key_sz, const u32* value_sz, int t0, int hi, int lane) {
+    constexpr int QW = D / 4;
+    constexpr int PER_ROW = QW / 16;
+#pragma unroll
+    for (int k = 0; k < 2 * PER_ROW; ++k) {  // 64 rows x PER_ROW chunks over 32 lanes
+        const int chunk = lane + 32 * k;
+        const int row = chunk / PER_ROW, part = chunk % PER_ROW;
+        const int token = t0 + row;
+        const int bytes = token < hi ? 16 : 0;
+        const long long src = (long long)min(token, hi - 1) * QW + 16 * part;
+        const u32 offset = slot(row) * QW + 16 * part;
+        copy16(dst + offset, key_codes + src, bytes);
+        copy16(dst + Stage<D>::VALUES + offset, value_codes + src, bytes);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int row = lane + 32 * k;
+        const int token = t0 + row;
+        const int bytes = token < hi ? 4 : 0;
+        const int src = min(token, hi - 1);
+        copy4(dst + Stage<D>::KEY_SZ + 4 * row, key_sz + src, bytes);
+        copy4(dst + Stage<D>::VALUE_SZ + 4 * row, value_sz + src, bytes);
+    }
+}
+
+// This lane's words of a staged tile (the register layout of `Tile`).
+template <int D>
+__device__ __forceinline__ void read_tile(Tile<D>& tile, const unsigned char* stage, int g, int t) {
     constexpr int QW = D / 4;
     constexpr int KW = D / 64;
+    constexpr int KB = 4 * KW;
+    constexpr int VB = D / 32;
+    const u32* key_sz = reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ);
+    const u32* value_sz = reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            int token = t0 + 16 * j + 8 * half;  // + g, in the lane pointers
-            if (!FULL) token = min(token + g, hi - 1) - g;
-            const unsigned char* row = key_lane + (long long)token * QW;
+            const int row = 16 * j + 8 * half + g;
+            const unsigned char* p = stage + slot(row) * QW + KB * t;
             if (KW == 2) {
-                uint2 w = *reinterpret_cast<const uint2*>(row);
+                uint2 w = *reinterpret_cast<const uint2*>(p);
                 tile.key[j][half][0] = w.x;
                 tile.key[j][half][KW - 1] = w.y;
             } else {
-                tile.key[j][half][0] = *reinterpret_cast<const u32*>(row);
+                tile.key[j][half][0] = *reinterpret_cast<const u32*>(p);
             }
-            tile.key_sz[j][half] = key_sz_lane[token];
-            tile.value_sz[j][half] = value_sz_lane[token];
+            tile.key_sz[j][half] = key_sz[row];
+            tile.value_sz[j][half] = value_sz[row];
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            int token = t0 + 16 * j + (u & 1) + 8 * (u >> 1);  // + 2t, in the lane pointer
-            if (!FULL) token = min(token + 2 * t, hi - 1) - 2 * t;
-            const unsigned char* row = value_lane + (long long)token * QW;
-            if (D == 128) {
-                tile.value[j][u] = *reinterpret_cast<const u32*>(row);
+            const int row = 16 * j + 2 * t + (u & 1) + 8 * (u >> 1);
+            const unsigned char* p = stage + Stage<D>::VALUES + slot(row) * QW + VB * g;
+            if (VB == 4) {
+                tile.value[j][u] = *reinterpret_cast<const u32*>(p);
             } else {
-                tile.value[j][u] = *reinterpret_cast<const unsigned short*>(row);
+                tile.value[j][u] = *reinterpret_cast<const unsigned short*>(p);
             }
         }
     }
-}
-
-template <int D>
-__device__ __forceinline__ void load_next(Tile<D>& tile, const unsigned char* key_lane, const unsigned char* value_lane,
-                                          const u32* key_sz_lane, const u32* value_sz_lane, int t0, int hi, int g,
-                                          int t) {
-    if (t0 + 64 <= hi) load_tile<D, true>(tile, key_lane, value_lane, key_sz_lane, value_sz_lane, t0, hi, g, t);
-    else if (t0 < hi) load_tile<D, false>(tile, key_lane, value_lane, key_sz_lane, value_sz_lane, t0, hi, g, t);
 }
 
 __device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) {
@@ -322,11 +378,10 @@ __device__ void history_partials(
         row_off[r] = __shfl_sync(0xffffffffu, q_off, (2 * t + r) * 4);
     }
 
-    const int QW_ = QW;
-    const unsigned char* key_lane = key_codes + (long long)b * skb + (long long)kvh * skh + g * QW_ + KB * t;
-    const unsigned char* value_lane = value_codes + (long long)b * svb + (long long)kvh * svh + 2 * t * QW_ + VB * g;
-    const u32* key_sz_lane = key_sz + (long long)b * szb + (long long)kvh * szh + g;
-    const u32* value_sz_lane = value_sz + (long long)b * swb + (long long)kvh * swh + g;
+    const unsigned char* kc = key_codes + (long long)b * skb + (long long)kvh * skh;
+    const unsigned char* vc = value_codes + (long long)b * svb + (long long)kvh * svh;
+    const u32* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
+    const u32* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
 
     State<D> st;
 #pragma unroll
@@ -342,15 +397,26 @@ __device__ void history_partials(
         st.z[r] = 0.0f;
     }
 
-    // two tiles in flight: attend to one while the other loads (ping-pong, no register copies)
-    Tile<D> even, odd;
-    load_next<D>(even, key_lane, value_lane, key_sz_lane, value_sz_lane, lo, hi, g, t);
-    for (int t0 = lo; t0 < hi; t0 += 128) {
-        load_next<D>(odd, key_lane, value_lane, key_sz_lane, value_sz_lane, t0 + 64, hi, g, t);
-        attend_tile<D>(st, even, qb, row_sum, row_off, t0, hi, g);
-        if (t0 + 64 >= hi) break;
-        load_next<D>(even, key_lane, value_lane, key_sz_lane, value_sz_lane, t0 + 128, hi, g, t);
-        attend_tile<D>(st, odd, qb, row_sum, row_off, t0 + 64, hi, g);
+    // STAGES - 1 tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to
+    extern __shared__ __align__(16) unsigned char stages[];
+    const u32 stages_at = shared_address(stages);
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        if (lo + 64 * k < hi) copy_tile<D>(stages_at + k * Stage<D>::BYTES, kc, vc, kz, vz, lo + 64 * k, hi, lane);
+        commit_copies();
+    }
+    int stage = 0;
+    for (int t0 = lo; t0 < hi; t0 += 64) {
+        wait_copies<STAGES - 2>();
+        __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
+        const int ahead = t0 + 64 * (STAGES - 1);
+        const int refill = stage == 0 ? STAGES - 1 : stage - 1;
+        if (ahead < hi) copy_tile<D>(stages_at + refill * Stage<D>::BYTES, kc, vc, kz, vz, ahead, hi, lane);
+        commit_copies();
+        Tile<D> tile;
+        read_tile<D>(tile, stages + stage * Stage<D>::BYTES, g, t);
+        attend_tile<D>(st, tile, qb, row_sum, row_off, t0, hi, g);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     float (&acc)[4][H][4] = st.acc;
     float (&m_i)[2] = st.m;
