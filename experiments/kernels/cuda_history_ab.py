@@ -19,8 +19,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from oscar_hf.kernels.attention import HistoryTensors, attention_partials  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import history_partials  # noqa: E402
-from oscar_hf.kernels.launch_plan import default_launch  # noqa: E402
+from oscar_hf.kernels.cuda_history import history_partials, resident_programs  # noqa: E402
+from oscar_hf.kernels.launch_plan import SplitPlan, default_launch  # noqa: E402
 from oscar_hf.kernels.merge import merge_splits  # noqa: E402
 
 KV_HEADS = 8
@@ -40,8 +40,17 @@ def random_history(batch, length, dim, capacity=None, pinned=False, device="cuda
     return HistoryTensors(codes(), codes(), scale_zero(), scale_zero(), length, 2, length_ptr)
 
 
+def wave_plan(batch, length, dim, variant, waves):
+    """History splits for the CUDA kernel so that its programs fill `waves` waves of the resident slots."""
+    stages, warps, magic = variant
+    slots = resident_programs(0, dim, stages, warps, magic) * torch.cuda.get_device_properties(0).multi_processor_count
+    splits = max(1, min(256, waves * slots // (batch * KV_HEADS)))
+    split_len = -(-(-(-length // splits)) // 64) * 64
+    return SplitPlan(8, 1, 64, 0, 16, -(-length // split_len), split_len)
+
+
 def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None,
-             stages=3, min_warps=12):
+             stages=3, min_warps=12, magic=0, plan=None):
     history = random_history(batch, length, dim, capacity, pinned)
     rotated = torch.randn(batch, q_heads, q_len, dim, device="cuda") * 2.0
     query = rotated.to(torch.bfloat16)
@@ -50,23 +59,27 @@ def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=Fals
     if programs_per_sm:
         backend.target_programs = programs_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
     rows = (q_heads // KV_HEADS) * q_len
-    plan = backend.plan(query.device, batch, KV_HEADS, rows, 0, history.plan_length, launch)
-    n = batch * q_heads * q_len * plan.total_splits
+    triton_plan = backend.plan(query.device, batch, KV_HEADS, rows, 0, history.plan_length, launch)
+    plan = plan or triton_plan
+    n = batch * q_heads * q_len * max(plan.total_splits, triton_plan.total_splits)
     buffers = [(torch.full((n * dim,), float("nan"), device="cuda"), torch.full((n,), float("nan"), device="cuda"))
                for _ in range(2)]
     scaling = dim**-0.5
 
     def triton_call():
-        attention_partials(query, None, None, history, rotated, None, plan, scaling, None, False, 0, 0,
+        attention_partials(query, None, None, history, rotated, None, triton_plan, scaling, None, False, 0, 0,
                            buffers[0][0], buffers[0][1], KV_HEADS, launch)
 
     def cuda_call():
-        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1], stages, min_warps)
+        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1], stages, min_warps,
+                         magic)
 
     return history, rotated, plan, buffers, triton_call, cuda_call
 
 
 def compare(batch, length, dim, **kw):
+    kw.setdefault("stages", 4)
+    kw.setdefault("min_warps", 8)
     history, rotated, plan, buffers, triton_call, cuda_call = run_both(batch, length, dim, **kw)
     triton_call()
     cuda_call()
@@ -94,7 +107,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--programs", default="20", help="programs per SM to plan splits for (CUDA kernel)")
-    parser.add_argument("--variants", default="3:12", help="CUDA kernel stages:min warps per SM, comma-separated")
+    parser.add_argument("--variants", default="4:8:0:0", help="CUDA kernel stages:min warps:magic planes:waves, ...")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
@@ -115,36 +128,45 @@ def main():
         r = compare(**kw)
         print(f"| {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | {r['merged']:.2e} | {r['same_inf']} | "
               f"{r['nan']} |", flush=True)
+    for magic in (8, 12, 14, 15):
+        for name, kw in checks[:2] + checks[-1:]:
+            r = compare(**kw, magic=magic)
+            print(f"| magic planes {magic:04b}: {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | "
+                  f"{r['merged']:.2e} | {r['same_inf']} | {r['nan']} |", flush=True)
     if args.check_only:
         return
     print()
+    # variants "stages:min_warps:magic_planes:waves" (waves 0: the Triton plan, `--programs` per SM)
     variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
-    print("| d | ctx | bs | programs/SM | splits | Triton history us | " + " | ".join(
-        f"CUDA {s}st/{w}w us" for s, w in variants) + " | best speedup | best GB/s |")
-    print("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(variants) + "---:|---:|")
+    print("| d | ctx | bs | Triton us (splits) | " + " | ".join(f"CUDA {v[0]}st/{v[1]}w/m{v[2]}/W{v[3]} us (splits)"
+                                                                   for v in variants) + " | best speedup | best GB/s |")
+    print("|---:|---:|---:|---:|" + "---:|" * len(variants) + "---:|---:|")
     for dim, batch, length in [(128, 1, 4096), (128, 1, 100_000), (128, 8, 32768), (128, 8, 100_000),
                                (128, 32, 32768), (128, 32, 100_000), (64, 8, 100_000), (64, 32, 100_000)]:
-        for programs in [int(p) for p in args.programs.split(",")]:
-            calls = []
-            for stages, warps in variants:
-                history, rotated, plan, buffers, triton_call, cuda_call = run_both(
-                    batch, length, dim, programs_per_sm=programs, stages=stages, min_warps=warps)
-                calls.append(cuda_call)
-            times = []
-            for fn in [triton_call] + calls:
+        calls, splits = [], []
+        history = None
+        for stages, warps, magic, waves in variants:
+            plan = wave_plan(batch, length, dim, (stages, warps, magic), waves) if waves else None
+            history, rotated, plan, buffers, triton_call, cuda_call = run_both(
+                batch, length, dim, programs_per_sm=int(args.programs), stages=stages, min_warps=warps, magic=magic,
+                plan=plan)
+            calls.append(cuda_call)
+            splits.append(plan.total_splits)
+        times = []
+        for fn in [triton_call] + calls:
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 fn()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                times.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3)
-            nbytes = batch * KV_HEADS * length * 2 * (dim // 4 + 4)
-            best = min(times[1:])
-            print(f"| {dim} | {length} | {batch} | {programs} | {plan.total_splits} | {times[0]:.1f} | "
-                  + " | ".join(f"{x:.1f}" for x in times[1:])
-                  + f" | {times[0] / best:.2f}x | {nbytes / best / 1e3:.0f} |", flush=True)
-            del history, buffers
-            torch.cuda.empty_cache()
+            times.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3)
+        nbytes = batch * KV_HEADS * length * 2 * (dim // 4 + 4)
+        best = min(times[1:])
+        print(f"| {dim} | {length} | {batch} | {times[0]:.1f} | "
+              + " | ".join(f"{x:.1f} ({n})" for x, n in zip(times[1:], splits))
+              + f" | {times[0] / best:.2f}x | {nbytes / best / 1e3:.0f} |", flush=True)
+        del history, buffers, calls
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

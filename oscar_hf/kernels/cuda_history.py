@@ -51,7 +51,7 @@ def _nvrtc() -> ctypes.CDLL:
                   "nvidia-cuda-nvrtc)")
 
 
-def compile_cubin(arch: int, stages: int = 4, min_warps_per_sm: int = 1) -> bytes:
+def compile_cubin(arch: int, stages: int = 4, min_warps_per_sm: int = 1, magic_planes: int = 0) -> bytes:
     """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN (no GPU needed): `stages` tiles
     of shared memory per warp, registers capped so that `min_warps_per_sm` programs fit on a multiprocessor."""
     lib = _nvrtc()
@@ -60,7 +60,8 @@ def compile_cubin(arch: int, stages: int = 4, min_warps_per_sm: int = 1) -> byte
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", b"-default-device"]
-    options += [f"-DSTAGES={stages}".encode(), f"-DMIN_WARPS_PER_SM={min_warps_per_sm}".encode()]
+    options += [f"-DSTAGES={stages}".encode(), f"-DMIN_WARPS_PER_SM={min_warps_per_sm}".encode(),
+                f"-DMAGIC_PLANES={magic_planes}".encode()]
     array = (ctypes.c_char_p * len(options))(*options)
     status = lib.nvrtcCompileProgram(prog, len(options), array)
     if status != 0:
@@ -113,9 +114,9 @@ def stage_bytes(dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, dim: int, stages: int = 4, min_warps_per_sm: int = 1) -> _Kernel:
+def _kernel(device_index: int, dim: int, stages: int = 4, min_warps_per_sm: int = 1, magic_planes: int = 0) -> _Kernel:
     major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin(10 * major + minor, stages, min_warps_per_sm)
+    cubin = compile_cubin(10 * major + minor, stages, min_warps_per_sm, magic_planes)
     with torch.cuda.device(device_index):
         module = torch.cuda._utils._cuda_load_module(cubin, [_KERNELS[dim]])
     return _Kernel(module[_KERNELS[dim]].func, _ARG_TYPES, stages * stage_bytes(dim))
@@ -143,7 +144,7 @@ def _code_layout_ok(history) -> bool:
 
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, stages: int = 4,
-                     min_warps_per_sm: int = 1) -> None:
+                     min_warps_per_sm: int = 1, magic_planes: int = 0) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (layout of
     `attention.attention_partials`); `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`)."""
     batch, q_heads, q_len, dim = rotated_query.shape
@@ -157,7 +158,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
     kernel = _kernel(rotated_query.device.index if rotated_query.device.index is not None
-                     else torch.cuda.current_device(), dim, stages, min_warps_per_sm)
+                     else torch.cuda.current_device(), dim, stages, min_warps_per_sm, magic_planes)
     args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
@@ -166,3 +167,15 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
     with torch.cuda.device(rotated_query.device):
         kernel((plan.history_splits, batch * kv_heads, 1), args)
+
+
+def resident_programs(device_index: int, dim: int, stages: int = 4, min_warps_per_sm: int = 1,
+                      magic_planes: int = 0) -> int:
+    """Programs (one warp each) of this kernel variant that fit on one multiprocessor (registers, shared memory)."""
+    kernel = _kernel(device_index, dim, stages, min_warps_per_sm, magic_planes)
+    count = ctypes.c_int()
+    status = kernel.libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(count), kernel.function, 32,
+                                                                         ctypes.c_size_t(kernel.shared_bytes))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
+    return count.value

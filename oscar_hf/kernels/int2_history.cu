@@ -19,6 +19,11 @@ typedef unsigned int u32;
 #ifndef STAGES
 #define STAGES 4  // tiles per warp in shared memory (STAGES - 1 in flight): -DSTAGES=...
 #endif
+#ifndef MAGIC_PLANES
+// value planes c (bit c) that keep their magic number (no HSUB2): the output subtracts it times the sum of p*scale;
+// plane 0 then reads the byte's copy in the high half of each 16-bit lane, as 1 + code/4: -DMAGIC_PLANES=...
+#define MAGIC_PLANES 0
+#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -200,10 +205,27 @@ __device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) 
     zero = half_hi(word) - 2.0f;  // centred like the codes
 }
 
+// Plane c of a value pair register: centred codes (code - 2), or with the magic number kept (`MAGIC_PLANES`)
+__device__ __forceinline__ u32 value_plane(u32 pair, int c, u32 mask, u32 magic, u32 centre) {
+    if ((MAGIC_PLANES >> c) & 1) {
+        return c == 0 ? mask_or(pair, 0x03000300u, 0x3C003C00u) : mask_or(pair, mask, magic);
+    }
+    return hsub2(mask_or(pair, mask, magic), centre);
+}
+
+// What the output of value plane c subtracts, given the zero-point term z and the sum P of p*scale:
+// out = factor * acc - offset * P - z
+__device__ __forceinline__ float value_factor(int c) { return ((MAGIC_PLANES >> c) & 1) && c == 0 ? 4.0f : 1.0f; }
+__device__ __forceinline__ float value_offset(int c) {
+    if (!((MAGIC_PLANES >> c) & 1)) return 0.0f;
+    return c == 0 ? 6.0f : magic_value(c) + 2.0f;
+}
+
 template <int D>
 struct State {
     float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x rows, rotated basis, centred codes
     float m[2], l[2], z[2];   // rows 2t, 2t+1: running max (log2), lane part of the sum and of the zero-point term
+    float pv[2];              // lane part of the sum of p*scale (rounded), for `MAGIC_PLANES`
 };
 
 // One 64-token tile: scores, online softmax, values; `qb` the query's B fragments, `row_sum` / `row_off` the
@@ -253,7 +275,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
         st.m[r] = m_new;
     }
     u32 pb[4][2];
-    float p_sum[2] = {0.0f, 0.0f}, z_sum[2] = {0.0f, 0.0f};
+    float p_sum[2] = {0.0f, 0.0f}, z_sum[2] = {0.0f, 0.0f}, pv_sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         float pv[4];
@@ -266,6 +288,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
             pv[i] = round_half(p * scale);
             p_sum[r] += p;
             z_sum[r] += pv[i] * zero;
+            if (MAGIC_PLANES) pv_sum[r] += pv[i];
         }
         pb[j][0] = transpose8x8(pack_half2(pv[0], pv[1]));
         pb[j][1] = transpose8x8(pack_half2(pv[2], pv[3]));
@@ -274,6 +297,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
     for (int r = 0; r < 2; ++r) {
         st.l[r] = st.l[r] * alpha[r] + p_sum[r];
         st.z[r] = st.z[r] * alpha[r] + z_sum[r];
+        if (MAGIC_PLANES) st.pv[r] = st.pv[r] * alpha[r] + pv_sum[r];
     }
     // values: out[features x rows] += codesᵀ @ pᵀ, each tile summed from zero (the tensor cores truncate)
 #pragma unroll
@@ -286,7 +310,9 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const u32 byte = 2 * h + rr;
-                    pairs[j][k][rr] = byte_perm(cur.value[j][2 * k], cur.value[j][2 * k + 1], byte | ((4 + byte) << 8));
+                    // the byte of each token in both halves of its 16-bit lane (the high copy serves plane 0's magic)
+                    pairs[j][k][rr] = byte_perm(cur.value[j][2 * k], cur.value[j][2 * k + 1],
+                                                byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12));
                 }
             }
         }
@@ -296,10 +322,10 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
             float tile_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                mma16816(tile_acc, hsub2(mask_or(pairs[j][0][0], mask, magic), centre),
-                         hsub2(mask_or(pairs[j][0][1], mask, magic), centre),
-                         hsub2(mask_or(pairs[j][1][0], mask, magic), centre),
-                         hsub2(mask_or(pairs[j][1][1], mask, magic), centre), pb[j][0], pb[j][1]);
+                mma16816(tile_acc, value_plane(pairs[j][0][0], c, mask, magic, centre),
+                         value_plane(pairs[j][0][1], c, mask, magic, centre),
+                         value_plane(pairs[j][1][0], c, mask, magic, centre),
+                         value_plane(pairs[j][1][1], c, mask, magic, centre), pb[j][0], pb[j][1]);
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) st.acc[c][h][i] = fmaf(st.acc[c][h][i], alpha[i & 1], tile_acc[i]);
@@ -395,6 +421,7 @@ __device__ void history_partials(
         st.m[r] = NEG_INF;
         st.l[r] = 0.0f;
         st.z[r] = 0.0f;
+        st.pv[r] = 0.0f;
     }
 
     // STAGES - 1 tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to
@@ -422,6 +449,7 @@ __device__ void history_partials(
     float (&m_i)[2] = st.m;
     float (&l_i)[2] = st.l;
     float (&z_i)[2] = st.z;
+    float (&pv_i)[2] = st.pv;
 
     // the lane sums of l and of the zero-point term over the 8 token groups
 #pragma unroll
@@ -430,6 +458,7 @@ __device__ void history_partials(
         for (int x = 4; x < 32; x <<= 1) {
             l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], x);
             z_i[r] += __shfl_xor_sync(0xffffffffu, z_i[r], x);
+            if (MAGIC_PLANES) pv_i[r] += __shfl_xor_sync(0xffffffffu, pv_i[r], x);
         }
     }
     const int hq = kvh * groups;
@@ -446,7 +475,8 @@ __device__ void history_partials(
             for (int c = 0; c < 4; ++c) {
 #pragma unroll
                 for (int h = 0; h < H; ++h) {
-                    float2 v = make_float2((acc[c][h][r] - z_i[r]) * inv, (acc[c][h][2 + r] - z_i[r]) * inv);
+                    const float f = value_factor(c), shift = value_offset(c) * pv_i[r] + z_i[r];
+                    float2 v = make_float2((f * acc[c][h][r] - shift) * inv, (f * acc[c][h][2 + r] - shift) * inv);
                     *reinterpret_cast<float2*>(o + c * QW + VB * g + 2 * h) = v;
                 }
             }
