@@ -19,7 +19,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from oscar_hf.kernels.attention import HistoryTensors, attention_partials  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import history_partials, resident_programs  # noqa: E402
+from oscar_hf.kernels.cuda_history import CudaHistoryConfig, history_partials, plan_history, resident_slots  # noqa: E402
 from oscar_hf.kernels.launch_plan import SplitPlan, default_launch  # noqa: E402
 from oscar_hf.kernels.merge import merge_splits  # noqa: E402
 
@@ -40,13 +40,10 @@ def random_history(batch, length, dim, capacity=None, pinned=False, device="cuda
     return HistoryTensors(codes(), codes(), scale_zero(), scale_zero(), length, 2, length_ptr)
 
 
-def wave_plan(batch, length, dim, variant, waves):
-    """History splits for the CUDA kernel so that its programs fill `waves` waves of the resident slots."""
-    stages, warps, magic = variant
-    slots = resident_programs(0, dim, stages, warps, magic) * torch.cuda.get_device_properties(0).multi_processor_count
-    splits = max(1, min(256, waves * slots // (batch * KV_HEADS)))
-    split_len = -(-(-(-length // splits)) // 64) * 64
-    return SplitPlan(8, 1, 64, 0, 16, -(-length // split_len), split_len)
+def wave_plan(batch, length, dim, config):
+    """History splits for the CUDA kernel so that its programs fill `config.waves` waves of the resident slots."""
+    return plan_history(SplitPlan(8, 1, 64, 0, 16, 0, 64), length, batch * KV_HEADS, resident_slots(0, dim, config),
+                        config)
 
 
 def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None,
@@ -71,8 +68,8 @@ def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=Fals
                            buffers[0][0], buffers[0][1], KV_HEADS, launch)
 
     def cuda_call():
-        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1], stages, min_warps,
-                         magic)
+        history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1],
+                         CudaHistoryConfig(stages, min_warps, magic))
 
     return history, rotated, plan, buffers, triton_call, cuda_call
 
@@ -146,7 +143,7 @@ def main():
         calls, splits = [], []
         history = None
         for stages, warps, magic, waves in variants:
-            plan = wave_plan(batch, length, dim, (stages, warps, magic), waves) if waves else None
+            plan = wave_plan(batch, length, dim, CudaHistoryConfig(stages, warps, magic, waves)) if waves else None
             history, rotated, plan, buffers, triton_call, cuda_call = run_both(
                 batch, length, dim, programs_per_sm=int(args.programs), stages=stages, min_warps=warps, magic=magic,
                 plan=plan)

@@ -517,6 +517,7 @@ def attention_partials(
     dense_start: torch.Tensor | None = None,
     launch_dependents: bool = False,
     wait_for_rotation: bool = False,
+    dense_only: bool = False,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
@@ -527,7 +528,8 @@ def attention_partials(
     `launch_dependents`: let a kernel queued after this one with programmatic dependent launch start at once
     (`merge_splits(after_stage1=True)`); `wait_for_rotation`: launch as a programmatic dependent of the kernel
     queued just before (`rotate_query(launch_dependents=True)`, which wrote `rotated_query`): the dense splits
-    start at once, the history splits wait for it."""
+    start at once, the history splits wait for it. `dense_only`: launch the dense splits alone (another kernel,
+    `cuda_history.history_partials`, writes the history splits of the same buffers)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -572,7 +574,7 @@ def attention_partials(
         raise RuntimeError("a CUDA graph cannot capture a mask over the history: its width would stay the captured "
                            "length while the history grows")
     n_ptr = history.length_ptr if n_from_ptr else partial_lse
-    grid = (plan.total_splits, plan.row_blocks, batch * kv_heads)
+    grid = (plan.dense_splits if dense_only else plan.total_splits, plan.row_blocks, batch * kv_heads)
     with launch_device(query):
         _attention_partials_kernel[grid](
             query, query.stride(0), query.stride(1), query.stride(2),

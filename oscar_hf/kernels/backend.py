@@ -6,17 +6,22 @@ per-head masks) fall back to the PyTorch reference, which defines the semantics 
 Decode (`tiered_attention`) per layer: the query rotated by R_K once (`kernels/query_rotation.py`), one stage-1
 launch covering the BF16 tiers and the quantized history (`kernels/attention.py`) and one stage-2 launch that
 merges the splits, un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype
-(`kernels/merge.py`); on Hopper each is a programmatic dependent of the one before. The scratch (split partials,
-rotated query) is reused across calls (no allocation that grows with the history), and nothing synchronizes the
-host.
+(`kernels/merge.py`); on Hopper each is a programmatic dependent of the one before. On CUDA, where the call
+qualifies (`cuda_history.history_kernel_supports`: 2-bit history, no mask, head_dim 64/128, <= 8 rows per KV
+head), the history splits come from the hand-written kernel instead (`kernels/int2_history.cu`) and the Triton
+stage 1 covers the BF16 tiers alone. The scratch (split partials, rotated query) is reused across calls (no
+allocation that grows with the history), and nothing synchronizes the host.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from ..backend import ReferenceBackend
 from ..history import QuantizedHistory
+from . import cuda_history
 from .attention import HistoryTensors, attention_partials
 from .common import dependent_launch, multiprocessors
 from .launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
@@ -53,13 +58,17 @@ class TritonBackend(ReferenceBackend):
         dependent_launches: launch stage 1 as a programmatic dependent of the query rotation, and the merge of
             stage 1, where the GPU has it (`kernels.common.dependent_launch`): each launch and prologue overlaps
             the tail of the kernel before it.
+        cuda_history: use the CUDA history kernel where a call qualifies (default: unless the environment sets
+            OSCAR_CUDA_HISTORY=0); `cuda_history_config` its compile-time shape and split rule.
     """
 
     name = "triton"
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
                  min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
-                 short_splits_on_small_grids: bool = True, dependent_launches: bool = True):
+                 short_splits_on_small_grids: bool = True, dependent_launches: bool = True,
+                 cuda_history: bool | None = None,
+                 cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig()):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
@@ -67,6 +76,10 @@ class TritonBackend(ReferenceBackend):
         self.min_history_tokens = min_history_tokens
         self.short_splits_on_small_grids = short_splits_on_small_grids
         self.dependent_launches = dependent_launches
+        if cuda_history is None:
+            cuda_history = os.environ.get("OSCAR_CUDA_HISTORY", "1") != "0"
+        self.cuda_history = cuda_history
+        self.cuda_history_config = cuda_history_config
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
@@ -148,6 +161,10 @@ class TritonBackend(ReferenceBackend):
         hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
+        cuda = self._use_cuda_history(query, tensors, mask, softcap, kv_heads)
+        if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
+            plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
+                                             self._cuda_slots(query.device, dim), self.cuda_history_config)
         if plan.total_splits == 0:  # nothing to attend: an empty softmax
             out.zero_()
             if lse_out is not None:
@@ -158,14 +175,38 @@ class TritonBackend(ReferenceBackend):
         dependent = self.dependent_launches and dependent_launch(query.device)
         rotating = tensors is not None and key_rotation is not None
         history_query = query
-        if rotating:
+        if rotating or cuda:
             history_query = rotation_scratch[: query.numel()].view(query.shape)
-            rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
-        attention_partials(query, key, value, tensors, history_query, mask, plan, scaling, softcap, causal,
-                           gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
-                           launch_dependents=dependent, wait_for_rotation=dependent and rotating)
+        if cuda:  # Triton: the BF16 tiers; the query rotation; CUDA: the history
+            if plan.dense_splits:
+                attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal, gap_start,
+                                   hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                                   dense_only=True)
+            if rotating:
+                rotate_query(query, key_rotation, history_query)
+            else:
+                history_query.copy_(query)
+            cuda_history.history_partials(history_query, tensors, plan, scaling, kv_heads, partial_out, partial_lse,
+                                          self.cuda_history_config)
+        else:
+            if rotating:
+                rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
+            attention_partials(query, key, value, tensors, history_query, mask, plan, scaling, softcap, causal,
+                               gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                               launch_dependents=dependent, wait_for_rotation=dependent and rotating)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
+
+    def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads) -> bool:
+        if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
+            return False
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        return cuda_history.available(index, self.cuda_history_config)
+
+    def _cuda_slots(self, device: torch.device, dim: int) -> int:
+        """Resident programs of the CUDA history kernel on the whole device (what its splits fill)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return cuda_history.resident_slots(index, dim, self.cuda_history_config)
 
     def launch_for(self, head_dim: int) -> LaunchConfig:
         """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""

@@ -1,11 +1,15 @@
 """The hand-written history tier of stage 1 (`int2_history.cu`): compiled at run time by NVRTC, launched through
-the CUDA driver, no build step and no CUDA toolkit beyond what a PyTorch CUDA wheel ships (libnvrtc).
+the CUDA driver; no build step, nothing beyond the libnvrtc that PyTorch's CUDA wheels ship.
 
 Contract: `attention.attention_partials`' for the history splits only (same partial layout, rounding points and
 log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 (scale, zero), head_dim 64 or 128, at most
-8 query rows per KV head, no mask, no softcap, a float16/bfloat16 model (float16 history dots). `history_kernel_
-supports` says whether a call qualifies; the Triton kernel covers everything else and stays the reference-tested
-path on CPU.
+8 query rows per KV head (a GQA group x query positions), no mask, no softcap, a float16/bfloat16 model.
+`history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is the
+path tested against the reference on CPU (this kernel is checked against both on the GPU).
+
+Why not Triton: the value codes must reach the tensor cores as pairs of tokens, the query and p as fragments of
+their own; Triton routes these through shared-memory layout conversions and byte loads (1,257 instructions per
+64-token warp-tile at d=128), the CUDA kernel builds them in registers (~900, `bench/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -13,19 +17,41 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
-import math
 import os
 import sys
+import warnings
+from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from .launch_plan import SplitPlan
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "int2_history.cu")
 _KERNELS = {64: "int2_history_partials_d64", 128: "int2_history_partials_d128"}
 _LOG2E = 1.4426950408889634
-MAX_ROWS = 8  # the MMA's N: query rows (GQA group x query positions) per KV head
-TILE = 64  # history tokens per tile; split lengths must be multiples of it
+MAX_ROWS = 8  # the MMA's N: query rows per KV head
+TILE = 64  # history tokens per tile; split lengths are multiples of it
+
+
+@dataclass(frozen=True)
+class CudaHistoryConfig:
+    """Compile-time shape of the kernel and how splits are cut for it.
+
+    stages: 64-token tiles per warp in shared memory (stages - 1 in flight).
+    min_warps_per_sm: programs per multiprocessor the register allocation must allow.
+    magic_planes: bit c set = value plane c keeps its magic number instead of a subtraction (planes 2 and 3: the
+        output error vs the Triton kernel stays ~1e-4; all four: 1.8e-3 at 100k tokens, run 41).
+    waves: history splits fill this many waves of resident programs (run 41: one wave, 170.6 us at 100k/bs8,
+        against 202 with the Triton plan's 20 programs per SM).
+    max_splits: cap on history splits per KV head row.
+    """
+
+    stages: int = 4
+    min_warps_per_sm: int = 8
+    magic_planes: int = 0b1100
+    waves: int = 1
+    max_splits: int = 128
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -36,7 +62,6 @@ def _nvrtc() -> ctypes.CDLL:
     names.append("libnvrtc.so")
     for path in sys.path:
         names += sorted(glob.glob(os.path.join(path, "nvidia", "*", "lib", "libnvrtc.so*")))
-        names += sorted(glob.glob(os.path.join(path, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
     for name in names:
         if "builtins" in name or ".alt." in name:
             continue
@@ -47,90 +72,126 @@ def _nvrtc() -> ctypes.CDLL:
             return ctypes.CDLL(name)
         except OSError:
             continue
-    raise OSError("the CUDA history kernel needs libnvrtc (shipped with PyTorch's CUDA wheels, or pip install "
+    raise OSError("the CUDA history kernel needs libnvrtc (shipped with PyTorch's CUDA wheels; or pip install "
                   "nvidia-cuda-nvrtc)")
 
 
-def compile_cubin(arch: int, stages: int = 4, min_warps_per_sm: int = 1, magic_planes: int = 0) -> bytes:
-    """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN (no GPU needed): `stages` tiles
-    of shared memory per warp, registers capped so that `min_warps_per_sm` programs fit on a multiprocessor."""
+def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bytes:
+    """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN; needs no GPU."""
     lib = _nvrtc()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     with open(_SOURCE, "rb") as f:
         source = f.read()
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
-    options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", b"-default-device"]
-    options += [f"-DSTAGES={stages}".encode(), f"-DMIN_WARPS_PER_SM={min_warps_per_sm}".encode(),
-                f"-DMAGIC_PLANES={magic_planes}".encode()]
-    array = (ctypes.c_char_p * len(options))(*options)
-    status = lib.nvrtcCompileProgram(prog, len(options), array)
-    if status != 0:
+    options = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-default-device", f"-DSTAGES={config.stages}",
+               f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}"]
+    array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    try:
+        if lib.nvrtcCompileProgram(prog, len(options), array) != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed on int2_history.cu:\n{log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, cubin))
+    finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise RuntimeError(f"NVRTC failed on int2_history.cu:\n{log.value.decode(errors='replace')}")
-    size = ctypes.c_size_t()
-    _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
-    cubin = ctypes.create_string_buffer(size.value)
-    _check(lib, lib.nvrtcGetCUBIN(prog, cubin))
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
     return cubin.raw
 
 
 def _check(lib: ctypes.CDLL, status: int) -> None:
     if status != 0:
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         raise RuntimeError(f"NVRTC error {status}: {lib.nvrtcGetErrorString(status)}")
 
 
-class _Kernel:
-    """A CUDA function and the ctypes signature of its arguments, launched on the current stream."""
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
+# out, lse, length pointer, 10 ints (code stride ... split multiple), the query scale
+_ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 10 + [_F]
 
-    def __init__(self, function, arg_types, shared_bytes):
+
+class _Kernel:
+    """A loaded CUDA function with reusable ctypes argument slots, launched (32 threads per program) on the
+    current stream: capturable into CUDA graphs."""
+
+    def __init__(self, function: ctypes.c_void_p, shared_bytes: int):
         self.function = function
-        self.arg_types = arg_types
         self.shared_bytes = shared_bytes
         self.libcuda = torch.cuda._utils._get_gpu_runtime_library()
+        self._slots = [t() for t in _ARG_TYPES]
+        self._pointers = (ctypes.c_void_p * len(self._slots))(
+            *[ctypes.cast(ctypes.byref(slot), ctypes.c_void_p) for slot in self._slots])
 
-    def __call__(self, grid, args) -> None:
-        values = [t(a) for t, a in zip(self.arg_types, args)]
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        stream = torch.cuda.current_stream()
-        status = self.libcuda.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32, 1, 1, self.shared_bytes,
-                                             ctypes.c_void_p(stream.cuda_stream), pointers, None)
+    def __call__(self, grid: tuple[int, int], args: list) -> None:
+        for slot, value in zip(self._slots, args):
+            slot.value = value
+        status = self.libcuda.cuLaunchKernel(self.function, grid[0], grid[1], 1, 32, 1, 1, self.shared_bytes,
+                                             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                                             self._pointers, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {status}")
 
-
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARG_TYPES = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P] + [_I] * 10 + [_F]
+    def resident_programs(self) -> int:
+        """Programs of this kernel that fit on one multiprocessor (registers, shared memory)."""
+        count = ctypes.c_int()
+        status = self.libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(count), self.function, 32, ctypes.c_size_t(self.shared_bytes))
+        if status != 0:
+            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
+        return count.value
 
 
 def stage_bytes(dim: int) -> int:
     """Shared memory of one staged tile: codes of 64 keys and 64 values, and their (scale, zero) words."""
-    return 2 * 64 * dim // 4 + 2 * 64 * 4
+    return 2 * TILE * dim // 4 + 2 * TILE * 4
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, dim: int, stages: int = 4, min_warps_per_sm: int = 1, magic_planes: int = 0) -> _Kernel:
+def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> _Kernel:
+    """Compile (once per device, head_dim and config) and load the kernel on CUDA device `device_index`."""
     major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin(10 * major + minor, stages, min_warps_per_sm, magic_planes)
+    cubin = compile_cubin(10 * major + minor, config)
     with torch.cuda.device(device_index):
         module = torch.cuda._utils._cuda_load_module(cubin, [_KERNELS[dim]])
-    return _Kernel(module[_KERNELS[dim]].func, _ARG_TYPES, stages * stage_bytes(dim))
+    return _Kernel(module[_KERNELS[dim]].func, config.stages * stage_bytes(dim))
+
+
+@functools.lru_cache(maxsize=None)
+def resident_slots(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> int:
+    """Programs of the kernel resident on the whole device at once: one wave."""
+    kernel = load_kernel(device_index, dim, config)
+    return kernel.resident_programs() * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bool:
+    """Whether the kernel compiles and loads on this device (sm_80+ and libnvrtc); warns once if it does not."""
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
+    try:
+        for dim in _KERNELS:
+            load_kernel(device_index, dim, config)
+    except (OSError, RuntimeError) as error:
+        warnings.warn(f"OSCAR's CUDA history kernel is unavailable ({error}); the Triton kernel is used instead",
+                      stacklevel=2)
+        return False
+    return True
 
 
 def history_kernel_supports(query: torch.Tensor, history, mask, softcap, kv_heads: int) -> bool:
-    """Whether the CUDA kernel covers this call's history tier (see the module docstring)."""
-    if not query.is_cuda or torch.cuda.get_device_capability(query.device) < (8, 0):
+    """Whether this kernel covers a call's history tier (see the module docstring); `history` a
+    `attention.HistoryTensors`."""
+    if not query.is_cuda or history is None or not history.quantized:
         return False
     batch, q_heads, q_len, dim = query.shape
-    return (dim in _KERNELS and history is not None and history.quantized and history.bits == 2
-            and history.key_scale_zero.dtype == torch.float16 and history.value_scale_zero.dtype == torch.float16
-            and query.dtype in (torch.float16, torch.bfloat16) and mask is None and softcap is None
-            and (q_heads // kv_heads) * q_len <= MAX_ROWS and _code_layout_ok(history))
+    return (dim in _KERNELS and history.bits == 2 and history.key_scale_zero.dtype == torch.float16
+            and history.value_scale_zero.dtype == torch.float16 and query.dtype in (torch.float16, torch.bfloat16)
+            and mask is None and softcap is None and (q_heads // kv_heads) * q_len <= MAX_ROWS
+            and _code_layout_ok(history))
 
 
 def _code_layout_ok(history) -> bool:
@@ -142,40 +203,46 @@ def _code_layout_ok(history) -> bool:
             and all(x.data_ptr() % 16 == 0 for x in (k, v, kz, vz)))
 
 
+def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
+                 config: CudaHistoryConfig = CudaHistoryConfig()) -> SplitPlan:
+    """`plan` with its history cut for this kernel: splits of whole 64-token tiles, as many per KV head row
+    (`kv_rows` = batch x KV heads x row blocks) as fill `config.waves` waves of `slots` resident programs."""
+    if history_len <= 0:
+        return replace(plan, block_n_history=TILE, history_splits=0, history_split_len=TILE)
+    wanted = max(1, min(config.max_splits, config.waves * slots // kv_rows, triton.cdiv(history_len, TILE)))
+    length = triton.cdiv(triton.cdiv(history_len, wanted), TILE) * TILE
+    return replace(plan, block_n_history=TILE, history_splits=triton.cdiv(history_len, length),
+                   history_split_len=length)
+
+
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
-                     partial_out: torch.Tensor, partial_lse: torch.Tensor, stages: int = 4,
-                     min_warps_per_sm: int = 1, magic_planes: int = 0) -> None:
-    """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (layout of
-    `attention.attention_partials`); `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`)."""
+                     partial_out: torch.Tensor, partial_lse: torch.Tensor,
+                     config: CudaHistoryConfig = CudaHistoryConfig()) -> None:
+    """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
+    `attention.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
+    `history` an `attention.HistoryTensors` that `history_kernel_supports`."""
     batch, q_heads, q_len, dim = rotated_query.shape
     if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
     if plan.block_n_history % TILE or plan.history_split_len % TILE:
         raise ValueError(f"history splits must be multiples of {TILE} tokens, got {plan.history_split_len}")
+    if plan.history_splits == 0:
+        return
     keys, values = history.keys, history.values
     kz = history.key_scale_zero.view(torch.int32)
     vz = history.value_scale_zero.view(torch.int32)
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
-    kernel = _kernel(rotated_query.device.index if rotated_query.device.index is not None
-                     else torch.cuda.current_device(), dim, stages, min_warps_per_sm, magic_planes)
+    device = rotated_query.device
+    kernel = load_kernel(device.index if device.index is not None else torch.cuda.current_device(), dim, config)
     args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
             keys.stride(2), history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
-    with torch.cuda.device(rotated_query.device):
-        kernel((plan.history_splits, batch * kv_heads, 1), args)
-
-
-def resident_programs(device_index: int, dim: int, stages: int = 4, min_warps_per_sm: int = 1,
-                      magic_planes: int = 0) -> int:
-    """Programs (one warp each) of this kernel variant that fit on one multiprocessor (registers, shared memory)."""
-    kernel = _kernel(device_index, dim, stages, min_warps_per_sm, magic_planes)
-    count = ctypes.c_int()
-    status = kernel.libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(count), kernel.function, 32,
-                                                                         ctypes.c_size_t(kernel.shared_bytes))
-    if status != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
-    return count.value
+    if device.index is None or device.index == torch.cuda.current_device():
+        kernel((plan.history_splits, batch * kv_heads), args)
+    else:
+        with torch.cuda.device(device):
+            kernel((plan.history_splits, batch * kv_heads), args)

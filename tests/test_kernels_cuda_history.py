@@ -1,0 +1,159 @@
+"""The CUDA history kernel (`oscar_hf/kernels/int2_history.cu`).
+
+On CPU: its source compiles (NVRTC, when libnvrtc is installed: `pip install nvidia-cuda-nvrtc`) for sm_80 and
+sm_90 without spilling registers, and its split rule. On a CUDA device: decode steps through it against the Triton
+kernel and the reference (same tolerances as tests/test_kernels_attention.py), pinned histories, graph capture.
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the kernels need triton")
+
+from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.history import QuantizedHistory  # noqa: E402
+from oscar_hf.kernels import cuda_history  # noqa: E402
+from oscar_hf.kernels.launch_plan import SplitPlan  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+
+
+def _nvrtc_missing() -> bool:
+    try:
+        cuda_history._nvrtc()
+    except OSError:
+        return True
+    return False
+
+
+def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
+    """Per kernel: registers, stack and local bytes (`cuobjdump -res-usage`, Triton's bundled copy)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    found = re.findall(r"Function (\w+):\s+REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    return {name: dict(registers=int(r), stack=int(s), local=int(lo)) for name, r, s, lo in found}
+
+
+@pytest.mark.skipif(_nvrtc_missing(), reason="needs libnvrtc (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
+                                    cuda_history.CudaHistoryConfig(stages=3, min_warps_per_sm=12, magic_planes=0)])
+def test_source_compiles_without_spills(arch, config):
+    resources = _resources(cuda_history.compile_cubin(arch, config))
+    assert set(resources) == {"int2_history_partials_d64", "int2_history_partials_d128"}
+    for name, r in resources.items():
+        assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
+        assert r["registers"] * 32 * config.min_warps_per_sm <= 65536, f"{name}: {r['registers']} registers"
+
+
+def test_history_plan_cuts_whole_tiles_and_fills_one_wave():
+    base = SplitPlan(8, 1, 128, 2, 192, 9, 512)
+    config = cuda_history.CudaHistoryConfig()
+    for tokens in (1, 63, 64, 65, 5000, 100_000):
+        for rows in (8, 64, 256):
+            plan = cuda_history.plan_history(base, tokens, rows, 1056, config)
+            assert (plan.dense_splits, plan.dense_split_len) == (2, 192)
+            assert plan.block_n_history == 64 and plan.history_split_len % 64 == 0
+            assert plan.history_splits * plan.history_split_len >= tokens
+            assert (plan.history_splits - 1) * plan.history_split_len < tokens
+            assert rows * plan.history_splits <= max(1056, rows)  # never a partial second wave
+            assert plan.history_splits <= config.max_splits
+    assert cuda_history.plan_history(base, 100_000, 64, 1056, config).history_splits == 16
+    assert cuda_history.plan_history(base, 0, 64, 1056, config).history_splits == 0
+
+
+def test_cpu_calls_do_not_qualify():
+    history = QuantizedHistory(1, 2, 64, 64, OscarConfig(), torch.device("cpu"))
+    assert not cuda_history.history_kernel_supports(torch.zeros(1, 4, 1, 64), history, None, None, 2)
+
+
+# ------------------------------------------------------------------------------------------ on the GPU
+gpu = pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel needs a CUDA device")
+BATCH, KV_HEADS, HISTORY, DENSE, SINK = 3, 8, 5000, 330, 5
+
+
+def _case(dim, groups, q_len, per_head, tokens=HISTORY):
+    device = torch.device("cuda")
+    shape = (KV_HEADS, dim, dim) if per_head else (dim, dim)
+    rotations = [torch.linalg.qr(torch.randn(shape, dtype=torch.float64))[0].float().to(device) for _ in range(2)]
+    history = QuantizedHistory(BATCH, KV_HEADS, dim, dim, OscarConfig(), device)
+    keys = (torch.randn(BATCH, KV_HEADS, tokens, dim, device=device) * 1.5).bfloat16()
+    values = torch.randn(BATCH, KV_HEADS, tokens, dim, device=device).bfloat16()
+    history.append(keys, values, *rotations, ReferenceBackend())
+    query = (torch.randn(BATCH, KV_HEADS * groups, q_len, dim, device=device) * 1.5).bfloat16()
+    dense = [torch.randn(BATCH, KV_HEADS, DENSE + q_len, dim, device=device).bfloat16() for _ in range(2)]
+    return rotations, history, query, dense
+
+
+def _relative(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@gpu
+@pytest.mark.parametrize("dim,groups,q_len,per_head", [(128, 4, 1, False), (64, 4, 1, True), (128, 2, 3, False),
+                                                       (128, 8, 1, True), (64, 1, 1, False)])
+def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, monkeypatch):
+    from oscar_hf.kernels.backend import TritonBackend
+
+    rotations, history, query, (keys, values) = _case(dim, groups, q_len, per_head)
+    calls = []
+    launch = cuda_history.history_partials
+    monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    scaling = dim**-0.5
+    outs = []
+    for enabled in (True, False):
+        out = torch.full((BATCH, q_len, query.shape[1], dim), float("nan"), dtype=query.dtype, device="cuda")
+        TritonBackend(cuda_history=enabled).tiered_attention(query, keys, values, None, history, SINK, *rotations,
+                                                             scaling, out=out)
+        outs.append(out)
+    assert len(calls) == 1, "the CUDA kernel did not run"
+    ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
+    assert torch.isfinite(outs[0]).all()
+    assert _relative(outs[0], outs[1]) < 2e-3
+    assert _relative(outs[0], ref) < 1.5e-2
+
+
+@gpu
+def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
+    """A pinned history (length read from the device, splits cut for the capacity): the CUDA partials equal
+    the Triton ones to the kernels' tolerance, also when replayed from a CUDA graph after the history grew."""
+    from oscar_hf.kernels.backend import TritonBackend
+
+    rotations, history, query, (keys, values) = _case(128, 4, 1, False, tokens=3001)
+    history.pin(8192)
+    scaling = 128**-0.5
+    cuda, plain = TritonBackend(cuda_history=True), TritonBackend(cuda_history=False)
+    out = torch.empty((BATCH, 1, query.shape[1], 128), dtype=query.dtype, device="cuda")
+    cuda.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, out=out)
+    more = torch.randn(BATCH, KV_HEADS, 700, 128, device="cuda").bfloat16()
+    history.append(more, more, *rotations, ReferenceBackend())
+    graph.replay()
+    want = plain.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
+    assert _relative(out, want) < 2e-3
+
+
+@gpu
+def test_unsupported_calls_fall_back_to_triton(monkeypatch):
+    """A mask, a softcap or more than 8 rows per KV head: the Triton kernel runs the history."""
+    from oscar_hf.kernels.backend import TritonBackend
+
+    rotations, history, query, (keys, values) = _case(128, 4, 3, False)
+    monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: pytest.fail("CUDA kernel ran"))
+    TritonBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)  # 12 rows
+    one = query[:, :, :1]
+    TritonBackend().tiered_attention(one, keys[:, :, :-2], values[:, :, :-2], None, history, SINK, *rotations, 0.1,
+                                     softcap=30.0)
