@@ -185,12 +185,14 @@ def test_rejects_what_it_cannot_decode():
 
 def _assert_greedy_tokens_or_a_near_tie(model, ids, mask, options, tokens):
     """`tokens` are `model.generate`'s greedy tokens through an OscarCache with the attention mask, except that
-    from the first step where they differ on, that step's top two logits must tie within two units in the last
-    place of the model dtype (bfloat16), the graphed token being the runner-up.
+    from the first step where they differ on: there the graphed token's logit must tie the greedy one within two
+    units in the last place of the model dtype (bfloat16).
 
     The masked reference cuts its splits for the history's length, the graphed steps for its pinned capacity:
     the same attention summed in another order (H200 run 27: a bfloat16 tie at step 66 of 120 flipped when the
-    split plan changed). float32 models must match exactly."""
+    split plan changed; run 42: the unmasked steps' history ran on the CUDA kernel, the masked reference's on the
+    Triton one, and a bfloat16 tie of more than two tokens flipped to the third). float32 models must match
+    exactly."""
     new_tokens = tokens.shape[1] - ids.shape[1]
     ref, _ = _reference_tokens(model, ids, new_tokens, options, attention_mask=mask, min_new_tokens=new_tokens,
                                output_scores=True, return_dict_in_generate=True)
@@ -200,10 +202,10 @@ def _assert_greedy_tokens_or_a_near_tie(model, ids, mask, options, tokens):
     row, col = differ[0].tolist()
     assert model.dtype == torch.bfloat16, f"float32 tokens differ at row {row}, position {col}"
     logits = ref.scores[col - ids.shape[1]][row].float()
-    top2 = logits.topk(2)
-    ulp = 2.0 ** (torch.floor(torch.log2(top2.values[0].abs())) - 7)
-    assert top2.values[0] - top2.values[1] <= 2 * ulp, f"no near-tie at row {row}, position {col}: {top2}"
-    assert tokens[row, col] == top2.indices[1]
+    best = logits.max()
+    ulp = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)
+    gap = best - logits[tokens[row, col]]
+    assert gap <= 2 * ulp, f"no near-tie at row {row}, position {col}: {gap.item()} below the greedy logit"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")

@@ -105,8 +105,13 @@ def main():
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--programs", default="20", help="programs per SM to plan splits for (CUDA kernel)")
     parser.add_argument("--variants", default="4:8:0:0", help="CUDA kernel stages:min warps:magic planes:waves, ...")
+    parser.add_argument("--end-to-end", default=None,
+                        help="time whole decode calls (bench/attention.py's Case) for these CudaHistoryConfig "
+                             "variants, 'stages:warps:magic:meta;...', against the Triton-only backend")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.end_to_end:
+        return end_to_end([tuple(int(x) for x in v.split(":")) for v in args.end_to_end.split(";")])
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
     print("| check | splits | partial out rel err | lse max abs err | merged rel err | -inf agree | NaN |")
     print("|---|---:|---:|---:|---:|---|---:|")
@@ -164,6 +169,33 @@ def main():
               + f" | {times[0] / best:.2f}x | {nbytes / best / 1e3:.0f} |", flush=True)
         del history, buffers, calls
         torch.cuda.empty_cache()
+
+
+def end_to_end(variants):
+    """Whole decode calls (BF16 tiers, rotation, history, merge) on bench/attention.py's cases, graph-timed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from attention import Case, graphed  # noqa: E402
+
+    backends = [("Triton only", TritonBackend(cuda_history=False))] + [
+        (f"CUDA {s}st/{w}w/m{m}/meta{e}", TritonBackend(cuda_history=True, cuda_history_config=CudaHistoryConfig(
+            s, w, m, meta_mma=bool(e)))) for s, w, m, e in variants]
+    print("| d | ctx | bs | " + " | ".join(f"{name} us" for name, _ in backends) + " | error vs reference |")
+    print("|---:|---:|---:|" + "---:|" * len(backends) + "---|")
+    for dim in (128, 64):
+        for context in (4096, 32768, 100_000):
+            for batch in (1, 8, 32):
+                case = Case(batch, context, dim, backends[0][1])
+                times = [do_bench(graphed(lambda b=b: case.oscar(b)), warmup=10, rep=50, return_mode="median") * 1e3
+                         for _, b in backends]
+                errors = ""
+                if (context, batch) in ((4096, 8), (100_000, 8)):
+                    ref = case.reference()
+                    errors = ", ".join(f"{((case.oscar(b).float() - ref).norm() / ref.norm()).item():.1e}"
+                                       for _, b in backends)
+                print(f"| {dim} | {context} | {batch} | " + " | ".join(f"{x:.1f}" for x in times) + f" | {errors} |",
+                      flush=True)
+                del case
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

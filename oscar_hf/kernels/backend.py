@@ -161,7 +161,7 @@ class TritonBackend(ReferenceBackend):
         hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
-        cuda = self._use_cuda_history(query, tensors, mask, softcap, kv_heads)
+        cuda = self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
         if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
             plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
                                              self._cuda_slots(query.device, dim), self.cuda_history_config)
@@ -183,11 +183,11 @@ class TritonBackend(ReferenceBackend):
                                    hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
                                    dense_only=True)
             if rotating:
-                rotate_query(query, key_rotation, history_query)
+                rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
             else:
                 history_query.copy_(query)
             cuda_history.history_partials(history_query, tensors, plan, scaling, kv_heads, partial_out, partial_lse,
-                                          self.cuda_history_config)
+                                          self.cuda_history_config, dependent=dependent and rotating)
         else:
             if rotating:
                 rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
@@ -197,8 +197,10 @@ class TritonBackend(ReferenceBackend):
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
 
-    def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads) -> bool:
+    def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
+            return False
+        if query.shape[0] * kv_heads * hist_len * (query.shape[-1] // 2 + 8) < self.cuda_history_config.min_history_bytes:
             return False
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
         return cuda_history.available(index, self.cuda_history_config)

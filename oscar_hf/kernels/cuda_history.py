@@ -45,6 +45,10 @@ class CudaHistoryConfig:
     waves: history splits fill this many waves of resident programs (run 41: one wave, 170.6 us at 100k/bs8,
         against 202 with the Triton plan's 20 programs per SM).
     max_splits: cap on history splits per KV head row.
+    meta_mma: the zero-point term and the sum of p*scale on the tensor cores (a 17th value m-tile) instead of
+        float32 sums in each lane.
+    min_history_bytes: calls whose history (codes + scale/zero of every row) is smaller run on the Triton
+        kernel, which launches one kernel fewer.
     """
 
     stages: int = 4
@@ -52,6 +56,8 @@ class CudaHistoryConfig:
     magic_planes: int = 0b1100
     waves: int = 1
     max_splits: int = 128
+    meta_mma: bool = True
+    min_history_bytes: int = 0
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -85,7 +91,8 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-default-device", f"-DSTAGES={config.stages}",
-               f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}"]
+               f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}",
+               f"-DMETA_MMA={int(config.meta_mma)}"]
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         if lib.nvrtcCompileProgram(prog, len(options), array) != 0:
@@ -114,9 +121,28 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 10 + [_F]
 
 
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class _Kernel:
     """A loaded CUDA function with reusable ctypes argument slots, launched (32 threads per program) on the
-    current stream: capturable into CUDA graphs."""
+    current stream, optionally as a programmatic dependent of the kernel queued before it (cuLaunchKernelEx):
+    capturable into CUDA graphs."""
 
     def __init__(self, function: ctypes.c_void_p, shared_bytes: int):
         self.function = function
@@ -125,15 +151,21 @@ class _Kernel:
         self._slots = [t() for t in _ARG_TYPES]
         self._pointers = (ctypes.c_void_p * len(self._slots))(
             *[ctypes.cast(ctypes.byref(slot), ctypes.c_void_p) for slot in self._slots])
+        self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attribute.value.programmatic_stream_serialization = 1
+        self._config = _LaunchConfig(block_x=32, block_y=1, block_z=1, grid_z=1, shared_bytes=shared_bytes,
+                                     attrs=ctypes.pointer(self._attribute))
 
-    def __call__(self, grid: tuple[int, int], args: list) -> None:
+    def __call__(self, grid: tuple[int, int], args: list, dependent: bool = False) -> None:
         for slot, value in zip(self._slots, args):
             slot.value = value
-        status = self.libcuda.cuLaunchKernel(self.function, grid[0], grid[1], 1, 32, 1, 1, self.shared_bytes,
-                                             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                                             self._pointers, None)
+        config = self._config
+        config.grid_x, config.grid_y = grid
+        config.stream = torch.cuda.current_stream().cuda_stream
+        config.num_attrs = 1 if dependent else 0
+        status = self.libcuda.cuLaunchKernelEx(ctypes.byref(config), self.function, self._pointers, None)
         if status != 0:
-            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {status}")
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {status}")
 
     def resident_programs(self) -> int:
         """Programs of this kernel that fit on one multiprocessor (registers, shared memory)."""
@@ -217,10 +249,12 @@ def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
 
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor,
-                     config: CudaHistoryConfig = CudaHistoryConfig()) -> None:
+                     config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
     `attention.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
-    `history` an `attention.HistoryTensors` that `history_kernel_supports`."""
+    `history` an `attention.HistoryTensors` that `history_kernel_supports`. `dependent`: launch as a
+    programmatic dependent of the kernel queued just before (`rotate_query(launch_dependents=True)`, which wrote
+    `rotated_query`): the programs start staging codes at once and wait for it before reading the query."""
     batch, q_heads, q_len, dim = rotated_query.shape
     if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
@@ -242,7 +276,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             keys.stride(2), history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
     if device.index is None or device.index == torch.cuda.current_device():
-        kernel((plan.history_splits, batch * kv_heads), args)
+        kernel((plan.history_splits, batch * kv_heads), args, dependent)
     else:
         with torch.cuda.device(device):
-            kernel((plan.history_splits, batch * kv_heads), args)
+            kernel((plan.history_splits, batch * kv_heads), args, dependent)

@@ -24,6 +24,11 @@ typedef unsigned int u32;
 // plane 0 then reads the byte's copy in the high half of each 16-bit lane, as 1 + code/4: -DMAGIC_PLANES=...
 #define MAGIC_PLANES 0
 #endif
+#ifndef META_MMA
+// 1: the zero-point term and the sum of p*scale come from a 17th value m-tile on the tensor cores (row 0: the
+// tokens' zero points, row 8: ones); 0: float32 sums of the rounded p*scale in each lane: -DMETA_MMA=...
+#define META_MMA 1
+#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -97,7 +102,8 @@ struct Tile {
     u32 key[4][2][KW];                 // [j][half]: token 16j + 8*half + g, bytes [KB*t, KB*t + KB)
     u32 value[4][4];                   // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
     u32 key_sz[4][2];                  // (scale, zero) words of the key rows' tokens
-    u32 value_sz[4][2];
+    u32 value_sz[4][2];                // ... and their value (scale, zero) words
+    uint2 value_pair_sz[4][2];         // META_MMA: [j][+0/+8] value (scale, zero) of tokens 16j + 2t + {0, 1} (+8)
 };
 
 // One tile's stage in shared memory: [key codes 64 x D/4 | value codes 64 x D/4 | key (scale, zero) x 64 | value
@@ -187,6 +193,11 @@ __device__ __forceinline__ void read_tile(Tile<D>& tile, const unsigned char* st
             tile.key_sz[j][half] = key_sz[row];
             tile.value_sz[j][half] = value_sz[row];
         }
+        if (META_MMA) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+                tile.value_pair_sz[j][k] = *reinterpret_cast<const uint2*>(value_sz + 16 * j + 8 * k + 2 * t);
+        }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int row = 16 * j + 2 * t + (u & 1) + 8 * (u >> 1);
@@ -202,7 +213,7 @@ __device__ __forceinline__ void read_tile(Tile<D>& tile, const unsigned char* st
 
 __device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) {
     scale = half_lo(word);
-    zero = half_hi(word) - 2.0f;  // centred like the codes
+    zero = half_hi(word);  // not centred: the caller folds the centre 2 into its per-row terms
 }
 
 // Plane c of a value pair register: centred codes (code - 2), or with the magic number kept (`MAGIC_PLANES`)
@@ -224,8 +235,10 @@ __device__ __forceinline__ float value_offset(int c) {
 template <int D>
 struct State {
     float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x rows, rotated basis, centred codes
-    float m[2], l[2], z[2];   // rows 2t, 2t+1: running max (log2), lane part of the sum and of the zero-point term
-    float pv[2];              // lane part of the sum of p*scale (rounded), for `MAGIC_PLANES`
+    // META_MMA: C fragment of a 17th value m-tile (row 0: sum_t pv_t zero_t, row 8: sum_t pv_t, lanes g = 0);
+    // else the lane parts of those sums for rows 2t, 2t+1 ([0], [1]: zero term; [2], [3]: sum)
+    float meta[4];
+    float m[2], l[2];         // rows 2t, 2t+1: running max (log2), lane part of the sum
 };
 
 // One 64-token tile: scores, online softmax, values; `qb` the query's B fragments, `row_sum` / `row_off` the
@@ -283,21 +296,37 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
         for (int i = 0; i < 4; ++i) {
             const int r = i & 1;
             const float p = exp2_approx(s[j][i] - st.m[r]);
-            float scale, zero;
-            scale_zero(cur.value_sz[j][i >> 1], scale, zero);
-            pv[i] = round_half(p * scale);
+            pv[i] = p * half_lo(cur.value_sz[j][i >> 1]);  // p * value scale, rounded to float16 by the packing
             p_sum[r] += p;
-            z_sum[r] += pv[i] * zero;
-            if (MAGIC_PLANES) pv_sum[r] += pv[i];
+            if (!META_MMA) {
+                pv[i] = round_half(pv[i]);
+                z_sum[r] += pv[i] * half_hi(cur.value_sz[j][i >> 1]);
+                pv_sum[r] += pv[i];
+            }
         }
         pb[j][0] = transpose8x8(pack_half2(pv[0], pv[1]));
         pb[j][1] = transpose8x8(pack_half2(pv[2], pv[3]));
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        st.l[r] = st.l[r] * alpha[r] + p_sum[r];
-        st.z[r] = st.z[r] * alpha[r] + z_sum[r];
-        if (MAGIC_PLANES) st.pv[r] = st.pv[r] * alpha[r] + pv_sum[r];
+    for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * alpha[r] + p_sum[r];
+    if (META_MMA) {
+        // A row 0 (lanes g = 0, registers a0/a2): the tokens' value zero points; row 8 (a1/a3): ones; other rows 0
+        const u32 ones = g == 0 ? 0x3C003C00u : 0u;
+        float tile_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 lo = g == 0 ? byte_perm(cur.value_pair_sz[j][0].x, cur.value_pair_sz[j][0].y, 0x7632) : 0u;
+            const u32 hi = g == 0 ? byte_perm(cur.value_pair_sz[j][1].x, cur.value_pair_sz[j][1].y, 0x7632) : 0u;
+            mma16816(tile_acc, lo, ones, hi, ones, pb[j][0], pb[j][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st.meta[i] = fmaf(st.meta[i], alpha[i & 1], tile_acc[i]);
+    } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            st.meta[r] = st.meta[r] * alpha[r] + z_sum[r];
+            st.meta[2 + r] = st.meta[2 + r] * alpha[r] + pv_sum[r];
+        }
     }
     // values: out[features x rows] += codesᵀ @ pᵀ, each tile summed from zero (the tensor cores truncate)
 #pragma unroll
@@ -365,6 +394,39 @@ __device__ void history_partials(
     const int lo = split * split_len;
     const int hi = min(lo + split_len, length);
 
+    const unsigned char* kc = key_codes + (long long)b * skb + (long long)kvh * skh;
+    const unsigned char* vc = value_codes + (long long)b * svb + (long long)kvh * svh;
+    const u32* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
+    const u32* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
+
+    State<D> st;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int h = 0; h < H; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) st.acc[c][h][i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.meta[i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.m[r] = NEG_INF;
+        st.l[r] = 0.0f;
+    }
+
+    // STAGES - 1 tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to
+    extern __shared__ __align__(16) unsigned char stages[];
+    const u32 stages_at = shared_address(stages);
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        if (lo + 64 * k < hi) copy_tile<D>(stages_at + k * Stage<D>::BYTES, kc, vc, kz, vz, lo + 64 * k, hi, lane);
+        commit_copies();
+    }
+#if __CUDA_ARCH__ >= 900
+    // launched as a programmatic dependent of the query rotation: its output is read from here on (the codes
+    // above were written by kernels that finished before the rotation started)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     // rotated query of row g (the MMA's B: k = permuted features, n = row), scaled and rounded to float16
     u32 qb[4][KW][2];
     float q_sum = 0.0f, q_off = 0.0f;
@@ -394,7 +456,7 @@ __device__ void history_partials(
         q_sum += __shfl_xor_sync(0xffffffffu, q_sum, 2);
         q_off += __shfl_xor_sync(0xffffffffu, q_off, 1);
         q_off += __shfl_xor_sync(0xffffffffu, q_off, 2);
-        q_off += 2.0f * q_sum;
+        // q_off: what the folded key planes (2^(10-2c) + code) add to q . code; raw zero points need no centre
     }
     // this lane's score columns are rows 2t and 2t+1
     float row_sum[2], row_off[2];
@@ -404,34 +466,6 @@ __device__ void history_partials(
         row_off[r] = __shfl_sync(0xffffffffu, q_off, (2 * t + r) * 4);
     }
 
-    const unsigned char* kc = key_codes + (long long)b * skb + (long long)kvh * skh;
-    const unsigned char* vc = value_codes + (long long)b * svb + (long long)kvh * svh;
-    const u32* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
-    const u32* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
-
-    State<D> st;
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int h = 0; h < H; ++h)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) st.acc[c][h][i] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        st.m[r] = NEG_INF;
-        st.l[r] = 0.0f;
-        st.z[r] = 0.0f;
-        st.pv[r] = 0.0f;
-    }
-
-    // STAGES - 1 tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to
-    extern __shared__ __align__(16) unsigned char stages[];
-    const u32 stages_at = shared_address(stages);
-#pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) {
-        if (lo + 64 * k < hi) copy_tile<D>(stages_at + k * Stage<D>::BYTES, kc, vc, kz, vz, lo + 64 * k, hi, lane);
-        commit_copies();
-    }
     int stage = 0;
     for (int t0 = lo; t0 < hi; t0 += 64) {
         wait_copies<STAGES - 2>();
@@ -448,18 +482,23 @@ __device__ void history_partials(
     float (&acc)[4][H][4] = st.acc;
     float (&m_i)[2] = st.m;
     float (&l_i)[2] = st.l;
-    float (&z_i)[2] = st.z;
-    float (&pv_i)[2] = st.pv;
 
-    // the lane sums of l and of the zero-point term over the 8 token groups
+    // l, and without META_MMA the zero term and sum of p*scale: lane sums over the 8 token groups; with it, those
+    // two from lane t (g = 0: meta rows 0 and 8)
+    float z_i[2], pv_i[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int x = 4; x < 32; x <<= 1) {
             l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], x);
-            z_i[r] += __shfl_xor_sync(0xffffffffu, z_i[r], x);
-            if (MAGIC_PLANES) pv_i[r] += __shfl_xor_sync(0xffffffffu, pv_i[r], x);
+            if (!META_MMA) {
+                st.meta[r] += __shfl_xor_sync(0xffffffffu, st.meta[r], x);
+                st.meta[2 + r] += __shfl_xor_sync(0xffffffffu, st.meta[2 + r], x);
+            }
         }
+        z_i[r] = META_MMA ? __shfl_sync(0xffffffffu, st.meta[r], t) : st.meta[r];
+        pv_i[r] = META_MMA ? __shfl_sync(0xffffffffu, st.meta[2 + r], t) : st.meta[2 + r];
+        z_i[r] -= 2.0f * pv_i[r];  // centred zero points
     }
     const int hq = kvh * groups;
     const int heads = kv_heads * groups;
