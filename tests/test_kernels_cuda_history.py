@@ -81,6 +81,7 @@ def test_cpu_calls_do_not_qualify():
 # ------------------------------------------------------------------------------------------ on the GPU
 gpu = pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel needs a CUDA device")
 BATCH, KV_HEADS, HISTORY, DENSE, SINK = 3, 8, 5000, 330, 5
+ALWAYS = cuda_history.CudaHistoryConfig(min_kv_rows=0, min_history_bytes=0)  # these small calls too
 
 
 def _case(dim, groups, q_len, per_head, tokens=HISTORY):
@@ -114,8 +115,8 @@ def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, 
     outs = []
     for enabled in (True, False):
         out = torch.full((BATCH, q_len, query.shape[1], dim), float("nan"), dtype=query.dtype, device="cuda")
-        TritonBackend(cuda_history=enabled).tiered_attention(query, keys, values, None, history, SINK, *rotations,
-                                                             scaling, out=out)
+        TritonBackend(cuda_history=enabled, cuda_history_config=ALWAYS).tiered_attention(
+            query, keys, values, None, history, SINK, *rotations, scaling, out=out)
         outs.append(out)
     assert len(calls) == 1, "the CUDA kernel did not run"
     ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
@@ -133,7 +134,7 @@ def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
     rotations, history, query, (keys, values) = _case(128, 4, 1, False, tokens=3001)
     history.pin(8192)
     scaling = 128**-0.5
-    cuda, plain = TritonBackend(cuda_history=True), TritonBackend(cuda_history=False)
+    cuda, plain = TritonBackend(cuda_history=True, cuda_history_config=ALWAYS), TritonBackend(cuda_history=False)
     out = torch.empty((BATCH, 1, query.shape[1], 128), dtype=query.dtype, device="cuda")
     cuda.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, out=out)
     graph = torch.cuda.CUDAGraph()
@@ -147,13 +148,15 @@ def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
 
 
 @gpu
-def test_unsupported_calls_fall_back_to_triton(monkeypatch):
-    """A mask, a softcap or more than 8 rows per KV head: the Triton kernel runs the history."""
+def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
+    """A softcap, more than 8 rows per KV head, or (default config) fewer than 64 batch x KV head rows: the
+    Triton kernel runs the history."""
     from oscar_hf.kernels.backend import TritonBackend
 
     rotations, history, query, (keys, values) = _case(128, 4, 3, False)
     monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: pytest.fail("CUDA kernel ran"))
-    TritonBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)  # 12 rows
-    one = query[:, :, :1]
-    TritonBackend().tiered_attention(one, keys[:, :, :-2], values[:, :, :-2], None, history, SINK, *rotations, 0.1,
-                                     softcap=30.0)
+    always = TritonBackend(cuda_history_config=ALWAYS)
+    always.tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)  # 12 rows per KV head
+    one, k1, v1 = query[:, :, :1], keys[:, :, :-2], values[:, :, :-2]
+    always.tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1, softcap=30.0)
+    TritonBackend().tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1)  # 24 rows < 64

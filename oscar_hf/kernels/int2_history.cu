@@ -24,11 +24,6 @@ typedef unsigned int u32;
 // plane 0 then reads the byte's copy in the high half of each 16-bit lane, as 1 + code/4: -DMAGIC_PLANES=...
 #define MAGIC_PLANES 0
 #endif
-#ifndef META_MMA
-// 1: the zero-point term and the sum of p*scale come from a 17th value m-tile on the tensor cores (row 0: the
-// tokens' zero points, row 8: ones); 0: float32 sums of the rounded p*scale in each lane: -DMETA_MMA=...
-#define META_MMA 1
-#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -103,7 +98,6 @@ struct Tile {
     u32 value[4][4];                   // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
     u32 key_sz[4][2];                  // (scale, zero) words of the key rows' tokens
     u32 value_sz[4][2];                // ... and their value (scale, zero) words
-    uint2 value_pair_sz[4][2];         // META_MMA: [j][+0/+8] value (scale, zero) of tokens 16j + 2t + {0, 1} (+8)
 };
 
 // One tile's stage in shared memory: [key codes 64 x D/4 | value codes 64 x D/4 | key (scale, zero) x 64 | value
@@ -193,11 +187,6 @@ __device__ __forceinline__ void read_tile(Tile<D>& tile, const unsigned char* st
             tile.key_sz[j][half] = key_sz[row];
             tile.value_sz[j][half] = value_sz[row];
         }
-        if (META_MMA) {
-#pragma unroll
-            for (int k = 0; k < 2; ++k)
-                tile.value_pair_sz[j][k] = *reinterpret_cast<const uint2*>(value_sz + 16 * j + 8 * k + 2 * t);
-        }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int row = 16 * j + 2 * t + (u & 1) + 8 * (u >> 1);
@@ -235,9 +224,7 @@ __device__ __forceinline__ float value_offset(int c) {
 template <int D>
 struct State {
     float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x rows, rotated basis, centred codes
-    // META_MMA: C fragment of a 17th value m-tile (row 0: sum_t pv_t zero_t, row 8: sum_t pv_t, lanes g = 0);
-    // else the lane parts of those sums for rows 2t, 2t+1 ([0], [1]: zero term; [2], [3]: sum)
-    float meta[4];
+    float z[2], pv[2];        // lane parts of sum_t pv_t zero_t and of sum_t pv_t (pv = p * scale, rounded)
     float m[2], l[2];         // rows 2t, 2t+1: running max (log2), lane part of the sum
 };
 
@@ -296,37 +283,21 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
         for (int i = 0; i < 4; ++i) {
             const int r = i & 1;
             const float p = exp2_approx(s[j][i] - st.m[r]);
-            pv[i] = p * half_lo(cur.value_sz[j][i >> 1]);  // p * value scale, rounded to float16 by the packing
+            float scale, zero;
+            scale_zero(cur.value_sz[j][i >> 1], scale, zero);
+            pv[i] = round_half(p * scale);
             p_sum[r] += p;
-            if (!META_MMA) {
-                pv[i] = round_half(pv[i]);
-                z_sum[r] += pv[i] * half_hi(cur.value_sz[j][i >> 1]);
-                pv_sum[r] += pv[i];
-            }
+            z_sum[r] += pv[i] * zero;
+            pv_sum[r] += pv[i];
         }
         pb[j][0] = transpose8x8(pack_half2(pv[0], pv[1]));
         pb[j][1] = transpose8x8(pack_half2(pv[2], pv[3]));
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * alpha[r] + p_sum[r];
-    if (META_MMA) {
-        // A row 0 (lanes g = 0, registers a0/a2): the tokens' value zero points; row 8 (a1/a3): ones; other rows 0
-        const u32 ones = g == 0 ? 0x3C003C00u : 0u;
-        float tile_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 lo = g == 0 ? byte_perm(cur.value_pair_sz[j][0].x, cur.value_pair_sz[j][0].y, 0x7632) : 0u;
-            const u32 hi = g == 0 ? byte_perm(cur.value_pair_sz[j][1].x, cur.value_pair_sz[j][1].y, 0x7632) : 0u;
-            mma16816(tile_acc, lo, ones, hi, ones, pb[j][0], pb[j][1]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) st.meta[i] = fmaf(st.meta[i], alpha[i & 1], tile_acc[i]);
-    } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            st.meta[r] = st.meta[r] * alpha[r] + z_sum[r];
-            st.meta[2 + r] = st.meta[2 + r] * alpha[r] + pv_sum[r];
-        }
+    for (int r = 0; r < 2; ++r) {
+        st.l[r] = st.l[r] * alpha[r] + p_sum[r];
+        st.z[r] = st.z[r] * alpha[r] + z_sum[r];
+        st.pv[r] = st.pv[r] * alpha[r] + pv_sum[r];
     }
     // values: out[features x rows] += codesᵀ @ pᵀ, each tile summed from zero (the tensor cores truncate)
 #pragma unroll
@@ -407,11 +378,9 @@ __device__ void history_partials(
 #pragma unroll
             for (int i = 0; i < 4; ++i) st.acc[c][h][i] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) st.meta[i] = 0.0f;
-#pragma unroll
     for (int r = 0; r < 2; ++r) {
         st.m[r] = NEG_INF;
-        st.l[r] = 0.0f;
+        st.l[r] = st.z[r] = st.pv[r] = 0.0f;
     }
 
     // STAGES - 1 tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to
@@ -483,22 +452,18 @@ __device__ void history_partials(
     float (&m_i)[2] = st.m;
     float (&l_i)[2] = st.l;
 
-    // l, and without META_MMA the zero term and sum of p*scale: lane sums over the 8 token groups; with it, those
-    // two from lane t (g = 0: meta rows 0 and 8)
+    // the lane parts of l, of the zero-point term and of sum pv, summed over the 8 token groups
     float z_i[2], pv_i[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int x = 4; x < 32; x <<= 1) {
             l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], x);
-            if (!META_MMA) {
-                st.meta[r] += __shfl_xor_sync(0xffffffffu, st.meta[r], x);
-                st.meta[2 + r] += __shfl_xor_sync(0xffffffffu, st.meta[2 + r], x);
-            }
+            st.z[r] += __shfl_xor_sync(0xffffffffu, st.z[r], x);
+            st.pv[r] += __shfl_xor_sync(0xffffffffu, st.pv[r], x);
         }
-        z_i[r] = META_MMA ? __shfl_sync(0xffffffffu, st.meta[r], t) : st.meta[r];
-        pv_i[r] = META_MMA ? __shfl_sync(0xffffffffu, st.meta[2 + r], t) : st.meta[2 + r];
-        z_i[r] -= 2.0f * pv_i[r];  // centred zero points
+        pv_i[r] = st.pv[r];
+        z_i[r] = st.z[r] - 2.0f * pv_i[r];  // centred zero points
     }
     const int hq = kvh * groups;
     const int heads = kv_heads * groups;
