@@ -60,7 +60,8 @@ def compile_stage1(dim: int, launch: LaunchConfig):
                       BLOCK_N=launch.block_n_dense, BLOCK_NQ=launch.block_n_history, HAS_MASK=False, MASK_BOOL=True,
                       IS_CAUSAL=False, HAS_SOFTCAP=False, DT=tl.float16, UPCAST_DOTS=False,
                       ASM_UNPACK=launch.asm_unpack, SZ_DT=tl.float16, TOKEN_MAJOR=launch.token_major,
-                      FOLD_K=launch.fold_key_offsets and launch.token_major, WAIT_ROTATION=True, LAUNCH_DEPENDENTS=True)
+                      FOLD_K=launch.fold_key_offsets and launch.token_major, WAIT_ROTATION=True, LAUNCH_DEPENDENTS=True,
+                      WAIT_AT_END=False)
     constexprs["BLOCK_M"] = launch.block_m  # decode rows: a GQA group of 4 fits any block
     values = decode_arguments(dim)
     unspecialized = set(kernel.do_not_specialize)

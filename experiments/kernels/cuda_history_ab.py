@@ -107,7 +107,7 @@ def main():
     parser.add_argument("--variants", default="4:8:0:0", help="CUDA kernel stages:min warps:magic planes:waves, ...")
     parser.add_argument("--end-to-end", default=None,
                         help="time whole decode calls (bench/attention.py's Case) for these CudaHistoryConfig "
-                             "variants, 'stages:warps:magic;...', against the Triton-only backend")
+                             "variants, 'stages:warps:magic:overlap_dense;...', against the Triton-only backend")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.end_to_end:
@@ -177,8 +177,10 @@ def end_to_end(variants):
     from attention import Case, graphed  # noqa: E402
 
     backends = [("Triton only", TritonBackend(cuda_history=False))] + [
-        (f"CUDA {s}st/{w}w/m{m}", TritonBackend(cuda_history=True, cuda_history_config=CudaHistoryConfig(
-            s, w, m, min_kv_rows=0, min_history_bytes=0))) for s, w, m in variants]
+        (f"CUDA {s}st/{w}w/m{m}/overlap{o}", TritonBackend(cuda_history=True, overlap_dense=bool(o),
+                                                            cuda_history_config=CudaHistoryConfig(
+                                                                s, w, m, min_kv_rows=0, min_history_bytes=0)))
+        for s, w, m, o in variants]
     print("| d | ctx | bs | " + " | ".join(f"{name} us" for name, _ in backends) + " | error vs reference |")
     print("|---:|---:|---:|" + "---:|" * len(backends) + "---|")
     for dim in (128, 64):

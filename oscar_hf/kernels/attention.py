@@ -395,6 +395,7 @@ def _attention_partials_kernel(
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
     FOLD_K: tl.constexpr, WAIT_ROTATION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_AT_END: tl.constexpr = False,
 ):
     if LAUNCH_DEPENDENTS:  # the merge (launched as a programmatic dependent) may start its prologue now
         gdc_launch_dependents()
@@ -426,6 +427,8 @@ def _attention_partials_kernel(
             b, kvh, h, qi, row_ok, lo, hi, first_key, Lq, Ld, gap_start, N, scaling, softcap,
             D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, IS_CAUSAL, HAS_SOFTCAP, UPCAST_DOTS)
         _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
+        if WAIT_AT_END:  # a dependent of the kernel before it: finish no earlier than it (the merge waits on this one)
+            gdc_wait()
     else:
         if WAIT_ROTATION:  # launched as a dependent of the query rotation: its output is read from here on
             gdc_wait()
@@ -518,6 +521,7 @@ def attention_partials(
     launch_dependents: bool = False,
     wait_for_rotation: bool = False,
     dense_only: bool = False,
+    overlap_prior: bool = False,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
@@ -529,7 +533,10 @@ def attention_partials(
     (`merge_splits(after_stage1=True)`); `wait_for_rotation`: launch as a programmatic dependent of the kernel
     queued just before (`rotate_query(launch_dependents=True)`, which wrote `rotated_query`): the dense splits
     start at once, the history splits wait for it. `dense_only`: launch the dense splits alone (another kernel,
-    `cuda_history.history_partials`, writes the history splits of the same buffers)."""
+    `cuda_history.history_partials`, writes the history splits of the same buffers). `overlap_prior` (with
+    `dense_only`): launch as a programmatic dependent of the kernel queued just before, which writes none of this
+    call's inputs (the CUDA history kernel): the dense programs run beside its tail, then wait for it to finish, so
+    that a dependent merge queued after them sees both kernels' partials."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -595,8 +602,8 @@ def attention_partials(
             ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
-            WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents,
+            WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents, WAIT_AT_END=overlap_prior,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
-            **(dict(launch_pdl=True) if wait_for_rotation else {}),
+            **(dict(launch_pdl=True) if wait_for_rotation or overlap_prior else {}),
         )

@@ -60,6 +60,8 @@ class TritonBackend(ReferenceBackend):
             the tail of the kernel before it.
         cuda_history: use the CUDA history kernel where a call qualifies (default: unless the environment sets
             OSCAR_CUDA_HISTORY=0); `cuda_history_config` its compile-time shape and split rule.
+        overlap_dense: with the CUDA history kernel and dependent launches, queue the BF16 tiers' Triton kernel
+            after it as a programmatic dependent, so that it runs beside the history kernel's tail.
     """
 
     name = "triton"
@@ -68,7 +70,8 @@ class TritonBackend(ReferenceBackend):
                  min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
                  short_splits_on_small_grids: bool = True, dependent_launches: bool = True,
                  cuda_history: bool | None = None,
-                 cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig()):
+                 cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig(),
+                 overlap_dense: bool = True):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
@@ -80,6 +83,7 @@ class TritonBackend(ReferenceBackend):
             cuda_history = os.environ.get("OSCAR_CUDA_HISTORY", "1") != "0"
         self.cuda_history = cuda_history
         self.cuda_history_config = cuda_history_config
+        self.overlap_dense = overlap_dense
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------ demotion
@@ -177,17 +181,21 @@ class TritonBackend(ReferenceBackend):
         history_query = query
         if rotating or cuda:
             history_query = rotation_scratch[: query.numel()].view(query.shape)
-        if cuda:  # Triton: the BF16 tiers; the query rotation; CUDA: the history
-            if plan.dense_splits:
+        if cuda:  # the query rotation; CUDA: the history; Triton: the BF16 tiers
+            overlap = dependent and self.overlap_dense
+            dense = dict(dense_only=True, launch_dependents=overlap, overlap_prior=overlap)
+            if plan.dense_splits and not overlap:
                 attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal, gap_start,
-                                   hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
-                                   dense_only=True)
+                                   hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start, **dense)
             if rotating:
                 rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
             else:
                 history_query.copy_(query)
             cuda_history.history_partials(history_query, tensors, plan, scaling, kv_heads, partial_out, partial_lse,
                                           self.cuda_history_config, dependent=dependent and rotating)
+            if plan.dense_splits and overlap:  # beside the history kernel's tail
+                attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal, gap_start,
+                                   hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start, **dense)
         else:
             if rotating:
                 rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
