@@ -81,7 +81,7 @@ def test_cpu_calls_do_not_qualify():
 # ------------------------------------------------------------------------------------------ on the GPU
 gpu = pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel needs a CUDA device")
 BATCH, KV_HEADS, HISTORY, DENSE, SINK = 3, 8, 5000, 330, 5
-ALWAYS = cuda_history.CudaHistoryConfig(min_kv_rows=0, min_history_bytes=0)  # these small calls too
+ALWAYS = cuda_history.CudaHistoryConfig(min_history_bytes=0)  # these small calls too
 
 
 def _case(dim, groups, q_len, per_head, tokens=HISTORY):
@@ -149,8 +149,8 @@ def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
 
 @gpu
 def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
-    """A softcap, more than 8 rows per KV head, or (default config) fewer than 64 batch x KV head rows: the
-    Triton kernel runs the history."""
+    """A softcap, more than 8 rows per KV head, or (default config) a history under 33 MiB: the Triton kernel
+    runs the history."""
     from oscar_hf.kernels.backend import TritonBackend
 
     rotations, history, query, (keys, values) = _case(128, 4, 3, False)
@@ -159,4 +159,4 @@ def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
     always.tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)  # 12 rows per KV head
     one, k1, v1 = query[:, :, :1], keys[:, :, :-2], values[:, :, :-2]
     always.tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1, softcap=30.0)
-    TritonBackend().tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1)  # 24 rows < 64
+    TritonBackend().tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1)  # 8.6 MB of history

@@ -179,7 +179,7 @@ def end_to_end(variants):
     backends = [("Triton only", TritonBackend(cuda_history=False))] + [
         (f"CUDA {s}st/{w}w/m{m}/overlap{o}", TritonBackend(cuda_history=True, overlap_dense=bool(o),
                                                             cuda_history_config=CudaHistoryConfig(
-                                                                s, w, m, min_kv_rows=0, min_history_bytes=0)))
+                                                                s, w, m, min_history_bytes=0)))
         for s, w, m, o in variants]
     print("| d | ctx | bs | " + " | ".join(f"{name} us" for name, _ in backends) + " | error vs reference |")
     print("|---:|---:|---:|" + "---:|" * len(backends) + "---|")

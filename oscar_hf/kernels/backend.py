@@ -208,9 +208,8 @@ class TritonBackend(ReferenceBackend):
     def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
             return False
-        config = self.cuda_history_config
-        rows = query.shape[0] * kv_heads
-        if rows < config.min_kv_rows or rows * hist_len * (query.shape[-1] // 2 + 8) < config.min_history_bytes:
+        history_bytes = query.shape[0] * kv_heads * hist_len * (query.shape[-1] // 2 + 8)
+        if history_bytes < self.cuda_history_config.min_history_bytes:
             return False
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
         return cuda_history.available(index, self.cuda_history_config)

@@ -45,9 +45,9 @@ class CudaHistoryConfig:
     waves: history splits fill this many waves of resident programs (run 41: one wave, 170.6 us at 100k/bs8,
         against 202 with the Triton plan's 20 programs per SM).
     max_splits: cap on history splits per KV head row.
-    min_kv_rows / min_history_bytes: calls with fewer batch x KV head rows, or a smaller history (codes +
-        scale/zero of every row), run on the Triton kernel, whose call launches one kernel fewer (run 43,
-        whole calls: the CUDA path lost at batch 1 and at 4k/bs8, e.g. 19.9 vs 16.5 us at 4k/bs1, d=128).
+    min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
+        whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
+        16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
     """
 
     stages: int = 4
@@ -55,8 +55,7 @@ class CudaHistoryConfig:
     magic_planes: int = 0b1100
     waves: int = 1
     max_splits: int = 128
-    min_kv_rows: int = 64
-    min_history_bytes: int = 32 << 20
+    min_history_bytes: int = 33 << 20
 
 
 def _nvrtc() -> ctypes.CDLL:
