@@ -114,8 +114,8 @@ def _check(lib: ctypes.CDLL, status: int) -> None:
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
-# out, lse, length pointer, 10 ints (code stride ... split multiple), the query scale
-_ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 10 + [_F]
+# out, lse, length pointer, 9 ints (length ... split multiple), the query scale
+_ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F]
 
 
 class _LaunchAttributeValue(ctypes.Union):
@@ -270,7 +270,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
-            keys.stride(2), history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
+            history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
     if device.index is None or device.index == torch.cuda.current_device():
         kernel((plan.history_splits, batch * kv_heads), args, dependent)

@@ -1,18 +1,20 @@
 // Stage-1 partials over a 2-bit history, hand-written for NVIDIA tensor cores (sm_80+): the decode hot path of
-// `attention._quant_split_token_major` (same contract, same rounding points), with the register layouts that
-// Triton cannot express. Compiled at run time by NVRTC (`cuda_history.py`); no headers.
+// `attention._quant_split_token_major` (same contract, same rounding points), with register layouts that Triton
+// cannot express. Compiled at run time by NVRTC (`cuda_history.py`, which documents the contract); no headers.
 //
-// One warp per (history split, batch row x KV head), 64-token tiles, up to 8 query rows (a GQA group x query
-// positions) as the MMA's N. Per lane (g = lane / 4, t = lane % 4), per tile:
+// One warp per program = (history split, batch row x KV head); 64-token tiles; up to 8 query rows (a GQA group x
+// query positions) are the MMA's N. Per lane (g = lane / 4, t = lane % 4), per tile:
 //   keys    A = codes [16 tokens x 16 features] per m16n8k16: lane holds tokens 16j+g and 16j+g+8 (j = 0..3), bytes
 //           [KB*t, KB*t+KB) of each row; a 32-bit word's even bytes (w) and odd bytes (w >> 8) are masked plane by
 //           plane into the mantissa of 2^(10-2c) (one LOP3 per 2 codes; the scores subtract the magic numbers once
 //           per row, `q_off`). The features are permuted (free: q is permuted the same way once per program).
 //   scores  C = [16 tokens x 8 rows], softmax in registers (row max over the warp by 3 shuffles per row pair).
 //   values  A = codesᵀ [16 features x 16 tokens]: lane holds tokens 16j+2t+{0,1,8,9}, bytes [VB*g, VB*g+VB) of
-//           each; PRMT pairs two tokens' bytes, LOP3 + HSUB2 give exact centred codes (one of each per 2 codes).
+//           each; PRMT pairs two tokens' bytes, LOP3 (+ HSUB2 unless MAGIC_PLANES) give exact codes per 2 codes.
 //           B = pᵀ: the score fragment (rounded p * scale) transposed in registers by `movmatrix`.
-// No shared memory and no barriers; the next tile's words are loaded while the current one is computed.
+// Tiles are staged in shared memory by cp.async, STAGES per warp (STAGES - 1 in flight); no block barriers.
+// On sm_90 the kernel is a programmatic dependent of the query rotation: it stages its first tiles, then waits
+// (griddepcontrol) before it reads the rotated query.
 
 typedef unsigned int u32;
 #define NEG_INF __int_as_float(0xff800000)
@@ -87,9 +89,15 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 // plane c of 2-bit codes in bits 2c, 2c+1 of a 16-bit lane; 2^(10-2c) as float16, and that + 2 (the centre)
 __device__ __forceinline__ u32 plane_mask(int c) { return 0x00030003u << (2 * c); }
-__device__ __forceinline__ u32 plane_magic(int c) { return c == 0 ? 0x64006400u : c == 1 ? 0x5C005C00u : c == 2 ? 0x54005400u : 0x4C004C00u; }
-__device__ __forceinline__ u32 plane_centre(int c) { return c == 0 ? 0x64026402u : c == 1 ? 0x5C085C08u : c == 2 ? 0x54205420u : 0x4C804C80u; }
-__device__ __forceinline__ float magic_value(int c) { return c == 0 ? 1024.0f : c == 1 ? 256.0f : c == 2 ? 64.0f : 16.0f; }
+__device__ __forceinline__ u32 plane_magic(int c) {
+    return c == 0 ? 0x64006400u : c == 1 ? 0x5C005C00u : c == 2 ? 0x54005400u : 0x4C004C00u;
+}
+__device__ __forceinline__ u32 plane_centre(int c) {
+    return c == 0 ? 0x64026402u : c == 1 ? 0x5C085C08u : c == 2 ? 0x54205420u : 0x4C804C80u;
+}
+__device__ __forceinline__ float magic_value(int c) {
+    return c == 0 ? 1024.0f : c == 1 ? 256.0f : c == 2 ? 64.0f : 16.0f;
+}
 
 template <int D>
 struct Tile {
@@ -341,7 +349,7 @@ __device__ void history_partials(
     const unsigned char* __restrict__ value_codes, int svb, int svh,
     const u32* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
-    int code_stride, int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
+    int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
     int total_splits, int length_from_ptr, int split_multiple, float q_scale) {
     constexpr int QW = D / 4;   // features per plane (bytes per token row)
     constexpr int KW = D / 64;  // key words per lane and token; also k-steps per plane
@@ -360,7 +368,8 @@ __device__ void history_partials(
     const int history_splits = total_splits - dense_splits;
     if (length_from_ptr) {
         length = *length_ptr;
-        split_len = ((length + history_splits - 1) / history_splits + split_multiple - 1) / split_multiple * split_multiple;
+        const int per_split = (length + history_splits - 1) / history_splits;
+        split_len = (per_split + split_multiple - 1) / split_multiple * split_multiple;
     }
     const int lo = split * split_len;
     const int hi = min(lo + split_len, length);
@@ -491,16 +500,16 @@ __device__ void history_partials(
     }
 }
 
-#define HISTORY_KERNEL(NAME, D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                                          \
-        const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh,    \
-        const u32* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,                   \
-        const u32* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int code_stride,      \
-        int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,        \
-        int length_from_ptr, int split_multiple, float q_scale) {                                                   \
-        history_partials<D>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes, svb,  \
-                            svh, value_sz, swb, swh, out, lse, length_ptr, code_stride, length, groups, kv_heads,   \
-                            q_len, dense_splits, split_len, total_splits, length_from_ptr, split_multiple, q_scale);               \
+#define HISTORY_KERNEL(NAME, D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                     \
+        const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh, \
+        const u32* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,                \
+        const u32* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,        \
+        int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,                 \
+        int length_from_ptr, int split_multiple, float q_scale) {                                                \
+        history_partials<D>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes,    \
+                            svb, svh, value_sz, swb, swh, out, lse, length_ptr, length, groups, kv_heads, q_len, \
+                            dense_splits, split_len, total_splits, length_from_ptr, split_multiple, q_scale);    \
     }
 
 HISTORY_KERNEL(int2_history_partials_d64, 64)

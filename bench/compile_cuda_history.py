@@ -1,0 +1,61 @@
+"""Compile the CUDA history kernel (`oscar_hf/kernels/int2_history.cu`) for an H200 (sm_90) without a GPU and print
+what each configuration costs: registers, stack, the programs per SM that registers and shared memory allow, and
+the SASS of its tile loop (instructions per 64-token warp-tile, most common opcodes).
+
+    python bench/compile_cuda_history.py [--configs 4:8:12,3:12:12]   # stages:min warps per SM:magic planes
+
+Needs libnvrtc (`pip install nvidia-cuda-nvrtc`; PyTorch's CUDA wheels ship it) and Triton's bundled cuobjdump.
+Resources, not time: time with `experiments/kernels/cuda_history_ab.py` on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import triton  # noqa: E402
+
+from compile_stage1 import SHARED_PER_SM, loop_mixes  # noqa: E402
+from oscar_hf.kernels.cuda_history import CudaHistoryConfig, compile_cubin, stage_bytes  # noqa: E402
+
+
+def disassemble(cubin: bytes) -> tuple[str, str]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return tuple(subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-res-usage", "-sass"))
+    finally:
+        os.unlink(f.name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="4:8:12", help="stages:min_warps_per_sm:magic_planes, comma-separated")
+    args = parser.parse_args()
+    print("| config | d | registers | stack | programs/SM | instructions per tile | top opcodes |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for spec in args.configs.split(","):
+        stages, warps, magic = (int(x) for x in spec.split(":"))
+        config = CudaHistoryConfig(stages, warps, magic)
+        usage, sass = disassemble(compile_cubin(90, config))
+        for dim in (128, 64):
+            name = f"int2_history_partials_d{dim}"
+            registers, stack = (int(x) for x in re.search(rf"{name}:\s+REG:(\d+) STACK:(\d+)", usage).groups())
+            body = sass.split(f"Function : {name}")[1].split("Function :")[0]
+            count, ops = max(loop_mixes(body), key=lambda loop: loop[0])
+            per_warp_registers = -(-registers // 8) * 8 * 32  # each of the 4 schedulers has 16k registers
+            programs = min(4 * (16384 // per_warp_registers), SHARED_PER_SM // (stages * stage_bytes(dim) + 1024), 32)
+            top = ", ".join(f"{op} {n}" for op, n in list(ops.items())[:8])
+            print(f"| {spec} | {dim} | {registers} | {stack} | {programs} | {count} | {top} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
