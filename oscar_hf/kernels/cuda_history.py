@@ -8,8 +8,9 @@ log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 (scale, ze
 path tested against the reference on CPU (this kernel is checked against both on the GPU).
 
 Why not Triton: the value codes must reach the tensor cores as pairs of tokens, the query and p as fragments of
-their own; Triton routes these through shared-memory layout conversions and byte loads (1,257 instructions per
-64-token warp-tile at d=128), the CUDA kernel builds them in registers (~900, `bench/RESULTS.md`).
+their own; Triton re-lays the query out every tile and pairs value codes through byte-wise shared-memory loads
+(1,257 instructions per 64-token warp-tile at d=128), the CUDA kernel builds them in registers (924; the history
+at 100k/bs8 in 171 instead of 241 µs, `bench/RESULTS.md`, runs 38-46).
 """
 
 from __future__ import annotations
