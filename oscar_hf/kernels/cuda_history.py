@@ -233,10 +233,12 @@ def _code_layout_ok(history) -> bool:
             and all(x.data_ptr() % 16 == 0 for x in (k, v, kz, vz)))
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
                  config: CudaHistoryConfig = CudaHistoryConfig()) -> SplitPlan:
     """`plan` with its history cut for this kernel: splits of whole 64-token tiles, as many per KV head row
-    (`kv_rows` = batch x KV heads x row blocks) as fill `config.waves` waves of `slots` resident programs."""
+    (`kv_rows` = batch x KV heads x row blocks) as fill `config.waves` waves of `slots` resident programs. Every
+    layer of a decode step asks the same question, hence the cache."""
     if history_len <= 0:
         return replace(plan, block_n_history=TILE, history_splits=0, history_split_len=TILE)
     wanted = max(1, min(config.max_splits, config.waves * slots // kv_rows, triton.cdiv(history_len, TILE)))
