@@ -183,19 +183,23 @@ class TritonBackend(ReferenceBackend):
             history_query = rotation_scratch[: query.numel()].view(query.shape)
         if cuda:  # the query rotation; CUDA: the history; Triton: the BF16 tiers
             overlap = dependent and self.overlap_dense
-            dense = dict(dense_only=True, launch_dependents=overlap, overlap_prior=overlap)
-            if plan.dense_splits and not overlap:
-                attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal, gap_start,
-                                   hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start, **dense)
+
+            def dense_tiers():
+                if plan.dense_splits:
+                    attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal,
+                                       gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                                       dense_only=True, launch_dependents=overlap, overlap_prior=overlap)
+
+            if not overlap:
+                dense_tiers()
             if rotating:
                 rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
             else:
                 history_query.copy_(query)
             cuda_history.history_partials(history_query, tensors, plan, scaling, kv_heads, partial_out, partial_lse,
                                           self.cuda_history_config, dependent=dependent and rotating)
-            if plan.dense_splits and overlap:  # beside the history kernel's tail
-                attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal, gap_start,
-                                   hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start, **dense)
+            if overlap:  # beside the history kernel's tail
+                dense_tiers()
         else:
             if rotating:
                 rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
@@ -211,13 +215,11 @@ class TritonBackend(ReferenceBackend):
         history_bytes = query.shape[0] * kv_heads * hist_len * (query.shape[-1] // 2 + 8)
         if history_bytes < self.cuda_history_config.min_history_bytes:
             return False
-        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-        return cuda_history.available(index, self.cuda_history_config)
+        return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config)
 
     def _cuda_slots(self, device: torch.device, dim: int) -> int:
         """Resident programs of the CUDA history kernel on the whole device (what its splits fill)."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return cuda_history.resident_slots(index, dim, self.cuda_history_config)
+        return cuda_history.resident_slots(cuda_history.device_index(device), dim, self.cuda_history_config)
 
     def launch_for(self, head_dim: int) -> LaunchConfig:
         """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from .common import launch_device, multiprocessors
 from .launch_plan import SplitPlan
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "int2_history.cu")
@@ -180,6 +181,11 @@ def stage_bytes(dim: int) -> int:
     return 2 * TILE * dim // 4 + 2 * TILE * 4
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (the current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> _Kernel:
     """Compile (once per device, head_dim and config) and load the kernel on CUDA device `device_index`."""
@@ -194,7 +200,7 @@ def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHis
 def resident_slots(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> int:
     """Programs of the kernel resident on the whole device at once: one wave."""
     kernel = load_kernel(device_index, dim, config)
-    return kernel.resident_programs() * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return kernel.resident_programs() * multiprocessors(torch.device("cuda", device_index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,16 +273,12 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     vz = history.value_scale_zero.view(torch.int32)
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
-    device = rotated_query.device
-    kernel = load_kernel(device.index if device.index is not None else torch.cuda.current_device(), dim, config)
+    kernel = load_kernel(device_index(rotated_query.device), dim, config)
     args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
             history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
-    if device.index is None or device.index == torch.cuda.current_device():
+    with launch_device(rotated_query):
         kernel((plan.history_splits, batch * kv_heads), args, dependent)
-    else:
-        with torch.cuda.device(device):
-            kernel((plan.history_splits, batch * kv_heads), args, dependent)
