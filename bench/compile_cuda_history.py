@@ -13,27 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import triton  # noqa: E402
-
-from compile_stage1 import SHARED_PER_SM, loop_mixes  # noqa: E402
+from compile_stage1 import SHARED_PER_SM, disassemble_cubin, loop_mixes  # noqa: E402
 from oscar_hf.kernels.cuda_history import CudaHistoryConfig, compile_cubin, stage_bytes  # noqa: E402
-
-
-def disassemble(cubin: bytes) -> tuple[str, str]:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        return tuple(subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
-                     for flag in ("-res-usage", "-sass"))
-    finally:
-        os.unlink(f.name)
 
 
 def main() -> None:
@@ -45,7 +30,7 @@ def main() -> None:
     for spec in args.configs.split(","):
         stages, warps, magic = (int(x) for x in spec.split(":"))
         config = CudaHistoryConfig(stages, warps, magic)
-        usage, sass = disassemble(compile_cubin(90, config))
+        usage, sass = disassemble_cubin(compile_cubin(90, config))
         for dim in (128, 64):
             name = f"int2_history_partials_d{dim}"
             registers, stack = (int(x) for x in re.search(rf"{name}:\s+REG:(\d+) STACK:(\d+)", usage).groups())

@@ -86,10 +86,15 @@ def compile_stage1(dim: int, launch: LaunchConfig):
 
 
 def disassemble(compiled) -> tuple[str, str]:
-    """`cuobjdump -res-usage` and `-sass` of a compiled kernel (Triton's bundled cuobjdump)."""
+    """`cuobjdump -res-usage` and `-sass` of a compiled Triton kernel."""
+    return disassemble_cubin(compiled.asm["cubin"])
+
+
+def disassemble_cubin(cubin: bytes) -> tuple[str, str]:
+    """`cuobjdump -res-usage` and `-sass` of a CUBIN (Triton's bundled cuobjdump)."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     try:
         return tuple(subprocess.run([os.path.join(bin_dir, "cuobjdump"), flag, f.name], capture_output=True,
                                     text=True, check=True).stdout for flag in ("-res-usage", "-sass"))
