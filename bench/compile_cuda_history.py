@@ -18,28 +18,28 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from compile_stage1 import SHARED_PER_SM, disassemble_cubin, loop_mixes  # noqa: E402
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig, compile_cubin, stage_bytes  # noqa: E402
+from oscar_hf.kernels.cuda_history import CudaHistoryConfig, compile_cubin, kernel_name, stage_bytes  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="4:8:12", help="stages:min_warps_per_sm:magic_planes, comma-separated")
     args = parser.parse_args()
-    print("| config | d | registers | stack | programs/SM | instructions per tile | top opcodes |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("| config | d | rows | registers | stack | programs/SM | instructions per tile | top opcodes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for spec in args.configs.split(","):
         stages, warps, magic = (int(x) for x in spec.split(":"))
         config = CudaHistoryConfig(stages, warps, magic)
         usage, sass = disassemble_cubin(compile_cubin(90, config))
-        for dim in (128, 64):
-            name = f"int2_history_partials_d{dim}"
+        for dim, rows in ((128, 4), (128, 8), (64, 4), (64, 8)):
+            name = kernel_name(dim, rows)
             registers, stack = (int(x) for x in re.search(rf"{name}:\s+REG:(\d+) STACK:(\d+)", usage).groups())
             body = sass.split(f"Function : {name}")[1].split("Function :")[0]
             count, ops = max(loop_mixes(body), key=lambda loop: loop[0])
             per_warp_registers = -(-registers // 8) * 8 * 32  # each of the 4 schedulers has 16k registers
-            programs = min(4 * (16384 // per_warp_registers), SHARED_PER_SM // (stages * stage_bytes(dim) + 1024), 32)
+            programs = min(4 * (16384 // per_warp_registers), SHARED_PER_SM // ((stages + 1) * stage_bytes(dim) + 1024), 32)
             top = ", ".join(f"{op} {n}" for op, n in list(ops.items())[:8])
-            print(f"| {spec} | {dim} | {registers} | {stack} | {programs} | {count} | {top} |", flush=True)
+            print(f"| {spec} | {dim} | {rows} | {registers} | {stack} | {programs} | {count} | {top} |", flush=True)
 
 
 if __name__ == "__main__":

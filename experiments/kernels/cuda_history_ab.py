@@ -47,7 +47,7 @@ def wave_plan(batch, length, dim, config):
 
 
 def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None,
-             stages=3, min_warps=12, magic=0, plan=None):
+             stages=3, min_warps=12, magic=0, plan=None, narrow=True):
     history = random_history(batch, length, dim, capacity, pinned)
     rotated = torch.randn(batch, q_heads, q_len, dim, device="cuda") * 2.0
     query = rotated.to(torch.bfloat16)
@@ -69,7 +69,7 @@ def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=Fals
 
     def cuda_call():
         history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1],
-                         CudaHistoryConfig(stages, min_warps, magic))
+                         CudaHistoryConfig(stages, min_warps, magic, narrow_rows=narrow))
 
     return history, rotated, plan, buffers, triton_call, cuda_call
 
@@ -107,7 +107,8 @@ def main():
     parser.add_argument("--variants", default="4:8:0:0", help="CUDA kernel stages:min warps:magic planes:waves, ...")
     parser.add_argument("--end-to-end", default=None,
                         help="time whole decode calls (bench/attention.py's Case) for these CudaHistoryConfig "
-                             "variants, 'stages:warps:magic:overlap_dense;...', against the Triton-only backend")
+                             "variants, 'stages:warps:magic:overlap_dense[:narrow_rows];...', against the "
+                             "Triton-only backend")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.end_to_end:
@@ -125,13 +126,16 @@ def main():
         ("d128 B2 pinned N3001 cap 8192", dict(batch=2, length=3001, dim=128, capacity=8192, pinned=True)),
         ("d64 B3 pinned N777 cap 4096", dict(batch=3, length=777, dim=64, capacity=4096, pinned=True)),
         ("d128 B8 N100000", dict(batch=8, length=100_000, dim=128)),
+        ("d128 B2 N5000, 8-row kernel", dict(batch=2, length=5000, dim=128, narrow=False)),
+        ("d64 B3 N3001 G3 (24q/8kv)", dict(batch=3, length=3001, dim=64, q_heads=24)),
+        ("d128 B8 N100000, 8-row kernel", dict(batch=8, length=100_000, dim=128, narrow=False)),
     ]
     for name, kw in checks:
         r = compare(**kw)
         print(f"| {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | {r['merged']:.2e} | {r['same_inf']} | "
               f"{r['nan']} |", flush=True)
-    for magic in (8, 12, 14, 15):
-        for name, kw in checks[:2] + checks[-1:]:
+    for magic in (12, 13, 15):
+        for name, kw in checks[:2] + checks[8:9]:
             r = compare(**kw, magic=magic)
             print(f"| magic planes {magic:04b}: {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | "
                   f"{r['merged']:.2e} | {r['same_inf']} | {r['nan']} |", flush=True)
@@ -177,10 +181,10 @@ def end_to_end(variants):
     from attention import Case, graphed  # noqa: E402
 
     backends = [("Triton only", TritonBackend(cuda_history=False))] + [
-        (f"CUDA {s}st/{w}w/m{m}/overlap{o}", TritonBackend(cuda_history=True, overlap_dense=bool(o),
-                                                            cuda_history_config=CudaHistoryConfig(
-                                                                s, w, m, min_history_bytes=0)))
-        for s, w, m, o in variants]
+        (f"CUDA {s}st/{w}w/m{m}/overlap{o}/narrow{n}", TritonBackend(
+            cuda_history=True, overlap_dense=bool(o),
+            cuda_history_config=CudaHistoryConfig(s, w, m, min_history_bytes=0, narrow_rows=bool(n))))
+        for s, w, m, o, n in (v + (1,) * (5 - len(v)) for v in variants)]
     print("| d | ctx | bs | " + " | ".join(f"{name} us" for name, _ in backends) + " | error vs reference |")
     print("|---:|---:|---:|" + "---:|" * len(backends) + "---|")
     for dim in (128, 64):

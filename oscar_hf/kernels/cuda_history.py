@@ -30,9 +30,10 @@ from .common import launch_device, multiprocessors
 from .launch_plan import SplitPlan
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "int2_history.cu")
-_KERNELS = {64: "int2_history_partials_d64", 128: "int2_history_partials_d128"}
+_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 MAX_ROWS = 8  # the MMA's N: query rows per KV head
+NARROW_ROWS = 4  # at most this many rows: the kernel that puts two token groups into each MMA (`narrow_rows`)
 TILE = 64  # history tokens per tile; split lengths are multiples of it
 
 
@@ -47,6 +48,9 @@ class CudaHistoryConfig:
     waves: history splits fill this many waves of resident programs (run 41: one wave, 170.6 us at 100k/bs8,
         against 202 with the Triton plan's 20 programs per SM).
     max_splits: cap on history splits per KV head row.
+    narrow_rows: calls with at most 4 query rows per KV head (one query position of a GQA-4 model) use the kernel
+        whose score MMAs carry two 16-token groups (block-diagonal query, columns 0-3 and 4-7): half the softmax
+        and bookkeeping per lane (709 instead of 837 instructions per tile at d=128).
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
         16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
@@ -58,6 +62,7 @@ class CudaHistoryConfig:
     waves: int = 1
     max_splits: int = 128
     min_history_bytes: int = 33 << 20
+    narrow_rows: bool = True
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -186,21 +191,38 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def kernel_name(dim: int, rows: int) -> str:
+    """The kernel for head_dim `dim` whose MMA columns hold `rows` query rows (4: two token groups per MMA)."""
+    return f"int2_history_partials_d{dim}_r{rows}"
+
+
 @functools.lru_cache(maxsize=None)
-def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> _Kernel:
-    """Compile (once per device, head_dim and config) and load the kernel on CUDA device `device_index`."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin(10 * major + minor, config)
+def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig(),
+                rows: int = MAX_ROWS) -> _Kernel:
+    """Compile (once per device and config) and load the kernel for `dim` and `rows` on CUDA device
+    `device_index`."""
+    cubin = _device_cubin(device_index, config)
     with torch.cuda.device(device_index):
-        module = torch.cuda._utils._cuda_load_module(cubin, [_KERNELS[dim]])
-    return _Kernel(module[_KERNELS[dim]].func, config.stages * stage_bytes(dim))
+        module = torch.cuda._utils._cuda_load_module(cubin, [kernel_name(dim, rows)])
+    # one buffer beyond the pipeline's stages holds a split's partial last tile
+    return _Kernel(module[kernel_name(dim, rows)].func, (config.stages + 1) * stage_bytes(dim))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cubin(device_index: int, config: CudaHistoryConfig) -> bytes:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return compile_cubin(10 * major + minor, config)
+
+
+def _row_variants(config: CudaHistoryConfig) -> tuple[int, ...]:
+    return (NARROW_ROWS, MAX_ROWS) if config.narrow_rows else (MAX_ROWS,)
 
 
 @functools.lru_cache(maxsize=None)
 def resident_slots(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> int:
-    """Programs of the kernel resident on the whole device at once: one wave."""
-    kernel = load_kernel(device_index, dim, config)
-    return kernel.resident_programs() * multiprocessors(torch.device("cuda", device_index))
+    """Programs of the kernel resident on the whole device at once (one wave; the fewer of its row variants)."""
+    per_sm = min(load_kernel(device_index, dim, config, rows).resident_programs() for rows in _row_variants(config))
+    return per_sm * multiprocessors(torch.device("cuda", device_index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,8 +231,9 @@ def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return False
     try:
-        for dim in _KERNELS:
-            load_kernel(device_index, dim, config)
+        for dim in _DIMS:
+            for rows in _row_variants(config):
+                load_kernel(device_index, dim, config, rows)
     except (OSError, RuntimeError) as error:
         warnings.warn(f"OSCAR's CUDA history kernel is unavailable ({error}); the Triton kernel is used instead",
                       stacklevel=2)
@@ -224,7 +247,7 @@ def history_kernel_supports(query: torch.Tensor, history, mask, softcap, kv_head
     if not query.is_cuda or history is None or not history.quantized:
         return False
     batch, q_heads, q_len, dim = query.shape
-    return (dim in _KERNELS and history.bits == 2 and history.key_scale_zero.dtype == torch.float16
+    return (dim in _DIMS and history.bits == 2 and history.key_scale_zero.dtype == torch.float16
             and history.value_scale_zero.dtype == torch.float16 and query.dtype in (torch.float16, torch.bfloat16)
             and mask is None and softcap is None and (q_heads // kv_heads) * q_len <= MAX_ROWS
             and _code_layout_ok(history))
@@ -273,12 +296,14 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     vz = history.value_scale_zero.view(torch.int32)
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
-    kernel = load_kernel(device_index(rotated_query.device), dim, config)
+    groups = q_heads // kv_heads
+    rows = NARROW_ROWS if config.narrow_rows and groups * q_len <= NARROW_ROWS else MAX_ROWS
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows)
     args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
-            history.length, q_heads // kv_heads, kv_heads, q_len, plan.dense_splits,
+            history.length, groups, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
     with launch_device(rotated_query):
         kernel((plan.history_splits, batch * kv_heads), args, dependent)

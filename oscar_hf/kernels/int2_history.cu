@@ -81,6 +81,21 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// d = a b + c with c in registers of its own (a loop-invariant start value, not copied per tile)
+__device__ __forceinline__ void mma16816_from(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1,
+                                              const float (&c)[4]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// Tell the compiler `x` may change here: loop-invariant registers stay allocated instead of being recomputed
+template <typename T>
+__device__ __forceinline__ void keep(T& x) {
+    static_assert(sizeof(T) == 4, "32-bit registers only");
+    asm volatile("" : "+r"(*reinterpret_cast<u32*>(&x)));
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -99,18 +114,35 @@ __device__ __forceinline__ float magic_value(int c) {
     return c == 0 ? 1024.0f : c == 1 ? 256.0f : c == 2 ? 64.0f : 16.0f;
 }
 
-template <int D>
+// Which tokens and query rows a lane's score elements hold. ROWS = 8: score m-tile i (of 4) is tokens 16i..16i+15,
+// the MMA's 8 columns are the query rows; lane (g, t) holds tokens 16i + g (+8) of rows 2t, 2t+1. ROWS = 4 (at most
+// 4 query rows): m-tile i (of 2) is 32 tokens, A row m carries token 32i + m in k 0-7 and token 32i + 16 + m in
+// k 8-15, and the query fills B block-diagonally (its rows in columns 0-3 for k 0-7 and in columns 4-7 for k 8-15);
+// lane (g, t) holds tokens 32i + 16(t / 2) + g (+8) of rows 2(t % 2), 2(t % 2) + 1: half the score elements per
+// lane, and the P.V products split the same way (columns 4-7 sum the second 16 tokens, added at the end).
+template <int ROWS>
+struct Layout {
+    static constexpr int MT = ROWS == 4 ? 2 : 4;  // score m-tiles per 64 tokens
+    // token of C-fragment elements 2h, 2h + 1 of m-tile i, relative to the lane's first (`first_token`)
+    static constexpr int token_step(int i, int h) { return (ROWS == 4 ? 32 : 16) * i + 8 * h; }
+    __device__ static int first_token(int g, int t) { return ROWS == 4 ? 16 * (t >> 1) + g : g; }
+    __device__ static int row(int r, int t) { return ROWS == 4 ? 2 * (t & 1) + r : 2 * t + r; }
+};
+
+template <int D, int ROWS>
 struct Tile {
     static constexpr int KW = D / 64;  // key words per lane per token row (KB = 4 * KW bytes)
-    u32 key[4][2][KW];                 // [j][half]: token 16j + 8*half + g, bytes [KB*t, KB*t + KB)
-    u32 value[4][4];                   // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
-    u32 key_sz[4][2];                  // (scale, zero) words of the key rows' tokens
-    u32 value_sz[4][2];                // ... and their value (scale, zero) words
+    static constexpr int MT = Layout<ROWS>::MT;
+    u32 key[4][2][KW];   // [j][half]: token 16j + 8*half + g, bytes [KB*t, KB*t + KB)
+    u32 value[4][4];     // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
+    u32 key_sz[MT][2];   // (scale, zero) words of this lane's score tokens (`Layout`)
+    u32 value_sz[MT][2]; // ... and their value (scale, zero) words
 };
 
 // One tile's stage in shared memory: [key codes 64 x D/4 | value codes 64 x D/4 | key (scale, zero) x 64 | value
 // (scale, zero) x 64]. Token row r is stored at row `slot(r)`: the value reads (rows 2t+u of lanes t = 0..3) then
-// fall in distinct banks.
+// fall in distinct banks. slot flips bit 0 by bit 2 only, so slot(r + 8k) = slot(r) + 8k: a lane's rows are its
+// first row's offset plus immediates.
 template <int D>
 struct Stage {
     static constexpr int QW = D / 4;
@@ -121,6 +153,20 @@ struct Stage {
 };
 
 __device__ __forceinline__ int slot(int row) { return row ^ ((row >> 2) & 1); }
+
+// This lane's byte offsets in a stage (tile rows add immediates)
+template <int D, int ROWS>
+struct LaneOffsets {
+    int key, value0, value1, sz, copy;
+    __device__ LaneOffsets(int lane, int g, int t) {
+        constexpr int QW = D / 4;
+        key = slot(g) * QW + D / 16 * t;
+        value0 = Stage<D>::VALUES + slot(2 * t) * QW + D / 32 * g;
+        value1 = Stage<D>::VALUES + slot(2 * t + 1) * QW + D / 32 * g;
+        sz = 4 * Layout<ROWS>::first_token(g, t);
+        copy = slot(16 * lane / QW) * QW + 16 * lane % QW;  // where 16-byte chunk `lane` of a tile's codes goes
+    }
+};
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 r;
@@ -136,16 +182,54 @@ __device__ __forceinline__ void copy4(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
+template <int DST, int SRC>
+__device__ __forceinline__ void copy16_at(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0+%1], [%2+%3], 16;" ::"r"(dst), "n"(DST), "l"(src), "n"(SRC)
+                 : "memory");
+}
+
+template <int DST, int SRC>
+__device__ __forceinline__ void copy4_at(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0+%1], [%2+%3], 4;" ::"r"(dst), "n"(DST), "l"(src), "n"(SRC)
+                 : "memory");
+}
+
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// Queue the asynchronous copies of tokens [t0, t0 + 64) into the stage at shared address `dst`: 16-byte chunks of
-// code rows, 4-byte (scale, zero) words; tokens from `hi` on are zero-filled (and masked by the scores).
+// This lane's sources of the next tile to stage: code chunk lane (of 16 bytes) and the (scale, zero) word of token
+// lane; the tile's other chunks and words are immediates away.
+struct Sources {
+    const unsigned char* key;
+    const unsigned char* value;
+    const u32* key_sz;
+    const u32* value_sz;
+};
+
+// Queue the copies of a whole tile (64 tokens, all present) into the stage at shared address `dst` + this lane's
+// chunk offset (`LaneOffsets::copy`) and `dst_sz` + 4 * lane: chunk lane + 32k lands 512k bytes further in both.
+template <int D, int K = 0>
+__device__ __forceinline__ void copy_full_tile(u32 dst, u32 dst_sz, const Sources& src) {
+    if constexpr (K < D / 32) {
+        copy16_at<512 * K, 512 * K>(dst, src.key);
+        copy16_at<Stage<D>::VALUES + 512 * K, 512 * K>(dst, src.value);
+        copy_full_tile<D, K + 1>(dst, dst_sz, src);
+    } else {
+        copy4_at<0, 0>(dst_sz, src.key_sz);
+        copy4_at<128, 128>(dst_sz, src.key_sz);
+        copy4_at<256, 0>(dst_sz, src.value_sz);
+        copy4_at<384, 128>(dst_sz, src.value_sz);
+    }
+}
+
+// Queue the copies of a partial tile: tokens [t0, t0 + 64) into the stage at shared address `dst`, tokens from
+// `hi` on zero-filled (and masked by the scores).
 template <int D>
-__device__ __forceinline__ void copy_tile(u32 dst, const unsigned char* key_codes, const unsigned char* value_codes,
-                                          const u32* key_sz, const u32* value_sz, int t0, int hi, int lane) {
+__device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* key_codes,
+                                                  const unsigned char* value_codes, const u32* key_sz,
+                                                  const u32* value_sz, int t0, int hi, int lane) {
     constexpr int QW = D / 4;
     constexpr int PER_ROW = QW / 16;
 #pragma unroll
@@ -171,20 +255,16 @@ __device__ __forceinline__ void copy_tile(u32 dst, const unsigned char* key_code
 }
 
 // This lane's words of a staged tile (the register layout of `Tile`).
-template <int D>
-__device__ __forceinline__ void read_tile(Tile<D>& tile, const unsigned char* stage, int g, int t) {
+template <int D, int ROWS>
+__device__ __forceinline__ void read_tile(Tile<D, ROWS>& tile, const unsigned char* stage,
+                                          const LaneOffsets<D, ROWS>& at) {
     constexpr int QW = D / 4;
     constexpr int KW = D / 64;
-    constexpr int KB = 4 * KW;
-    constexpr int VB = D / 32;
-    const u32* key_sz = reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ);
-    const u32* value_sz = reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int row = 16 * j + 8 * half + g;
-            const unsigned char* p = stage + slot(row) * QW + KB * t;
+            const unsigned char* p = stage + at.key + (16 * j + 8 * half) * QW;
             if (KW == 2) {
                 uint2 w = *reinterpret_cast<const uint2*>(p);
                 tile.key[j][half][0] = w.x;
@@ -192,18 +272,24 @@ __device__ __forceinline__ void read_tile(Tile<D>& tile, const unsigned char* st
             } else {
                 tile.key[j][half][0] = *reinterpret_cast<const u32*>(p);
             }
-            tile.key_sz[j][half] = key_sz[row];
-            tile.value_sz[j][half] = value_sz[row];
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            const int row = 16 * j + 2 * t + (u & 1) + 8 * (u >> 1);
-            const unsigned char* p = stage + Stage<D>::VALUES + slot(row) * QW + VB * g;
-            if (VB == 4) {
+            const unsigned char* p = stage + (u & 1 ? at.value1 : at.value0) + (16 * j + 8 * (u >> 1)) * QW;
+            if (D == 128) {
                 tile.value[j][u] = *reinterpret_cast<const u32*>(p);
             } else {
                 tile.value[j][u] = *reinterpret_cast<const unsigned short*>(p);
             }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < Layout<ROWS>::MT; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int offset = at.sz + 4 * Layout<ROWS>::token_step(i, h);
+            tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ + offset);
+            tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ + offset);
         }
     }
 }
@@ -231,50 +317,88 @@ __device__ __forceinline__ float value_offset(int c) {
 
 template <int D>
 struct State {
-    float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x rows, rotated basis, centred codes
+    float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x columns, rotated basis, centred codes
     float z[2], pv[2];        // lane parts of sum_t pv_t zero_t and of sum_t pv_t (pv = p * scale, rounded)
-    float m[2], l[2];         // rows 2t, 2t+1: running max (log2), lane part of the sum
+    float m[2], l[2];         // the lane's rows (`Layout::row`): running max (log2), lane part of the sum
 };
 
-// One 64-token tile: scores, online softmax, values; `qb` the query's B fragments, `row_sum` / `row_off` the
-// rows' sums of the rounded query and the magic-number offset of the folded key planes.
-template <int D>
-__device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, const u32 (&qb)[4][D / 64][2],
-                                            const float (&row_sum)[2], const float (&row_off)[2], int t0, int hi,
-                                            int g) {
+// The query's B fragments: [c][e][k half] for ROWS = 8 (row g); for ROWS = 4 [c][e][byte parity][b register], row
+// g % 4 in b0 (k 0-7) on lanes g < 4 and in b1 (k 8-15) on lanes g >= 4, zero in the other.
+template <int D, int ROWS>
+using QueryFragments = u32[4][D / 64][2][ROWS == 4 ? 2 : 1];
+
+// Scores of one tile before scaling: C fragments of q . (magic + code) over the key planes, started from `init`
+// (minus the magic numbers' part, per column) so that they come out as q . code.
+template <int D, int ROWS>
+__device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const Tile<D, ROWS>& cur,
+                                         const QueryFragments<D, ROWS>& qb, const float (&init)[4]) {
     constexpr int KW = D / 64;
-    constexpr int H = D / 64;
-    // scores: [16 tokens x 8 rows] per m-tile j, magic numbers folded into the key planes
-    float s[4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        float qc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < Layout<ROWS>::MT; ++i) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
+            const u32 mask = plane_mask(c), magic = plane_magic(c);
 #pragma unroll
             for (int e = 0; e < KW; ++e) {
-                const u32 top = cur.key[j][0][e], bottom = cur.key[j][1][e];
-                const u32 mask = plane_mask(c), magic = plane_magic(c);
-                mma16816(qc, mask_or(top, mask, magic), mask_or(bottom, mask, magic), mask_or(top >> 8, mask, magic),
-                         mask_or(bottom >> 8, mask, magic), qb[c][e][0], qb[c][e][1]);
+#pragma unroll
+                for (int p = 0; p < (ROWS == 4 ? 2 : 1); ++p) {
+                    u32 a[4], b0, b1;
+                    if constexpr (ROWS == 4) {  // tokens 32i + {g, g+8} in k 0-7, 32i + 16 + {g, g+8} in k 8-15
+                        const u32 w[4] = {cur.key[2 * i][0][e], cur.key[2 * i][1][e], cur.key[2 * i + 1][0][e],
+                                          cur.key[2 * i + 1][1][e]};
+#pragma unroll
+                        for (int x = 0; x < 4; ++x) a[x] = mask_or(w[x] >> (8 * p), mask, magic);
+                        b0 = qb[c][e][p][0];
+                        b1 = qb[c][e][p][ROWS == 4];
+                    } else {  // tokens 16i + {g, g+8}: even bytes in k 0-7, odd bytes in k 8-15
+                        const u32 top = cur.key[i][0][e], bottom = cur.key[i][1][e];
+                        a[0] = mask_or(top, mask, magic);
+                        a[1] = mask_or(bottom, mask, magic);
+                        a[2] = mask_or(top >> 8, mask, magic);
+                        a[3] = mask_or(bottom >> 8, mask, magic);
+                        b0 = qb[c][e][0][0];
+                        b1 = qb[c][e][1][0];
+                    }
+                    if (c == 0 && e == 0 && p == 0) {
+                        mma16816_from(s[i], a[0], a[1], a[2], a[3], b0, b1, init);
+                    } else {
+                        mma16816(s[i], a[0], a[1], a[2], a[3], b0, b1);
+                    }
+                }
             }
         }
+    }
+}
+
+// One 64-token tile: scores, online softmax, values. `row_sum`: the lane's rows' sums of the rounded query; `init`:
+// minus the magic-number offset of the folded key planes, per C-fragment element; `remaining` = hi - t0 - the lane's first token;
+// `low` = all ones on lanes g < 4 (ROWS = 4: which P.V product a lane's p belongs to).
+template <int D, int ROWS>
+__device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& cur, const QueryFragments<D, ROWS>& qb,
+                                            const float (&row_sum)[2], const float (&init)[4], int remaining,
+                                            u32 low) {
+    constexpr int H = D / 64;
+    constexpr int MT = Layout<ROWS>::MT;
+    float s[MT][4];
+    key_dots<D, ROWS>(s, cur, qb, init);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
             float scale, zero;
-            scale_zero(cur.key_sz[j][i >> 1], scale, zero);
-            const int r = i & 1;
-            float x = (qc[i] - row_off[r] - zero * row_sum[r]) * scale;
-            s[j][i] = (t0 + 16 * j + g + 8 * (i >> 1) < hi) ? x : NEG_INF;
+            scale_zero(cur.key_sz[i][e >> 1], scale, zero);
+            const float x = fmaf(-zero, row_sum[e & 1], s[i][e]) * scale;
+            s[i][e] = Layout<ROWS>::token_step(i, e >> 1) < remaining ? x : NEG_INF;
         }
     }
-    // online softmax per row (rows 2t, 2t+1: columns i & 1)
+    // online softmax per row (the lane's rows: columns e & 1)
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = s[0][r];
+        float mx = fmaxf(s[0][r], s[0][r + 2]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
+        for (int i = 1; i < MT; ++i) mx = fmaxf(mx, fmaxf(s[i][r], s[i][r + 2]));
+        if (ROWS == 4) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
@@ -282,24 +406,32 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
         alpha[r] = exp2_approx(st.m[r] - m_new);
         st.m[r] = m_new;
     }
+    // p, rounded p * scale as the P.V product's B (the score fragment transposed by movmatrix), and the sums
     u32 pb[4][2];
     float p_sum[2] = {0.0f, 0.0f}, z_sum[2] = {0.0f, 0.0f}, pv_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        float pv[4];
+    for (int i = 0; i < MT; ++i) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = i & 1;
-            const float p = exp2_approx(s[j][i] - st.m[r]);
+        for (int h = 0; h < 2; ++h) {
             float scale, zero;
-            scale_zero(cur.value_sz[j][i >> 1], scale, zero);
-            pv[i] = round_half(p * scale);
-            p_sum[r] += p;
-            z_sum[r] += pv[i] * zero;
-            pv_sum[r] += pv[i];
+            scale_zero(cur.value_sz[i][h], scale, zero);
+            const float p0 = exp2_approx(s[i][2 * h] - st.m[0]), p1 = exp2_approx(s[i][2 * h + 1] - st.m[1]);
+            const u32 packed = pack_half2(p0 * scale, p1 * scale);
+            const float pv0 = half_lo(packed), pv1 = half_hi(packed);
+            p_sum[0] += p0;
+            p_sum[1] += p1;
+            z_sum[0] = fmaf(pv0, zero, z_sum[0]);
+            z_sum[1] = fmaf(pv1, zero, z_sum[1]);
+            pv_sum[0] += pv0;
+            pv_sum[1] += pv1;
+            const u32 transposed = transpose8x8(packed);
+            if constexpr (ROWS == 4) {
+                pb[2 * i][h] = transposed & low;
+                pb[2 * i + 1][h] = transposed & ~low;
+            } else {
+                pb[i][h] = transposed;
+            }
         }
-        pb[j][0] = transpose8x8(pack_half2(pv[0], pv[1]));
-        pb[j][1] = transpose8x8(pack_half2(pv[2], pv[3]));
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -307,7 +439,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
         st.z[r] = st.z[r] * alpha[r] + z_sum[r];
         st.pv[r] = st.pv[r] * alpha[r] + pv_sum[r];
     }
-    // values: out[features x rows] += codesᵀ @ pᵀ, each tile summed from zero (the tensor cores truncate)
+    // values: out[features x columns] += codesᵀ @ pᵀ, each tile summed from zero (the tensor cores truncate)
 #pragma unroll
     for (int h = 0; h < H; ++h) {
         u32 pairs[4][2][2];  // [j][tokens +0/+8][row g / g+8]
@@ -341,7 +473,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D>& cur, co
     }
 }
 
-template <int D>
+template <int D, int ROWS>
 __device__ void history_partials(
     const float* __restrict__ rotated_query, int sqb, int sqh, int sql,
     const unsigned char* __restrict__ key_codes, int skb, int skh,
@@ -378,6 +510,7 @@ __device__ void history_partials(
     const unsigned char* vc = value_codes + (long long)b * svb + (long long)kvh * svh;
     const u32* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
     const u32* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
+    const LaneOffsets<D, ROWS> at(lane, g, t);
 
     State<D> st;
 #pragma unroll
@@ -392,26 +525,44 @@ __device__ void history_partials(
         st.l[r] = st.z[r] = st.pv[r] = 0.0f;
     }
 
-    // STAGES - 1 tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to
+    // STAGES - 1 whole tiles in flight: the copies of tile i + STAGES - 1 are queued before tile i is attended to.
+    // A partial last tile is staged first, into a buffer of its own, so that the loop only copies whole tiles.
     extern __shared__ __align__(16) unsigned char stages[];
     const u32 stages_at = shared_address(stages);
-#pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) {
-        if (lo + 64 * k < hi) copy_tile<D>(stages_at + k * Stage<D>::BYTES, kc, vc, kz, vz, lo + 64 * k, hi, lane);
+    const int whole_end = lo + max(hi - lo, 0) / 64 * 64;
+    if (whole_end < hi) {
+        copy_partial_tile<D>(stages_at + STAGES * Stage<D>::BYTES, kc, vc, kz, vz, whole_end, hi, lane);
         commit_copies();
     }
+    Sources next = {kc + (long long)lo * QW + 16 * lane, vc + (long long)lo * QW + 16 * lane, kz + lo + lane,
+                    vz + lo + lane};
+    int ahead = lo;
+    auto stage_tile = [&](int index) {  // queue the copies of the tile at `ahead` into stage `index`, step on
+        const u32 dst = stages_at + index * Stage<D>::BYTES;
+        if (ahead < whole_end) copy_full_tile<D>(dst + at.copy, dst + Stage<D>::KEY_SZ + 4 * lane, next);
+        commit_copies();
+        ahead += 64;
+        next.key += 64 * QW;
+        next.value += 64 * QW;
+        next.key_sz += 64;
+        next.value_sz += 64;
+    };
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) stage_tile(k);
 #if __CUDA_ARCH__ >= 900
     // launched as a programmatic dependent of the query rotation: its output is read from here on (the codes
     // above were written by kernels that finished before the rotation started)
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    // rotated query of row g (the MMA's B: k = permuted features, n = row), scaled and rounded to float16
-    u32 qb[4][KW][2];
+    // rotated query (the MMA's B, `QueryFragments`; k = permuted features), scaled and rounded to float16
+    QueryFragments<D, ROWS> qb;
+    const u32 low = g < 4 ? 0xffffffffu : 0u;
     float q_sum = 0.0f, q_off = 0.0f;
     {
-        const bool row_ok = g < rows;
-        const int qi = row_ok ? g / groups : 0;
-        const int head = kvh * groups + (row_ok ? g % groups : 0);
+        const int qrow = ROWS == 4 ? g & 3 : g;
+        const bool row_ok = qrow < rows;
+        const int qi = row_ok ? qrow / groups : 0;
+        const int head = kvh * groups + (row_ok ? qrow % groups : 0);
         const float* q = rotated_query + (long long)b * sqb + (long long)head * sqh + (long long)qi * sql;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -422,9 +573,17 @@ __device__ void history_partials(
                                   : make_float4(0.f, 0.f, 0.f, 0.f);
                 float x0 = round_half(v.x * q_scale), x1 = round_half(v.y * q_scale);
                 float x2 = round_half(v.z * q_scale), x3 = round_half(v.w * q_scale);
-                // k = 2t, 2t+1 <- even bytes (features +0, +2); k = 2t+8, 2t+9 <- odd bytes (+1, +3)
-                qb[c][e][0] = pack_half2(x0, x2);
-                qb[c][e][1] = pack_half2(x1, x3);
+                // even bytes (features +0, +2) and odd bytes (+1, +3) of the lane's key word e
+                const u32 even = pack_half2(x0, x2), odd = pack_half2(x1, x3);
+                if constexpr (ROWS == 4) {
+                    qb[c][e][0][0] = even & low;
+                    qb[c][e][0][1] = even & ~low;
+                    qb[c][e][1][0] = odd & low;
+                    qb[c][e][1][1] = odd & ~low;
+                } else {
+                    qb[c][e][0][0] = even;  // k = 2t, 2t+1
+                    qb[c][e][1][0] = odd;   // k = 2t+8, 2t+9
+                }
                 plane_sum += (x0 + x1) + (x2 + x3);
             }
             q_sum += plane_sum;
@@ -436,37 +595,42 @@ __device__ void history_partials(
         q_off += __shfl_xor_sync(0xffffffffu, q_off, 2);
         // q_off: what the folded key planes (2^(10-2c) + code) add to q . code; raw zero points need no centre
     }
-    // this lane's score columns are rows 2t and 2t+1
-    float row_sum[2], row_off[2];
+    // the lane's score columns are rows Layout::row(0, t), row(1, t), held by lanes g = row, t = 0
+    float row_sum[2], init[4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        row_sum[r] = __shfl_sync(0xffffffffu, q_sum, (2 * t + r) * 4);
-        row_off[r] = __shfl_sync(0xffffffffu, q_off, (2 * t + r) * 4);
+        row_sum[r] = __shfl_sync(0xffffffffu, q_sum, Layout<ROWS>::row(r, t) * 4);
+        init[r] = init[r + 2] = -__shfl_sync(0xffffffffu, q_off, Layout<ROWS>::row(r, t) * 4);
     }
+    const int first = Layout<ROWS>::first_token(g, t);
 
     int stage = 0;
     for (int t0 = lo; t0 < hi; t0 += 64) {
         wait_copies<STAGES - 2>();
         __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
-        const int ahead = t0 + 64 * (STAGES - 1);
-        const int refill = stage == 0 ? STAGES - 1 : stage - 1;
-        if (ahead < hi) copy_tile<D>(stages_at + refill * Stage<D>::BYTES, kc, vc, kz, vz, ahead, hi, lane);
-        commit_copies();
-        Tile<D> tile;
-        read_tile<D>(tile, stages + stage * Stage<D>::BYTES, g, t);
-        attend_tile<D>(st, tile, qb, row_sum, row_off, t0, hi, g);
+        stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
+        Tile<D, ROWS> tile;
+        read_tile<D, ROWS>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D>::BYTES, at);
+        // loop-invariant fragments stay in registers (ptxas would rather rebuild the masked query every tile)
+        for (auto& x : init) keep(x);
+        for (auto& plane : qb)
+            for (auto& word : plane)
+                for (auto& parity : word)
+                    for (auto& x : parity) keep(x);
+        attend_tile<D, ROWS>(st, tile, qb, row_sum, init, hi - t0 - first, low);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     float (&acc)[4][H][4] = st.acc;
     float (&m_i)[2] = st.m;
     float (&l_i)[2] = st.l;
 
-    // the lane parts of l, of the zero-point term and of sum pv, summed over the 8 token groups
+    // the lane parts of l, of the zero-point term and of sum pv, summed over the lanes of the same rows; ROWS = 4
+    // also adds the P.V columns 4-7 (the second 16 tokens of each 32) to columns 0-3
     float z_i[2], pv_i[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
-        for (int x = 4; x < 32; x <<= 1) {
+        for (int x = ROWS == 4 ? 2 : 4; x < 32; x <<= 1) {
             l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], x);
             st.z[r] += __shfl_xor_sync(0xffffffffu, st.z[r], x);
             st.pv[r] += __shfl_xor_sync(0xffffffffu, st.pv[r], x);
@@ -474,12 +638,20 @@ __device__ void history_partials(
         pv_i[r] = st.pv[r];
         z_i[r] = st.z[r] - 2.0f * pv_i[r];  // centred zero points
     }
+    if constexpr (ROWS == 4) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+#pragma unroll
+            for (int h = 0; h < H; ++h)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[c][h][i] += __shfl_xor_sync(0xffffffffu, acc[c][h][i], 2);
+    }
     const int hq = kvh * groups;
     const int heads = kv_heads * groups;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = 2 * t + r;
-        if (row < rows) {
+        const int row = Layout<ROWS>::row(r, t);
+        if (row < rows && (ROWS == 8 || t < 2)) {
             const int head = hq + row % groups, qi = row / groups;
             const long long part = (((long long)b * heads + head) * q_len + qi) * total_splits + dense_splits + split;
             const float inv = 1.0f / (l_i[r] == 0.0f ? 1.0f : l_i[r]);
@@ -500,17 +672,20 @@ __device__ void history_partials(
     }
 }
 
-#define HISTORY_KERNEL(NAME, D)                                                                                  \
+#define HISTORY_KERNEL(NAME, D, ROWS)                                                                            \
     extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                     \
         const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh, \
         const u32* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,                \
         const u32* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,        \
         int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,                 \
         int length_from_ptr, int split_multiple, float q_scale) {                                                \
-        history_partials<D>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes,    \
-                            svb, svh, value_sz, swb, swh, out, lse, length_ptr, length, groups, kv_heads, q_len, \
-                            dense_splits, split_len, total_splits, length_from_ptr, split_multiple, q_scale);    \
+        history_partials<D, ROWS>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
+                                  value_codes, svb, svh, value_sz, swb, swh, out, lse, length_ptr, length,      \
+                                  groups, kv_heads, q_len, dense_splits, split_len, total_splits,              \
+                                  length_from_ptr, split_multiple, q_scale);                                    \
     }
 
-HISTORY_KERNEL(int2_history_partials_d64, 64)
-HISTORY_KERNEL(int2_history_partials_d128, 128)
+HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4)
+HISTORY_KERNEL(int2_history_partials_d64_r8, 64, 8)
+HISTORY_KERNEL(int2_history_partials_d128_r4, 128, 4)
+HISTORY_KERNEL(int2_history_partials_d128_r8, 128, 8)
