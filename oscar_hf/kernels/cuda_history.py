@@ -43,14 +43,16 @@ class CudaHistoryConfig:
 
     stages: 64-token tiles per warp in shared memory (stages - 1 in flight).
     min_warps_per_sm: programs per multiprocessor the register allocation must allow.
-    magic_planes: bit c set = value plane c keeps its magic number instead of a subtraction (planes 2 and 3: the
-        output error vs the Triton kernel stays ~1e-4; all four: 1.8e-3 at 100k tokens, run 41).
+    magic_planes: bit c set = value plane c keeps its magic number instead of a subtraction. Planes 0, 2, 3 (plane
+        0 as 1 + code/4 from the byte's high copy): merged error vs the Triton kernel 1.2-1.5e-4, as with none, and
+        0.3-1.3% faster whole calls than planes 2, 3 (run 47); all four: up to 9e-4 (run 47), 1.8e-3 (run 41).
     waves: history splits fill this many waves of resident programs (run 41: one wave, 170.6 us at 100k/bs8,
         against 202 with the Triton plan's 20 programs per SM).
     max_splits: cap on history splits per KV head row.
     narrow_rows: calls with at most 4 query rows per KV head (one query position of a GQA-4 model) use the kernel
         whose score MMAs carry two 16-token groups (block-diagonal query, columns 0-3 and 4-7): half the softmax
-        and bookkeeping per lane (709 instead of 837 instructions per tile at d=128).
+        and bookkeeping per lane (679 instead of 813 instructions per tile at d=128; 100k/bs8 whole calls 162.6
+        instead of 170.2 us, run 47).
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
         16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
@@ -58,7 +60,7 @@ class CudaHistoryConfig:
 
     stages: int = 4
     min_warps_per_sm: int = 8
-    magic_planes: int = 0b1100
+    magic_planes: int = 0b1101
     waves: int = 1
     max_splits: int = 128
     min_history_bytes: int = 33 << 20
