@@ -53,6 +53,7 @@ class CudaHistoryConfig:
         whose score MMAs carry two 16-token groups (block-diagonal query, columns 0-3 and 4-7): half the softmax
         and bookkeeping per lane (679 instead of 813 instructions per tile at d=128; 100k/bs8 whole calls 162.6
         instead of 170.2 us, run 47).
+    key_chains: independent score accumulators per tile (over its 2 or 4 m-tiles; NOT YET TIMED).
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
         16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
@@ -65,6 +66,7 @@ class CudaHistoryConfig:
     max_splits: int = 128
     min_history_bytes: int = 33 << 20
     narrow_rows: bool = True
+    key_chains: int = 8
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -98,7 +100,8 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-default-device", f"-DSTAGES={config.stages}",
-               f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}"]
+               f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}",
+               f"-DKEY_CHAINS={config.key_chains}"]
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         if lib.nvrtcCompileProgram(prog, len(options), array) != 0:

@@ -26,6 +26,9 @@ typedef unsigned int u32;
 // plane 0 then reads the byte's copy in the high half of each 16-bit lane, as 1 + code/4: -DMAGIC_PLANES=...
 #define MAGIC_PLANES 0
 #endif
+#ifndef KEY_CHAINS
+#define KEY_CHAINS 8  // independent score accumulators per tile, over its m-tiles (`key_dots`): -DKEY_CHAINS=...
+#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -328,20 +331,25 @@ template <int D, int ROWS>
 using QueryFragments = u32[4][D / 64][2][ROWS == 4 ? 2 : 1];
 
 // Scores of one tile before scaling: C fragments of q . (magic + code) over the key planes, started from `init`
-// (minus the magic numbers' part, per column) so that they come out as q . code.
+// (minus the magic numbers' part, per column) so that they come out as q . code. The products of an m-tile go to
+// KEY_CHAINS / (m-tiles) accumulators in turn, summed at the end: dependent MMAs wait for each other's results.
 template <int D, int ROWS>
 __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const Tile<D, ROWS>& cur,
                                          const QueryFragments<D, ROWS>& qb, const float (&init)[4]) {
     constexpr int KW = D / 64;
+    constexpr int P = ROWS == 4 ? 2 : 1;  // MMAs per key word and plane (byte parities)
+    constexpr int WANTED = KEY_CHAINS / Layout<ROWS>::MT > 1 ? KEY_CHAINS / Layout<ROWS>::MT : 1;
+    constexpr int CHAINS = WANTED < 4 * KW * P ? WANTED : 4 * KW * P;
 #pragma unroll
     for (int i = 0; i < Layout<ROWS>::MT; ++i) {
+        float part[CHAINS][4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const u32 mask = plane_mask(c), magic = plane_magic(c);
 #pragma unroll
             for (int e = 0; e < KW; ++e) {
 #pragma unroll
-                for (int p = 0; p < (ROWS == 4 ? 2 : 1); ++p) {
+                for (int p = 0; p < P; ++p) {
                     u32 a[4], b0, b1;
                     if constexpr (ROWS == 4) {  // tokens 32i + {g, g+8} in k 0-7, 32i + 16 + {g, g+8} in k 8-15
                         const u32 w[4] = {cur.key[2 * i][0][e], cur.key[2 * i][1][e], cur.key[2 * i + 1][0][e],
@@ -359,13 +367,22 @@ __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const 
                         b0 = qb[c][e][0][0];
                         b1 = qb[c][e][1][0];
                     }
-                    if (c == 0 && e == 0 && p == 0) {
-                        mma16816_from(s[i], a[0], a[1], a[2], a[3], b0, b1, init);
+                    const int n = (c * KW + e) * P + p, chain = n % CHAINS;
+                    if (n == 0) {
+                        mma16816_from(part[0], a[0], a[1], a[2], a[3], b0, b1, init);
                     } else {
-                        mma16816(s[i], a[0], a[1], a[2], a[3], b0, b1);
+                        if (n < CHAINS) part[chain][0] = part[chain][1] = part[chain][2] = part[chain][3] = 0.0f;
+                        mma16816(part[chain], a[0], a[1], a[2], a[3], b0, b1);
                     }
                 }
             }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            float sum = part[0][x];
+#pragma unroll
+            for (int chain = 1; chain < CHAINS; ++chain) sum += part[chain][x];
+            s[i][x] = sum;
         }
     }
 }
