@@ -53,7 +53,8 @@ class CudaHistoryConfig:
         whose score MMAs carry two 16-token groups (block-diagonal query, columns 0-3 and 4-7): half the softmax
         and bookkeeping per lane (679 instead of 813 instructions per tile at d=128; 100k/bs8 whole calls 162.6
         instead of 170.2 us, run 47).
-    key_chains: independent score accumulators per tile (over its 2 or 4 m-tiles; NOT YET TIMED).
+    key_chains: independent score accumulators per tile, over its 2 or 4 m-tiles (run 49, 100k/bs8 whole calls:
+        158.7 us with 4, 162.4 with 2 = one chain per m-tile of the narrow kernel, 159.1 with 8, 161.7 with 16).
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
         16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
@@ -66,7 +67,7 @@ class CudaHistoryConfig:
     max_splits: int = 128
     min_history_bytes: int = 33 << 20
     narrow_rows: bool = True
-    key_chains: int = 8
+    key_chains: int = 4
 
 
 def _nvrtc() -> ctypes.CDLL:
