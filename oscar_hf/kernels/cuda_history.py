@@ -9,8 +9,9 @@ path tested against the reference on CPU (this kernel is checked against both on
 
 Why not Triton: the value codes must reach the tensor cores as pairs of tokens, the query and p as fragments of
 their own; Triton re-lays the query out every tile and pairs value codes through byte-wise shared-memory loads
-(1,257 instructions per 64-token warp-tile at d=128), the CUDA kernel builds them in registers (924; the history
-at 100k/bs8 in 171 instead of 241 µs, `bench/RESULTS.md`, runs 38-46).
+(1,257 instructions per 64-token warp-tile at d=128). The CUDA kernel builds them in registers and, with at most 4
+query rows per KV head, scores two token groups per MMA (702 instructions; the whole call at 100k/bs8 in 159
+instead of 254 µs, `bench/RESULTS.md`, runs 38-50).
 """
 
 from __future__ import annotations

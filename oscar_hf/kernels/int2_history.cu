@@ -9,10 +9,13 @@
 //           plane into the mantissa of 2^(10-2c) (one LOP3 per 2 codes; the scores subtract the magic numbers once
 //           per row, `q_off`). The features are permuted (free: q is permuted the same way once per program).
 //   scores  C = [16 tokens x 8 rows], softmax in registers (row max over the warp by 3 shuffles per row pair).
+//           With at most 4 rows (kernels `_r4`, `Layout`) each MMA scores two token groups instead, half as many
+//           elements per lane.
 //   values  A = codesᵀ [16 features x 16 tokens]: lane holds tokens 16j+2t+{0,1,8,9}, bytes [VB*g, VB*g+VB) of
 //           each; PRMT pairs two tokens' bytes, LOP3 (+ HSUB2 unless MAGIC_PLANES) give exact codes per 2 codes.
 //           B = pᵀ: the score fragment (rounded p * scale) transposed in registers by `movmatrix`.
-// Tiles are staged in shared memory by cp.async, STAGES per warp (STAGES - 1 in flight); no block barriers.
+// Whole tiles are staged in shared memory by cp.async, STAGES per warp (STAGES - 1 in flight), a split's partial
+// last tile in one more buffer; no block barriers.
 // On sm_90 the kernel is a programmatic dependent of the query rotation: it stages its first tiles, then waits
 // (griddepcontrol) before it reads the rotated query.
 
