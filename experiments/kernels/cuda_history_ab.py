@@ -8,8 +8,10 @@ replays (L2 flushed by `do_bench`). GPU only.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -47,7 +49,9 @@ def wave_plan(batch, length, dim, config):
 
 
 def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=False, programs_per_sm=None,
-             stages=3, min_warps=12, magic=0, plan=None, narrow=True):
+             plan=None, config=None, **fields):
+    """`config` (default `CudaHistoryConfig()`) with `fields` replaced (e.g. magic_planes=13, narrow_rows=False)."""
+    config = replace(config or CudaHistoryConfig(), **fields)
     history = random_history(batch, length, dim, capacity, pinned)
     rotated = torch.randn(batch, q_heads, q_len, dim, device="cuda") * 2.0
     query = rotated.to(torch.bfloat16)
@@ -69,14 +73,12 @@ def run_both(batch, length, dim, q_heads=32, q_len=1, capacity=None, pinned=Fals
 
     def cuda_call():
         history_partials(rotated, history, plan, scaling, KV_HEADS, buffers[1][0], buffers[1][1],
-                         CudaHistoryConfig(stages, min_warps, magic, narrow_rows=narrow))
+                         config)
 
     return history, rotated, plan, buffers, triton_call, cuda_call
 
 
 def compare(batch, length, dim, **kw):
-    kw.setdefault("stages", 4)
-    kw.setdefault("min_warps", 8)
     history, rotated, plan, buffers, triton_call, cuda_call = run_both(batch, length, dim, **kw)
     triton_call()
     cuda_call()
@@ -103,11 +105,12 @@ def compare(batch, length, dim, **kw):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--config", default="{}", help="CudaHistoryConfig fields (JSON) for the checks")
     parser.add_argument("--programs", default="20", help="programs per SM to plan splits for (CUDA kernel)")
     parser.add_argument("--variants", default="4:8:0:0", help="CUDA kernel stages:min warps:magic planes:waves, ...")
     parser.add_argument("--end-to-end", default=None,
                         help="time whole decode calls (bench/attention.py's Case) for these CudaHistoryConfig "
-                             "variants, 'stages:warps:magic:overlap_dense[:narrow_rows[:key_chains]];...', against the "
+                             "variants, 'stages:warps:magic:overlap_dense[:narrow_rows[:key_chains[:pipelined]]];...', against the "
                              "Triton-only backend")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -126,17 +129,19 @@ def main():
         ("d128 B2 pinned N3001 cap 8192", dict(batch=2, length=3001, dim=128, capacity=8192, pinned=True)),
         ("d64 B3 pinned N777 cap 4096", dict(batch=3, length=777, dim=64, capacity=4096, pinned=True)),
         ("d128 B8 N100000", dict(batch=8, length=100_000, dim=128)),
-        ("d128 B2 N5000, 8-row kernel", dict(batch=2, length=5000, dim=128, narrow=False)),
+        ("d128 B2 N5000, 8-row kernel", dict(batch=2, length=5000, dim=128, narrow_rows=False)),
         ("d64 B3 N3001 G3 (24q/8kv)", dict(batch=3, length=3001, dim=64, q_heads=24)),
-        ("d128 B8 N100000, 8-row kernel", dict(batch=8, length=100_000, dim=128, narrow=False)),
+        ("d128 B8 N100000, 8-row kernel", dict(batch=8, length=100_000, dim=128, narrow_rows=False)),
     ]
+    base = CudaHistoryConfig(**json.loads(args.config))
+    print(f"checked config: {base}")
     for name, kw in checks:
-        r = compare(**kw)
+        r = compare(**kw, config=base)
         print(f"| {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | {r['merged']:.2e} | {r['same_inf']} | "
               f"{r['nan']} |", flush=True)
     for magic in (12, 13, 15):
         for name, kw in checks[:2] + checks[8:9]:
-            r = compare(**kw, magic=magic)
+            r = compare(**kw, config=base, magic_planes=magic)
             print(f"| magic planes {magic:04b}: {name} | {r['splits']} | {r['out']:.2e} | {r['lse']:.2e} | "
                   f"{r['merged']:.2e} | {r['same_inf']} | {r['nan']} |", flush=True)
     if args.check_only:
@@ -154,7 +159,8 @@ def main():
         for stages, warps, magic, waves in variants:
             plan = wave_plan(batch, length, dim, CudaHistoryConfig(stages, warps, magic, waves)) if waves else None
             history, rotated, plan, buffers, triton_call, cuda_call = run_both(
-                batch, length, dim, programs_per_sm=int(args.programs), stages=stages, min_warps=warps, magic=magic,
+                batch, length, dim, programs_per_sm=int(args.programs),
+                config=CudaHistoryConfig(stages, warps, magic),
                 plan=plan)
             calls.append(cuda_call)
             splits.append(plan.total_splits)
@@ -181,10 +187,11 @@ def end_to_end(variants):
     from attention import Case, graphed  # noqa: E402
 
     backends = [("Triton only", TritonBackend(cuda_history=False))] + [
-        (f"CUDA {s}st/{w}w/m{m}/overlap{o}/narrow{n}/chains{k}", TritonBackend(
+        (f"CUDA {s}st/{w}w/m{m}/overlap{o}/narrow{n}/chains{k}/pipe{p}", TritonBackend(
             cuda_history=True, overlap_dense=bool(o),
-            cuda_history_config=CudaHistoryConfig(s, w, m, min_history_bytes=0, narrow_rows=bool(n), key_chains=k)))
-        for s, w, m, o, n, k in (v + (1, 8)[len(v) - 4:] for v in variants)]
+            cuda_history_config=CudaHistoryConfig(s, w, m, min_history_bytes=0, narrow_rows=bool(n), key_chains=k,
+                                                  pipelined=bool(p))))
+        for s, w, m, o, n, k, p in (v + (1, 4, 0)[len(v) - 4:] for v in variants)]
     print("| d | ctx | bs | " + " | ".join(f"{name} us" for name, _ in backends) + " | error vs reference |")
     print("|---:|---:|---:|" + "---:|" * len(backends) + "---|")
     for dim in (128, 64):
