@@ -110,7 +110,7 @@ def main():
     parser.add_argument("--variants", default="4:8:0:0", help="CUDA kernel stages:min warps:magic planes:waves, ...")
     parser.add_argument("--end-to-end", default=None,
                         help="time whole decode calls (bench/attention.py's Case) for these CudaHistoryConfig "
-                             "variants, 'stages:warps:magic:overlap_dense[:narrow_rows[:key_chains[:pipelined]]];...', against the "
+                             "variants, 'stages:warps:magic:overlap_dense[:narrow_rows[:key_chains]];...', against the "
                              "Triton-only backend")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -187,11 +187,10 @@ def end_to_end(variants):
     from attention import Case, graphed  # noqa: E402
 
     backends = [("Triton only", TritonBackend(cuda_history=False))] + [
-        (f"CUDA {s}st/{w}w/m{m}/overlap{o}/narrow{n}/chains{k}/pipe{p}", TritonBackend(
+        (f"CUDA {s}st/{w}w/m{m}/overlap{o}/narrow{n}/chains{k}", TritonBackend(
             cuda_history=True, overlap_dense=bool(o),
-            cuda_history_config=CudaHistoryConfig(s, w, m, min_history_bytes=0, narrow_rows=bool(n), key_chains=k,
-                                                  pipelined=bool(p))))
-        for s, w, m, o, n, k, p in (v + (1, 4, 0)[len(v) - 4:] for v in variants)]
+            cuda_history_config=CudaHistoryConfig(s, w, m, min_history_bytes=0, narrow_rows=bool(n), key_chains=k)))
+        for s, w, m, o, n, k in (v + (1, 4)[len(v) - 4:] for v in variants)]
     print("| d | ctx | bs | " + " | ".join(f"{name} us" for name, _ in backends) + " | error vs reference |")
     print("|---:|---:|---:|" + "---:|" * len(backends) + "---|")
     for dim in (128, 64):

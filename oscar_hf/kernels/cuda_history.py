@@ -10,7 +10,7 @@ path tested against the reference on CPU (this kernel is checked against both on
 Why not Triton: the value codes must reach the tensor cores as pairs of tokens, the query and p as fragments of
 their own; Triton re-lays the query out every tile and pairs value codes through byte-wise shared-memory loads
 (1,257 instructions per 64-token warp-tile at d=128). The CUDA kernel builds them in registers and, with at most 4
-query rows per KV head, scores two token groups per MMA (702 instructions; the whole call at 100k/bs8 in 159
+query rows per KV head, scores two token groups per MMA (686 instructions; the whole call at 100k/bs8 in 159
 instead of 254 µs, `bench/RESULTS.md`, runs 38-50).
 """
 
@@ -52,12 +52,10 @@ class CudaHistoryConfig:
     max_splits: cap on history splits per KV head row.
     narrow_rows: calls with at most 4 query rows per KV head (one query position of a GQA-4 model) use the kernel
         whose score MMAs carry two 16-token groups (block-diagonal query, columns 0-3 and 4-7): half the softmax
-        and bookkeeping per lane (679 instead of 813 instructions per tile at d=128; 100k/bs8 whole calls 162.6
+        and bookkeeping per lane (686 instead of 813 instructions per tile at d=128; 100k/bs8 whole calls 162.6
         instead of 170.2 us, run 47).
     key_chains: independent score accumulators per tile, over its 2 or 4 m-tiles (run 49, 100k/bs8 whole calls:
         158.7 us with 4, 162.4 with 2 = one chain per m-tile of the narrow kernel, 159.1 with 8, 161.7 with 16).
-    pipelined: each tile's scores are computed beside the previous tile's softmax and values (software
-        pipelining; tile i + 1 must have landed, so one tile fewer is in flight: pair with stages=5; NOT YET TIMED).
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
         16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
@@ -71,7 +69,6 @@ class CudaHistoryConfig:
     min_history_bytes: int = 33 << 20
     narrow_rows: bool = True
     key_chains: int = 4
-    pipelined: bool = False
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -106,7 +103,7 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-default-device", f"-DSTAGES={config.stages}",
                f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}",
-               f"-DKEY_CHAINS={config.key_chains}", f"-DPIPELINE={int(config.pipelined)}"]
+               f"-DKEY_CHAINS={config.key_chains}"]
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         if lib.nvrtcCompileProgram(prog, len(options), array) != 0:

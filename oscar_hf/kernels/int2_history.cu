@@ -29,9 +29,6 @@ typedef unsigned int u32;
 // plane 0 then reads the byte's copy in the high half of each 16-bit lane, as 1 + code/4: -DMAGIC_PLANES=...
 #define MAGIC_PLANES 0
 #endif
-#ifndef PIPELINE
-#define PIPELINE 0  // 1: a tile's scores are computed beside the previous tile's softmax and values: -DPIPELINE=...
-#endif
 #ifndef KEY_CHAINS
 #define KEY_CHAINS 4  // independent score accumulators per tile, over its m-tiles (`key_dots`): -DKEY_CHAINS=...
 #endif
@@ -263,9 +260,9 @@ __device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* 
     }
 }
 
-// This lane's key words of a staged tile, and the key (scale, zero) words of its score tokens (`Tile`).
+// This lane's words of a staged tile (the register layout of `Tile`).
 template <int D, int ROWS>
-__device__ __forceinline__ void read_keys(Tile<D, ROWS>& tile, const unsigned char* stage,
+__device__ __forceinline__ void read_tile(Tile<D, ROWS>& tile, const unsigned char* stage,
                                           const LaneOffsets<D, ROWS>& at) {
     constexpr int QW = D / 4;
     constexpr int KW = D / 64;
@@ -282,22 +279,6 @@ __device__ __forceinline__ void read_keys(Tile<D, ROWS>& tile, const unsigned ch
                 tile.key[j][half][0] = *reinterpret_cast<const u32*>(p);
             }
         }
-    }
-#pragma unroll
-    for (int i = 0; i < Layout<ROWS>::MT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ + at.sz +
-                                                               4 * Layout<ROWS>::token_step(i, h));
-}
-
-// ... and its value words and value (scale, zero) words.
-template <int D, int ROWS>
-__device__ __forceinline__ void read_values(Tile<D, ROWS>& tile, const unsigned char* stage,
-                                            const LaneOffsets<D, ROWS>& at) {
-    constexpr int QW = D / 4;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const unsigned char* p = stage + (u & 1 ? at.value1 : at.value0) + (16 * j + 8 * (u >> 1)) * QW;
@@ -309,11 +290,14 @@ __device__ __forceinline__ void read_values(Tile<D, ROWS>& tile, const unsigned 
         }
     }
 #pragma unroll
-    for (int i = 0; i < Layout<ROWS>::MT; ++i)
+    for (int i = 0; i < Layout<ROWS>::MT; ++i) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ + at.sz +
-                                                                 4 * Layout<ROWS>::token_step(i, h));
+        for (int h = 0; h < 2; ++h) {
+            const int offset = at.sz + 4 * Layout<ROWS>::token_step(i, h);
+            tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ + offset);
+            tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ + offset);
+        }
+    }
 }
 
 __device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) {
@@ -406,16 +390,19 @@ __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const 
     }
 }
 
-// A tile's scores (log2 units): key dots, then scale, zero-point term and the mask of tokens past the split.
-// `row_sum`: the lane's rows' sums of the rounded query; `init`: minus the magic-number offset of the folded key
-// planes, per C-fragment element; `remaining` = hi - t0 - the lane's first token.
+// One 64-token tile: scores, online softmax, values. `row_sum`: the lane's rows' sums of the rounded query; `init`:
+// minus the magic-number offset of the folded key planes, per C-fragment element; `remaining` = hi - t0 - the lane's first token;
+// `low` = all ones on lanes g < 4 (ROWS = 4: which P.V product a lane's p belongs to).
 template <int D, int ROWS>
-__device__ __forceinline__ void tile_scores(float (&s)[Layout<ROWS>::MT][4], const Tile<D, ROWS>& cur,
-                                            const QueryFragments<D, ROWS>& qb, const float (&row_sum)[2],
-                                            const float (&init)[4], int remaining) {
+__device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& cur, const QueryFragments<D, ROWS>& qb,
+                                            const float (&row_sum)[2], const float (&init)[4], int remaining,
+                                            u32 low) {
+    constexpr int H = D / 64;
+    constexpr int MT = Layout<ROWS>::MT;
+    float s[MT][4];
     key_dots<D, ROWS>(s, cur, qb, init);
 #pragma unroll
-    for (int i = 0; i < Layout<ROWS>::MT; ++i) {
+    for (int i = 0; i < MT; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float scale, zero;
@@ -424,15 +411,6 @@ __device__ __forceinline__ void tile_scores(float (&s)[Layout<ROWS>::MT][4], con
             s[i][e] = Layout<ROWS>::token_step(i, e >> 1) < remaining ? x : NEG_INF;
         }
     }
-}
-
-// Online softmax over a tile's scores `s` and its values. `low` = all ones on lanes g < 4 (ROWS = 4: which P.V
-// product a lane's p belongs to).
-template <int D, int ROWS>
-__device__ __forceinline__ void attend_values(State<D>& st, const float (&s)[Layout<ROWS>::MT][4],
-                                              const Tile<D, ROWS>& cur, u32 low) {
-    constexpr int H = D / 64;
-    constexpr int MT = Layout<ROWS>::MT;
     // online softmax per row (the lane's rows: columns e & 1)
     float alpha[2];
 #pragma unroll
@@ -646,63 +624,22 @@ __device__ void history_partials(
     }
     const int first = Layout<ROWS>::first_token(g, t);
 
-    // the staged tile of tokens from t0 (slot `index` of the ring; the partial last tile has its own buffer)
-    auto staged = [&](int t0, int index) { return stages + (t0 < whole_end ? index : STAGES) * Stage<D>::BYTES; };
-    // loop-invariant fragments stay in registers (ptxas would rather rebuild the masked query every tile)
-    auto pin = [&]() {
+    int stage = 0;
+    for (int t0 = lo; t0 < hi; t0 += 64) {
+        wait_copies<STAGES - 2>();
+        __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
+        stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
+        Tile<D, ROWS> tile;
+        read_tile<D, ROWS>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D>::BYTES, at);
+        // loop-invariant fragments stay in registers (ptxas would rather rebuild the masked query every tile)
         for (auto& x : init) keep(x);
         for (auto& plane : qb)
             for (auto& word : plane)
                 for (auto& parity : word)
                     for (auto& x : parity) keep(x);
-    };
-    int stage = 0;
-    constexpr int MT = Layout<ROWS>::MT;
-#if PIPELINE
-    // software-pipelined: the scores of tile i + 1 are computed beside the softmax and values of tile i (one tile
-    // fewer in flight: tile i + 1 must have landed)
-    static_assert(STAGES >= 3, "the pipelined loop reads two staged tiles at once");
-    float s[MT][4];
-    {
-        wait_copies<STAGES - 2>();
-        __syncwarp();
-        Tile<D, ROWS> first_tile;
-        read_keys<D, ROWS>(first_tile, staged(lo, 0), at);
-        tile_scores<D, ROWS>(s, first_tile, qb, row_sum, init, hi - lo - first);
-    }
-    for (int t0 = lo; t0 < hi; t0 += 64) {
-        wait_copies<STAGES - 3>();
-        __syncwarp();  // tiles i and i + 1 have landed, and tile i - 1 has been read
-        stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
-        const int next = stage == STAGES - 1 ? 0 : stage + 1;
-        pin();
-        Tile<D, ROWS> tile;  // keys of tile i + 1 (stale after the split's last tile: masked, unused), values of i
-        read_keys<D, ROWS>(tile, staged(t0 + 64, next), at);
-        read_values<D, ROWS>(tile, staged(t0, stage), at);
-        float s_next[MT][4];
-        tile_scores<D, ROWS>(s_next, tile, qb, row_sum, init, hi - t0 - 64 - first);
-        attend_values<D, ROWS>(st, s, tile, low);
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = s_next[i][e];
-        stage = next;
-    }
-#else
-    for (int t0 = lo; t0 < hi; t0 += 64) {
-        wait_copies<STAGES - 2>();
-        __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
-        stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
-        pin();
-        Tile<D, ROWS> tile;
-        read_keys<D, ROWS>(tile, staged(t0, stage), at);
-        read_values<D, ROWS>(tile, staged(t0, stage), at);
-        float s[MT][4];
-        tile_scores<D, ROWS>(s, tile, qb, row_sum, init, hi - t0 - first);
-        attend_values<D, ROWS>(st, s, tile, low);
+        attend_tile<D, ROWS>(st, tile, qb, row_sum, init, hi - t0 - first, low);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
-#endif
     float (&acc)[4][H][4] = st.acc;
     float (&m_i)[2] = st.m;
     float (&l_i)[2] = st.l;
