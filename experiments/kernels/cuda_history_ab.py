@@ -157,11 +157,10 @@ def main():
         calls, splits = [], []
         history = None
         for stages, warps, magic, waves in variants:
-            plan = wave_plan(batch, length, dim, CudaHistoryConfig(stages, warps, magic, waves)) if waves else None
+            config = CudaHistoryConfig(stages, warps, magic, waves)
+            plan = wave_plan(batch, length, dim, config) if waves else None
             history, rotated, plan, buffers, triton_call, cuda_call = run_both(
-                batch, length, dim, programs_per_sm=int(args.programs),
-                config=CudaHistoryConfig(stages, warps, magic),
-                plan=plan)
+                batch, length, dim, programs_per_sm=int(args.programs), config=config, plan=plan)
             calls.append(cuda_call)
             splits.append(plan.total_splits)
         times = []

@@ -17,9 +17,9 @@ from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
 
 for variant in sys.argv[1:] or ["4:8:13"]:
     stages, warps, magic = (int(x) for x in variant.split(":"))
-    plan = wave_plan(8, 100_000, 128, CudaHistoryConfig(stages, warps, magic))
-    *_, triton_call, cuda_call = run_both(8, 100_000, 128, programs_per_sm=20, plan=plan,
-                                          config=CudaHistoryConfig(stages, warps, magic))
+    config = CudaHistoryConfig(stages, warps, magic)
+    *_, triton_call, cuda_call = run_both(8, 100_000, 128, programs_per_sm=20,
+                                          plan=wave_plan(8, 100_000, 128, config), config=config)
     for _ in range(2):
         cuda_call()
 triton_call()

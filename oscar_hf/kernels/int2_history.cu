@@ -360,7 +360,7 @@ __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const 
 #pragma unroll
                         for (int x = 0; x < 4; ++x) a[x] = mask_or(w[x] >> (8 * p), mask, magic);
                         b0 = qb[c][e][p][0];
-                        b1 = qb[c][e][p][ROWS == 4];
+                        b1 = qb[c][e][p][1];
                     } else {  // tokens 16i + {g, g+8}: even bytes in k 0-7, odd bytes in k 8-15
                         const u32 top = cur.key[i][0][e], bottom = cur.key[i][1][e];
                         a[0] = mask_or(top, mask, magic);
@@ -391,8 +391,8 @@ __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const 
 }
 
 // One 64-token tile: scores, online softmax, values. `row_sum`: the lane's rows' sums of the rounded query; `init`:
-// minus the magic-number offset of the folded key planes, per C-fragment element; `remaining` = hi - t0 - the lane's first token;
-// `low` = all ones on lanes g < 4 (ROWS = 4: which P.V product a lane's p belongs to).
+// minus the magic-number offset of the folded key planes, per C-fragment element; `remaining` = hi - t0 - the
+// lane's first token; `low` = all ones on lanes g < 4 (ROWS = 4: which P.V product a lane's p belongs to).
 template <int D, int ROWS>
 __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& cur, const QueryFragments<D, ROWS>& qb,
                                             const float (&row_sum)[2], const float (&init)[4], int remaining,
