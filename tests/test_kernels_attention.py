@@ -203,9 +203,10 @@ def test_merge_matches_reference_and_handles_empty_partials():
     assert (out[0, 0] == 0).all() and torch.isinf(lse[0, 0]).all()
 
 
-@pytest.mark.parametrize("groups,q_len,splits,plain,columns", [(4, 1, 70, 3, 1), (4, 1, 70, 3, 2), (16, 1, 9, 2, None),
-                                                           (3, 2, 33, 0, 2), (4, 1, 5, 5, 1)])
-def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, columns):
+@pytest.mark.parametrize("groups,q_len,splits,plain,columns,batch_rows", [
+    (4, 1, 70, 3, 1, 1), (4, 1, 70, 3, 2, 1), (16, 1, 9, 2, None, 1), (3, 2, 33, 0, 2, 1), (4, 1, 5, 5, 1, 1),
+    (4, 1, 9, 2, 1, 2), (3, 1, 9, 2, None, 5), (4, 1, 70, 3, 2, 4)])
+def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, columns, batch_rows):
     """Stage 2 over many splits (several split chunks, more than 64 log-sum-exps) and rows per program from 4 to
     16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty.
     `columns`: programs sharing each row block's output columns (None: the default for the grid)."""
@@ -221,7 +222,8 @@ def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, co
     rotation = _orthogonal(dim, kv_heads)
     out = torch.full((BATCH, q_len, heads, dim), float("nan"), device=DEVICE)
     lse = torch.full((BATCH, heads, q_len), float("nan"), device=DEVICE)
-    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse, column_programs=columns)
+    merge_splits(part_out, part_lse, splits, out, "blhd", rotation, plain, kv_heads, lse, column_programs=columns,
+                 batch_rows=batch_rows)
     group_rotation = rotation.repeat_interleave(groups, dim=0)[None, :, None]  # [1, Hq, 1, D, D]
     parts = []
     for s in range(splits):

@@ -48,7 +48,9 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
 @pytest.mark.skipif(_nvrtc_missing(), reason="needs libnvrtc (pip install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
-                                    cuda_history.CudaHistoryConfig(stages=5, magic_planes=0)])
+                                    cuda_history.CudaHistoryConfig(stages=5, magic_planes=0),
+                                    cuda_history.CudaHistoryConfig(diagnostic=1),
+                                    cuda_history.CudaHistoryConfig(diagnostic=2)])
 def test_source_compiles_without_spills(arch, config):
     resources = _resources(cuda_history.compile_cubin(arch, config))
     assert set(resources) == {cuda_history.kernel_name(d, r) for d in (64, 128) for r in (4, 8)}

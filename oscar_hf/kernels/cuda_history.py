@@ -56,6 +56,8 @@ class CudaHistoryConfig:
         instead of 170.2 us, run 47).
     key_chains: independent score accumulators per tile, over its 2 or 4 m-tiles (run 49, 100k/bs8 whole calls:
         158.7 us with 4, 162.4 with 2 = one chain per m-tile of the narrow kernel, 159.1 with 8, 161.7 with 16).
+    diagnostic: measurements only, the partials are garbage: 1 = stage the tiles and attend to none (the
+        bandwidth of the copies alone), 2 = also read every lane's words from shared memory.
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
         16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
@@ -69,6 +71,7 @@ class CudaHistoryConfig:
     min_history_bytes: int = 33 << 20
     narrow_rows: bool = True
     key_chains: int = 4
+    diagnostic: int = 0
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -103,7 +106,7 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-default-device", f"-DSTAGES={config.stages}",
                f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}",
-               f"-DKEY_CHAINS={config.key_chains}"]
+               f"-DKEY_CHAINS={config.key_chains}", f"-DDIAGNOSTIC={config.diagnostic}"]
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         if lib.nvrtcCompileProgram(prog, len(options), array) != 0:

@@ -32,6 +32,11 @@ typedef unsigned int u32;
 #ifndef KEY_CHAINS
 #define KEY_CHAINS 4  // independent score accumulators per tile, over its m-tiles (`key_dots`): -DKEY_CHAINS=...
 #endif
+#ifndef DIAGNOSTIC
+// 0: attend. Measurements only (the partials are garbage): 1 = stage the tiles and attend to none (what the copies
+// alone reach); 2 = stage them and read every lane's words from shared memory: -DDIAGNOSTIC=...
+#define DIAGNOSTIC 0
+#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -629,8 +634,24 @@ __device__ void history_partials(
         wait_copies<STAGES - 2>();
         __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
         stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
+#if DIAGNOSTIC == 1
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+        continue;
+#endif
         Tile<D, ROWS> tile;
         read_tile<D, ROWS>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D>::BYTES, at);
+#if DIAGNOSTIC == 2
+        {
+            u32 folded = 0;
+            for (const auto& w : tile.key) for (const auto& x : w) for (u32 y : x) folded ^= y;
+            for (const auto& w : tile.value) for (u32 y : w) folded ^= y;
+            for (const auto& w : tile.key_sz) for (u32 y : w) folded ^= y;
+            for (const auto& w : tile.value_sz) for (u32 y : w) folded ^= y;
+            st.acc[0][0][0] += __uint_as_float(0x3f000000u | (folded & 0x007fffffu));
+            stage = stage == STAGES - 1 ? 0 : stage + 1;
+            continue;
+        }
+#endif
         // loop-invariant fragments stay in registers (ptxas would rather rebuild the masked query every tile)
         for (auto& x : init) keep(x);
         for (auto& plane : qb)

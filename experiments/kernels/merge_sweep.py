@@ -1,0 +1,69 @@
+"""Whole decode calls with the stage-2 merge's launch options varied (`merge.merge_splits`' column_programs,
+split_chunk, num_warps) or the backend's split plan (`TritonBackend` arguments under "backend"), graph-timed on
+bench/attention.py's cases (d=128 unless --dim). GPU only.
+
+    python3 experiments/kernels/merge_sweep.py [--cells 1:4096,8:100000] [--variants '[{}, {"num_warps": 8},
+                                                {"backend": {"min_history_tokens": 128}}]']
+
+The merge runs after the history's last split: its time after stage 1 is the call's tail (a 100k/bs32 call spent
+16 us there in run 58, `cuda_history_limits.py --timeline`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+from triton.testing import do_bench  # noqa: E402
+
+from attention import Case, graphed  # noqa: E402
+
+from oscar_hf.kernels import backend as backend_module  # noqa: E402
+from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+
+DEFAULT_VARIANTS = [{}, {"column_programs": 4}, {"column_programs": 2}, {"column_programs": 1},
+                    {"num_warps": 8}, {"num_warps": 2}, {"split_chunk": 8}, {"split_chunk": 16},
+                    {"column_programs": 4, "num_warps": 8}, {"column_programs": 4, "split_chunk": 16}]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", default="1:4096,8:4096,1:100000,8:32768,8:100000,32:100000")
+    parser.add_argument("--variants", default=json.dumps(DEFAULT_VARIANTS))
+    parser.add_argument("--dim", type=int, default=128)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    variants = json.loads(args.variants)
+    original = backend_module.merge_splits
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, d={args.dim}; whole calls, us (graph replays)")
+    print("| ctx | bs | " + " | ".join(json.dumps(v) for v in variants) + " | max err vs first |")
+    print("|---:|---:|" + "---:|" * len(variants) + "---:|")
+    for cell in args.cells.split(","):
+        batch, context = (int(x) for x in cell.split(":"))
+        case = Case(batch, context, args.dim, TritonBackend())
+        times, outs = [], []
+        for variant in variants:
+            variant = dict(variant)
+            backend = TritonBackend(**variant.pop("backend", {}))
+            backend_module.merge_splits = functools.partial(original, **variant)
+            try:
+                outs.append(case.oscar(backend).float())
+                times.append(do_bench(graphed(lambda: case.oscar(backend)), warmup=20, rep=100,
+                                      return_mode="median") * 1e3)
+            finally:
+                backend_module.merge_splits = original
+        err = max(((o - outs[0]).norm() / outs[0].norm()).item() for o in outs)
+        print(f"| {context} | {batch} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {err:.1e} |", flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
