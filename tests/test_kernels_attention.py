@@ -402,7 +402,7 @@ def test_backend_takes_the_history_split_minimum_from_its_launch():
         torch.device("cpu"), 1, 8, 4, 321, 32_447, default_launch(128)).history_splits == 64
 
 
-def test_merge_splits_rejects_column_programs_that_do_not_divide_the_row():
+def test_merge_splits_rejects_bad_column_programs_and_batch_rows():
     from oscar_hf.kernels.merge import merge_splits
 
     part_out = torch.zeros(1, 4, 1, 3, 64, device=DEVICE)
@@ -410,6 +410,10 @@ def test_merge_splits_rejects_column_programs_that_do_not_divide_the_row():
     out = torch.empty(1, 1, 4, 64, device=DEVICE)
     with pytest.raises(ValueError, match="column_programs=3"):
         merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, column_programs=3)
+    with pytest.raises(ValueError, match="batch_rows must be at least 1"):
+        merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, batch_rows=0)
+    with pytest.raises(ValueError, match="exceed a 16-row block"):
+        merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, batch_rows=8)
 
 
 @pytest.mark.parametrize("per_head", [False, True])

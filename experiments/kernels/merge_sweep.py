@@ -3,7 +3,7 @@ split_chunk, num_warps) or the backend's split plan (`TritonBackend` arguments u
 bench/attention.py's cases (d=128 unless --dim). GPU only.
 
     python3 experiments/kernels/merge_sweep.py [--cells 1:4096,8:100000] [--variants '[{}, {"num_warps": 8},
-                                                {"backend": {"min_history_tokens": 128}}]']
+        {"backend": {"min_history_tokens": 128}}, {"backend": {"cuda_history_config": {"min_history_bytes": 0}}}]']
 
 The merge runs after the history's last split: its time after stage 1 is the call's tail (a 100k/bs32 call spent
 16 us there in run 58, `cuda_history_limits.py --timeline`).
@@ -27,6 +27,7 @@ from attention import Case, graphed  # noqa: E402
 
 from oscar_hf.kernels import backend as backend_module  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
 
 DEFAULT_VARIANTS = [{}, {"column_programs": 4}, {"column_programs": 2}, {"column_programs": 1},
                     {"num_warps": 8}, {"num_warps": 2}, {"split_chunk": 8}, {"split_chunk": 16},
@@ -51,7 +52,10 @@ def main():
         times, outs = [], []
         for variant in variants:
             variant = dict(variant)
-            backend = TritonBackend(**variant.pop("backend", {}))
+            backend_args = dict(variant.pop("backend", {}))
+            if "cuda_history_config" in backend_args:  # CudaHistoryConfig fields as JSON
+                backend_args["cuda_history_config"] = CudaHistoryConfig(**backend_args["cuda_history_config"])
+            backend = TritonBackend(**backend_args)
             backend_module.merge_splits = functools.partial(original, **variant)
             try:
                 outs.append(case.oscar(backend).float())

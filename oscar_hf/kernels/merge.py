@@ -185,6 +185,8 @@ def merge_splits(
     block_m = min(16, triton.next_power_of_2(rows))  # a decode step's GQA group, not 16 rows
     if batch_rows is None:
         batch_rows = 16 // triton.next_power_of_2(rows) if has_rot and rows <= 8 and batch >= BATCH_ROWS_FROM else 1
+    if batch_rows < 1:
+        raise ValueError(f"merge_splits: batch_rows must be at least 1, got {batch_rows}")
     if batch_rows > 1:
         if rows * batch_rows > 16:
             raise ValueError(f"merge_splits: batch_rows={batch_rows} x {rows} rows exceed a 16-row block")
