@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -153,8 +154,8 @@ def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
 
 @gpu
 def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
-    """A softcap, more than 8 rows per KV head, or (default config) a history under 33 MiB: the Triton kernel
-    runs the history."""
+    """A softcap, more than 8 rows per KV head, or a history under `min_history_bytes`: the Triton kernel runs the
+    history."""
     from oscar_hf.kernels.backend import TritonBackend
 
     rotations, history, query, (keys, values) = _case(128, 4, 3, False)
@@ -163,4 +164,5 @@ def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
     always.tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)  # 12 rows per KV head
     one, k1, v1 = query[:, :, :1], keys[:, :, :-2], values[:, :, :-2]
     always.tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1, softcap=30.0)
-    TritonBackend().tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1)  # 8.6 MB of history
+    small = TritonBackend(cuda_history_config=replace(cuda_history.CudaHistoryConfig(), min_history_bytes=9 << 20))
+    small.tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1)  # 8.6 MB of history

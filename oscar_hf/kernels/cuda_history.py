@@ -59,8 +59,10 @@ class CudaHistoryConfig:
     diagnostic: measurements only, the partials are garbage: 1 = stage the tiles and attend to none (the
         bandwidth of the copies alone), 2 = also read every lane's words from shared memory.
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
-        whose call launches one kernel fewer (run 44, whole calls: the CUDA path lost below 31 MB, e.g. 20.0 vs
-        16.7 us at 4k/bs1, d=128, and won from 37 MB, e.g. 41.4 vs 46.2 us at 100k/bs1, 57 MB).
+        whose call launches one kernel fewer. Run 65 (whole calls, this kernel): the CUDA path lost below ~4 MB
+        (4k/bs1: 18.5 vs 17.0 us at d=128, 2.2 MB; 15.3 vs 14.8-15.2 at d=64, 1.2 MB), tied at 4.3 MB (4k/bs2,
+        20.8 vs 20.7-21.0) and won above (16k/bs1, 9.3 MB: 23.2 vs 24.7; d=64 32k/bs1, 10.4 MB: 22.0 vs 24.9-25.2;
+        d=64 4k/bs8, 9.7 MB: 21.4 vs 23.0-23.2). (Run 44, with the first CUDA kernel, had put it at 31-37 MB.)
     """
 
     stages: int = 4
@@ -68,7 +70,7 @@ class CudaHistoryConfig:
     magic_planes: int = 0b1101
     waves: int = 1
     max_splits: int = 128
-    min_history_bytes: int = 33 << 20
+    min_history_bytes: int = 4 << 20
     narrow_rows: bool = True
     key_chains: int = 4
     diagnostic: int = 0
