@@ -64,6 +64,23 @@ def graphed(fn):
     return graph.replay
 
 
+def profiled(fn, calls: int, warmup: int = 3, sync_each: bool = False):
+    """torch.profiler (CUDA activity) over `calls` calls of `fn` after `warmup` unprofiled ones; `sync_each`:
+    synchronize after every call (their kernels then never overlap the next call's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+            if sync_each:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    return prof
+
+
 def host_us(fn, calls=200) -> float:
     """Host microseconds per call of `fn` (launches queued, not waited for)."""
     fn()
@@ -296,19 +313,11 @@ def sweep_split_minimums(copy_bw, dim=128):
 def kernel_breakdown(dim=128, calls=50):
     """GPU time per call of each kernel of an OSCAR decode attention call (torch.profiler), for the cells where the
     fixed costs show: batch 1 at 4k and 100k, batch 8 at 100k."""
-    from torch.profiler import ProfilerActivity, profile
-
     out = []
     for batch, context in [(1, 4096), (1, 100_000), (8, 100_000)]:
         backend = TritonBackend(launch=base_launch(dim))
         case = Case(batch, context, dim, backend)
-        for _ in range(5):
-            case.oscar(backend)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                case.oscar(backend)
-            torch.cuda.synchronize()
+        prof = profiled(lambda: case.oscar(backend), calls, warmup=5)
         times = {}
         for event in prof.key_averages():
             if event.device_type.name == "CUDA" and event.self_device_time_total > 0:

@@ -15,7 +15,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from attention import Case, bench, error_vs_reference, graphed  # noqa: E402
+from attention import Case, bench, error_vs_reference, graphed, profiled  # noqa: E402
 
 from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
@@ -40,15 +40,7 @@ def floors():
 
 
 def breakdown(fn, calls=30):
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, calls)
     return {e.key[:40]: round(e.self_device_time_total / calls, 1) for e in prof.key_averages()
             if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 from triton.testing import do_bench  # noqa: E402
 
-from attention import Case, copy_bandwidth, graphed  # noqa: E402
+from attention import Case, copy_bandwidth, graphed, profiled  # noqa: E402
 from cuda_history_ab import run_both, wave_plan  # noqa: E402
 
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
@@ -41,13 +41,8 @@ MODES = (("attend", 0), ("copies", 1), ("copies + reads", 2))
 def kernel_us(batch: int, length: int, dim: int, config: CudaHistoryConfig) -> float:
     plan = wave_plan(batch, length, dim, config)
     *_, cuda_call = run_both(batch, length, dim, plan=plan, config=config)
-    cuda_call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda_call()
-    us = do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3
-    del graph, cuda_call
+    us = do_bench(graphed(cuda_call), warmup=10, rep=60, return_mode="median") * 1e3
+    del cuda_call
     torch.cuda.empty_cache()
     return us
 
@@ -73,15 +68,7 @@ def bandwidth_table(cases, stages_list, dim, copy_bw):
 
 def kernel_spans(fn, calls: int = 20):
     """(name, start us, end us) of the GPU kernels of the last of `calls` calls, relative to its first kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-            torch.cuda.synchronize()
+    prof = profiled(fn, calls, sync_each=True)
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type.name == "CUDA"), key=lambda k: k[0])
     per_call = len(kernels) // calls

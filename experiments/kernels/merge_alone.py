@@ -15,8 +15,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 from triton.testing import do_bench  # noqa: E402
+
+from attention import graphed  # noqa: E402
 
 from oscar_hf.kernels.merge import merge_splits  # noqa: E402
 
@@ -38,19 +41,9 @@ def time_merge(batch: int, splits: int, plain: int, rotate: bool, **options) -> 
         touch.copy_(partial_out)
         call()
 
-    times = []
-    for fn in (call, warm_call):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        times.append(do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1e3)
-    copy_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(copy_graph):
-        touch.copy_(partial_out)
-    copy_us = do_bench(copy_graph.replay, warmup=20, rep=100, return_mode="median") * 1e3
-    return times[0], times[1] - copy_us
+    cold, warm, copy = (do_bench(graphed(fn), warmup=20, rep=100, return_mode="median") * 1e3
+                        for fn in (call, warm_call, lambda: touch.copy_(partial_out)))
+    return cold, warm - copy
 
 
 def main():
