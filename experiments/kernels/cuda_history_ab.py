@@ -42,6 +42,11 @@ def random_history(batch, length, dim, capacity=None, pinned=False, device="cuda
     return HistoryTensors(codes(), codes(), scale_zero(), scale_zero(), length, 2, length_ptr)
 
 
+def history_bytes(batch, length, dim):
+    """Bytes a call must read from the history: 2-bit codes and float16 (scale, zero) of K and V."""
+    return batch * KV_HEADS * length * 2 * (dim // 4 + 4)
+
+
 def wave_plan(batch, length, dim, config):
     """History splits for the CUDA kernel so that its programs fill `config.waves` waves of the resident slots."""
     return plan_history(SplitPlan(8, 1, 64, 0, 16, 0, 64), length, batch * KV_HEADS, resident_slots(0, dim, config),
@@ -171,7 +176,7 @@ def main():
             with torch.cuda.graph(graph):
                 fn()
             times.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3)
-        nbytes = batch * KV_HEADS * length * 2 * (dim // 4 + 4)
+        nbytes = history_bytes(batch, length, dim)
         best = min(times[1:])
         print(f"| {dim} | {length} | {batch} | {times[0]:.1f} | "
               + " | ".join(f"{x:.1f} ({n})" for x, n in zip(times[1:], splits))

@@ -630,12 +630,11 @@ __device__ void history_partials(
     const int first = Layout<ROWS>::first_token(g, t);
 
     int stage = 0;
-    for (int t0 = lo; t0 < hi; t0 += 64) {
+    for (int t0 = lo; t0 < hi; t0 += 64, stage = stage == STAGES - 1 ? 0 : stage + 1) {
         wait_copies<STAGES - 2>();
         __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
         stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
 #if DIAGNOSTIC == 1
-        stage = stage == STAGES - 1 ? 0 : stage + 1;
         continue;
 #endif
         Tile<D, ROWS> tile;
@@ -648,7 +647,6 @@ __device__ void history_partials(
             for (const auto& w : tile.key_sz) for (u32 y : w) folded ^= y;
             for (const auto& w : tile.value_sz) for (u32 y : w) folded ^= y;
             st.acc[0][0][0] += __uint_as_float(0x3f000000u | (folded & 0x007fffffu));
-            stage = stage == STAGES - 1 ? 0 : stage + 1;
             continue;
         }
 #endif
@@ -659,7 +657,6 @@ __device__ void history_partials(
                 for (auto& parity : word)
                     for (auto& x : parity) keep(x);
         attend_tile<D, ROWS>(st, tile, qb, row_sum, init, hi - t0 - first, low);
-        stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     float (&acc)[4][H][4] = st.acc;
     float (&m_i)[2] = st.m;
