@@ -60,9 +60,10 @@ class CudaHistoryConfig:
         bandwidth of the copies alone), 2 = also read every lane's words from shared memory.
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer. Run 65 (whole calls, this kernel): the CUDA path lost below ~4 MB
-        (4k/bs1: 18.5 vs 17.0 us at d=128, 2.2 MB; 15.3 vs 14.8-15.2 at d=64, 1.2 MB), tied at 4.3 MB (4k/bs2,
-        20.8 vs 20.7-21.0) and won above (16k/bs1, 9.3 MB: 23.2 vs 24.7; d=64 32k/bs1, 10.4 MB: 22.0 vs 24.9-25.2;
-        d=64 4k/bs8, 9.7 MB: 21.4 vs 23.0-23.2). (Run 44, with the first CUDA kernel, had put it at 31-37 MB.)
+        (4k/bs1: 18.5 vs 17.0-17.1 us at d=128, 2.2 MB; 15.3 vs 14.8-15.2 at d=64, 1.2 MB), tied at 4.3 MB
+        (4k/bs2, 20.8 vs 20.7-21.0) and won above (16k/bs1, 9.3 MB: 23.2 vs 24.7-24.8; d=64 32k/bs1, 10.4 MB:
+        22.0 vs 24.9-25.2; d=64 4k/bs8, 9.7 MB: 21.4 vs 23.0-23.2). (Run 44, with the first CUDA kernel, had put
+        it at 31-37 MB.)
     """
 
     stages: int = 4
