@@ -11,7 +11,8 @@ layer holds 64 sink + 256 recent + 1 new token in BF16 and the rest as 2-bit cod
 per row, Hadamard-rotated. Both sides read the same random K/V (the history is demoted from it by the demotion
 kernel, timed too). Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed before every call) over
 CUDA-graph replays of the call (GPU time; "eager" columns time the plain calls, host launch overhead included, and
-"host us" is the Python/launch time per call).
+"host us" is the Python/launch time per call). "folded" times the same call for a model whose value rotation is
+folded into v_proj/o_proj (`OscarCache(..., fold_value_rotation=True)`): the merge then applies no R_Vᵀ.
 
 "GB/s" counts the bytes that must be read once: OSCAR = codes + scale/zero of K and V for the history, plus the
 BF16 tiers; SDPA = BF16 K and V. "% copy" divides that by the device-to-device copy bandwidth measured in the same
@@ -135,6 +136,15 @@ class Case:
         return backend.tiered_attention(self.query, self.dense_keys, self.dense_values, None, self.history, SINK,
                                         self.rotation if key_rotation else None, self.rotation, self.dim**-0.5)
 
+    def oscar_folded(self, backend):
+        """The call of a model whose value rotation is folded into v_proj/o_proj (`fold_value_rotation=True`): the
+        BF16 tiers hold `v @ R_V` (the history holds the same codes either way) and no R_Vᵀ is applied; its output
+        times R_Vᵀ is `oscar`'s (o_proj does that product for free)."""
+        if getattr(self, "_folded_values", None) is None:
+            self._folded_values = (self.dense_values.float() @ self.rotation).to(self.dense_values.dtype)
+        return backend.tiered_attention(self.query, self.dense_keys, self._folded_values, None, self.history, SINK,
+                                        self.rotation, None, self.dim**-0.5)
+
     def reference(self):
         """The reference backend's output over the same tiers (float32 dequantization), computed once."""
         if getattr(self, "_reference", None) is None:
@@ -176,10 +186,10 @@ def check(case: Case, backend: TritonBackend) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def error_vs_reference(case: Case, backend: TritonBackend) -> float:
+def error_vs_reference(case: Case, backend: TritonBackend, folded: bool = False) -> float:
     """Relative error of the kernels' output against the reference backend on the same tiers: a kernel error
-    (tests/ bound it by 1.5e-2 at bf16), unlike `check`."""
-    a = case.oscar(backend).float()
+    (tests/ bound it by 1.5e-2 at bf16), unlike `check`. `folded`: of `oscar_folded`'s output times R_Vᵀ."""
+    a = case.oscar_folded(backend).float() @ case.rotation.T if folded else case.oscar(backend).float()
     b = case.reference()
     return ((a - b).norm() / b.norm()).item()
 
@@ -194,11 +204,13 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     row["oscar_eager_ms"] = bench(lambda: case.oscar(backend))
     row["sdpa_eager_ms"] = bench(case.sdpa)
     row["oscar_ms"] = bench(graphed(lambda: case.oscar(backend)))
+    row["folded_ms"] = bench(graphed(lambda: case.oscar_folded(backend)))
     row["sdpa_ms"] = bench(graphed(case.sdpa))
     row["oscar_host_us"] = host_us(lambda: case.oscar(backend))
     row["sdpa_host_us"] = host_us(case.sdpa)
     row["speedup"] = row["sdpa_ms"] / row["oscar_ms"]
     row["speedup_eager"] = row["sdpa_eager_ms"] / row["oscar_eager_ms"]
+    row["folded_speedup"] = row["sdpa_ms"] / row["folded_ms"]
     total = case.bytes_history() + case.bytes_dense()
     row["oscar_GBps"] = total / (row["oscar_ms"] * 1e-3) / 1e9
     row["oscar_copy_frac"] = total / (row["oscar_ms"] * 1e-3) / copy_bw
@@ -207,6 +219,7 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     row["sdpa_copy_frac"] = case.bytes_sdpa() / (row["sdpa_ms"] * 1e-3) / copy_bw
     row["rel_err_vs_sdpa"] = check(case, backend)
     row["rel_err_vs_reference"] = error_vs_reference(case, backend)
+    row["folded_rel_err_vs_reference"] = error_vs_reference(case, backend, folded=True)
     demote_ms = bench(lambda: backend.demote_kv(*case.demote_args), rep=30)
     rows = 2 * batch * KV_HEADS * case.history_len
     row["demote_ms"] = demote_ms
@@ -362,23 +375,26 @@ def usable_backend(launch: LaunchConfig | None) -> TritonBackend:
 
 
 def table(rows, copy_bw):
+    columns = ["d", "ctx", "bs", "OSCAR ms", "SDPA ms", "speedup", "folded ms", "folded speedup", "OSCAR GB/s",
+               "OSCAR %copy", "INT2 %copy", "SDPA GB/s", "SDPA %copy", "OSCAR eager ms", "SDPA eager ms",
+               "eager speedup", "OSCAR host us", "SDPA host us", "dense Triton ms", "dense torch ms",
+               "demote Mrows/s", "rel err vs SDPA", "rel err vs reference", "folded rel err vs reference"]
     lines = [f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", "",
-             "| d | ctx | bs | OSCAR ms | SDPA ms | speedup | OSCAR GB/s | OSCAR %copy | INT2 %copy | SDPA GB/s "
-             "| SDPA %copy | OSCAR eager ms | SDPA eager ms | eager speedup | OSCAR host us | SDPA host us "
-             "| dense Triton ms | dense torch ms | demote Mrows/s | rel err vs SDPA | rel err vs reference |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['dim']} | {r['context']} | {r['batch']} | {r['error']} |")
             continue
         lines.append(
             f"| {r['dim']} | {r['context']} | {r['batch']} | {r['oscar_ms']:.3f} | {r['sdpa_ms']:.3f} | "
-            f"{r['speedup']:.2f}x | {r['oscar_GBps']:.0f} | {100 * r['oscar_copy_frac']:.0f}% | "
+            f"{r['speedup']:.2f}x | {r['folded_ms']:.3f} | {r['folded_speedup']:.2f}x | {r['oscar_GBps']:.0f} | "
+            f"{100 * r['oscar_copy_frac']:.0f}% | "
             f"{100 * r['int2_copy_frac']:.0f}% | {r['sdpa_GBps']:.0f} | {100 * r['sdpa_copy_frac']:.0f}% | "
             f"{r['oscar_eager_ms']:.3f} | {r['sdpa_eager_ms']:.3f} | {r['speedup_eager']:.2f}x | "
             f"{r['oscar_host_us']:.0f} | {r['sdpa_host_us']:.0f} | "
             f"{r.get('dense_triton_ms', math.nan):.3f} | {r.get('dense_torch_ms', math.nan):.3f} | "
-            f"{r['demote_Mrows_per_s']:.0f} | {r['rel_err_vs_sdpa']:.3f} | {r['rel_err_vs_reference']:.1e} |")
+            f"{r['demote_Mrows_per_s']:.0f} | {r['rel_err_vs_sdpa']:.3f} | {r['rel_err_vs_reference']:.1e} | "
+            f"{r['folded_rel_err_vs_reference']:.1e} |")
     return "\n".join(lines)
 
 

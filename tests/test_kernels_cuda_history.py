@@ -51,7 +51,8 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
                                     cuda_history.CudaHistoryConfig(stages=5, magic_planes=0),
                                     cuda_history.CudaHistoryConfig(diagnostic=1),
-                                    cuda_history.CudaHistoryConfig(diagnostic=2)])
+                                    cuda_history.CudaHistoryConfig(diagnostic=2),
+                                    cuda_history.CudaHistoryConfig(diagnostic=3)])
 def test_source_compiles_without_spills(arch, config):
     resources = _resources(cuda_history.compile_cubin(arch, config))
     assert set(resources) == {cuda_history.kernel_name(d, r) for d in (64, 128) for r in (4, 8)}

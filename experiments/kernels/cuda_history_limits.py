@@ -6,7 +6,8 @@ call's time goes. GPU only.
 
 Bandwidth table (d=128, history splits filling one wave): the history kernel alone, graph-timed (L2 flushed by
 `do_bench`), as the default kernel ("attend"), with `CudaHistoryConfig.diagnostic=1` ("copies": the tiles staged
-in shared memory, nothing attended) and `diagnostic=2` ("copies + reads": every lane's words also read back);
+in shared memory, nothing attended), `diagnostic=2` ("copies + reads": every lane's words also read back) and
+`diagnostic=3` ("arithmetic": every tile attended from the first staged buffer, no copies after the prologue);
 history bytes (codes + scale/zero of K and V) over the time, and that over the copy bandwidth of the same process.
 
 `--timeline`: the kernels of one decode call (bench/attention.py's case: BF16 tiers, rotation, history, merge), start
@@ -34,7 +35,7 @@ from cuda_history_ab import history_bytes, run_both, wave_plan  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
 
-MODES = (("attend", 0), ("copies", 1), ("copies + reads", 2))
+MODES = (("attend", 0), ("copies", 1), ("copies + reads", 2), ("arithmetic", 3))
 
 
 def kernel_us(batch: int, length: int, dim: int, config: CudaHistoryConfig) -> float:

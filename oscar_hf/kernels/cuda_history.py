@@ -57,7 +57,8 @@ class CudaHistoryConfig:
     key_chains: independent score accumulators per tile, over its 2 or 4 m-tiles (run 49, 100k/bs8 whole calls:
         158.7 us with 4, 162.4 with 2 = one chain per m-tile of the narrow kernel, 159.1 with 8, 161.7 with 16).
     diagnostic: measurements only, the partials are garbage: 1 = stage the tiles and attend to none (the
-        bandwidth of the copies alone), 2 = also read every lane's words from shared memory.
+        bandwidth of the copies alone), 2 = also read every lane's words from shared memory, 3 = attend to
+        every tile from the first staged buffer with no copies after the prologue (the arithmetic alone).
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer. Run 65 (whole calls, this kernel): the CUDA path lost below ~4 MB
         (4k/bs1: 18.5 vs 17.0-17.1 us at d=128, 2.2 MB; 15.3 vs 14.8-15.2 at d=64, 1.2 MB), tied at 4.3 MB

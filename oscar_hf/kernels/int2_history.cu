@@ -34,7 +34,8 @@ typedef unsigned int u32;
 #endif
 #ifndef DIAGNOSTIC
 // 0: attend. Measurements only (the partials are garbage): 1 = stage the tiles and attend to none (what the copies
-// alone reach); 2 = stage them and read every lane's words from shared memory: -DDIAGNOSTIC=...
+// alone reach); 2 = stage them and read every lane's words from shared memory; 3 = attend to every tile from the
+// first staged buffer, copying nothing after the prologue (what the arithmetic alone costs): -DDIAGNOSTIC=...
 #define DIAGNOSTIC 0
 #endif
 #ifndef MIN_WARPS_PER_SM
@@ -630,10 +631,18 @@ __device__ void history_partials(
     const int first = Layout<ROWS>::first_token(g, t);
 
     int stage = 0;
+#if DIAGNOSTIC == 3
+    wait_copies<0>();
+    __syncwarp();
+#endif
     for (int t0 = lo; t0 < hi; t0 += 64, stage = stage == STAGES - 1 ? 0 : stage + 1) {
+#if DIAGNOSTIC == 3
+        stage = 0;
+#else
         wait_copies<STAGES - 2>();
         __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
         stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
+#endif
 #if DIAGNOSTIC == 1
         continue;
 #endif
