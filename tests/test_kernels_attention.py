@@ -205,11 +205,12 @@ def test_merge_matches_reference_and_handles_empty_partials():
 
 @pytest.mark.parametrize("groups,q_len,splits,plain,columns,batch_rows", [
     (4, 1, 70, 3, 1, 1), (4, 1, 70, 3, 2, 1), (16, 1, 9, 2, None, 1), (3, 2, 33, 0, 2, 1), (4, 1, 5, 5, 1, 1),
-    (4, 1, 9, 2, 1, 2), (3, 1, 9, 2, None, 5), (4, 1, 70, 3, 2, 4)])
+    (4, 1, 9, 2, 1, 2), (3, 1, 9, 2, None, 5), (4, 1, 70, 3, 2, 4), (4, 1, 70, 70, 4, 1), (3, 2, 9, 9, 2, 1)])
 def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, columns, batch_rows):
     """Stage 2 over many splits (several split chunks, more than 64 log-sum-exps) and rows per program from 4 to
-    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are; some splits empty.
-    `columns`: programs sharing each row block's output columns (None: the default for the grid)."""
+    16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are (plain = S: no R_V);
+    some splits empty. `columns`: programs sharing each row block's output columns (None: the default for the
+    grid)."""
     from oscar_hf.kernels.merge import merge_splits
     from oscar_hf.partials import merge_partials
 
@@ -410,6 +411,10 @@ def test_merge_splits_rejects_bad_column_programs_and_batch_rows():
     out = torch.empty(1, 1, 4, 64, device=DEVICE)
     with pytest.raises(ValueError, match="column_programs=3"):
         merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, column_programs=3)
+    with pytest.raises(ValueError, match="column_programs=8"):  # 8-column blocks, without R_V
+        merge_splits(part_out, part_lse, 3, out, "blhd", None, None, 1, column_programs=8)
+    with pytest.raises(ValueError, match="column_programs=4"):  # 16-column blocks, with R_V
+        merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, column_programs=4)
     with pytest.raises(ValueError, match="batch_rows must be at least 1"):
         merge_splits(part_out, part_lse, 3, out, "blhd", _orthogonal(64), 1, 1, batch_rows=0)
     with pytest.raises(ValueError, match="exceed a 16-row block"):

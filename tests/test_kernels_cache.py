@@ -101,6 +101,29 @@ def test_generate_32k_context_matches_cpu_reference_tokens():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_generate_through_the_cuda_history_kernel_matches_triton_tokens(monkeypatch):
+    """Two unpadded 16k-token rows in bfloat16 (the CUDA history kernel takes neither masks nor float32): every
+    decode step's history goes through the hand-written kernel, and the tokens equal the Triton-only path's."""
+    from oscar_hf.kernels import cuda_history
+
+    if not cuda_history.available(cuda_history.device_index(DEVICE), cuda_history.CudaHistoryConfig()):
+        pytest.skip("the CUDA history kernel is not available here (NVRTC, compute capability)")
+    model = _tiny_model(DEVICE).to(torch.bfloat16)
+    ids, _ = _left_padded_batch([16384, 16384], model.config.vocab_size, DEVICE)
+    calls = []
+    original = cuda_history.history_partials
+    monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: calls.append(1) or original(*a, **k))
+    new_tokens = 24
+    cuda = TritonBackend(cuda_history=True, cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0))
+    got, _ = _generate(model, ids, None, cuda, new_tokens)
+    assert len(calls) >= (new_tokens - 1) * model.config.num_hidden_layers  # every decode step, every layer
+    calls.clear()
+    ref, _ = _generate(model, ids, None, TritonBackend(cuda_history=False), new_tokens)
+    assert not calls
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_decode_path_never_synchronizes_the_host():
     """update + attention + settle (with demotions) for many steps under CUDA's sync debug mode 'error'."""
     from oscar_hf.attention import tiered_attention

@@ -1,6 +1,7 @@
 """Whole decode calls with the stage-2 merge's launch options varied (`merge.merge_splits`' column_programs,
 split_chunk, num_warps) or the backend's split plan (`TritonBackend` arguments under "backend"), graph-timed on
-bench/attention.py's cases (d=128 unless --dim). GPU only.
+bench/attention.py's cases (d=128 unless --dim); `"folded": true` times the call of a model with R_V folded into
+its weights (`Case.oscar_folded`, whose output times R_Vᵀ is compared). GPU only.
 
     python3 experiments/kernels/merge_sweep.py [--cells 1:4096,8:100000] [--variants '[{}, {"num_warps": 8},
         {"backend": {"min_history_tokens": 128}}, {"backend": {"cuda_history_config": {"min_history_bytes": 0}}}]']
@@ -56,10 +57,12 @@ def main():
             if "cuda_history_config" in backend_args:  # CudaHistoryConfig fields as JSON
                 backend_args["cuda_history_config"] = CudaHistoryConfig(**backend_args["cuda_history_config"])
             backend = TritonBackend(**backend_args)
+            call = case.oscar_folded if variant.pop("folded", False) else case.oscar
             backend_module.merge_splits = functools.partial(original, **variant)
             try:
-                outs.append(case.oscar(backend).float())
-                times.append(do_bench(graphed(lambda: case.oscar(backend)), warmup=20, rep=100,
+                out = call(backend).float()
+                outs.append(out @ case.rotation.T if call == case.oscar_folded else out)
+                times.append(do_bench(graphed(lambda: call(backend)), warmup=20, rep=100,
                                       return_mode="median") * 1e3)
             finally:
                 backend_module.merge_splits = original

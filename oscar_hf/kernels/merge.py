@@ -143,10 +143,10 @@ def merge_splits(
     shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
     `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
 
-    `column_programs`: programs sharing a row block's output columns (a power of two up to D / 32; each merges
-    the splits again for its own columns). Default: one per 32 columns when R_Vᵀ is applied and the row blocks
-    alone would not give every multiprocessor a program (decode at small batch, where the merge is latency-bound),
-    else 1.
+    `column_programs`: programs sharing a row block's output columns (a power of two up to D / 32 with R_Vᵀ, each
+    then merging the rotated splits' whole rows again; up to D / 16 without, each reading only its columns).
+    Default: one per 32 columns when R_Vᵀ is applied and the row blocks alone would not give every
+    multiprocessor a program (decode at small batch, where the merge is latency-bound), else 1.
 
     `split_chunk`: splits read per loop step (default `128 // block_m`, the most that compiles without spills;
     at 4 rows, 32 instead of 8 took the 4k/bs1 merge from 16.8 to 10.4 us, run 29). `num_warps`: per program.
@@ -191,13 +191,14 @@ def merge_splits(
         if rows * batch_rows > 16:
             raise ValueError(f"merge_splits: batch_rows={batch_rows} x {rows} rows exceed a 16-row block")
         block_m = triton.next_power_of_2(rows * batch_rows)
-    block_j = min(dim, 32) if has_rot else dim  # with R_Vᵀ, 32 columns at a time (registers); else whole rows
     row_programs = triton.cdiv(rows, block_m) * triton.cdiv(batch, batch_rows) * kv_heads
     if column_programs is None:
-        column_programs = dim // block_j if has_rot and row_programs < multiprocessors(out.device) else 1
-    if column_programs < 1 or dim % (column_programs * block_j):
+        column_programs = dim // 32 if has_rot and row_programs < multiprocessors(out.device) else 1
+    # with R_Vᵀ, 32 columns at a time (registers); else each program's columns in one block
+    block_j = min(dim, 32) if has_rot else dim // max(column_programs, 1)
+    if column_programs < 1 or block_j < 16 or block_j & (block_j - 1) or dim % (column_programs * block_j):
         raise ValueError(f"merge_splits: column_programs={column_programs} does not divide {dim} columns into "
-                         f"blocks of {block_j}")
+                         f"blocks of a power of two from 16{' (32 with R_V)' if has_rot else ''}")
     grid = (triton.cdiv(rows, block_m), triton.cdiv(batch, batch_rows) * kv_heads, column_programs)
     with launch_device(out):
         _merge_kernel[grid](
