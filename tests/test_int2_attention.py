@@ -124,6 +124,12 @@ def test_folding_value_rotation_into_weights_changes_nothing_but_speed(per_head)
     # the stored history is the same rotated V either way
     torch.testing.assert_close(folded.layers[1].history.values[:, :, :10], plain.layers[1].history.values[:, :, :10],
                                atol=1e-5, rtol=1e-5)
+    # the folded weights are the same function without an OscarCache too
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        torch.testing.assert_close(forward(folded_model, ids, DynamicCache()).logits,
+                                   forward(model, ids, DynamicCache()).logits, atol=2e-5, rtol=1e-5)
     OscarCache(folded_model, rotations=rot, method="hadamard", fold_value_rotation=True)  # same rotations: no-op
     with pytest.raises(ValueError, match="folded into its weights .* differ"):
         OscarCache(folded_model, method="hadamard")

@@ -100,10 +100,32 @@ def test_generate_32k_context_matches_cpu_reference_tokens():
     assert torch.equal(got.cpu(), ref)
 
 
+def _decode_logits(model, ids, backend, steps, tokens=None):
+    """Last-position logits (float32) of the prefill and of `steps` decode steps through an OscarCache on
+    `backend`, feeding `tokens` `[B, steps]` (default: greedy from these logits); returns (logits, tokens)."""
+    original = oscar_hf.layer.backend_for
+    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
+    try:
+        cache = OscarCache(model, rotations="hadamard")
+        kwargs = {cache_argument_name(model): cache, "use_cache": True}
+        with torch.no_grad():
+            logits = [model(ids, **kwargs).logits[:, -1].float()]
+            fed = []
+            for step in range(steps):
+                token = logits[-1].argmax(-1) if tokens is None else tokens[:, step]
+                fed.append(token)
+                logits.append(model(token[:, None], **kwargs).logits[:, -1].float())
+    finally:
+        oscar_hf.layer.backend_for = original
+    return torch.stack(logits, 1), torch.stack(fed, 1)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-def test_generate_through_the_cuda_history_kernel_matches_triton_tokens(monkeypatch):
+def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatch):
     """Two unpadded 16k-token rows in bfloat16 (the CUDA history kernel takes neither masks nor float32): every
-    decode step's history goes through the hand-written kernel, and the tokens equal the Triton-only path's."""
+    decode step's history goes through the hand-written kernel, and its logits equal the Triton-only path's on the
+    same tokens to bfloat16 accuracy: 6.4e-3 relative in run 70, as far as the Triton path is from the reference
+    backend's (6.4e-3). (Greedy tokens are not compared: bfloat16 logits tie, and 2% of them flipped.)"""
     from oscar_hf.kernels import cuda_history
 
     if not cuda_history.available(cuda_history.device_index(DEVICE), cuda_history.CudaHistoryConfig()):
@@ -113,14 +135,16 @@ def test_generate_through_the_cuda_history_kernel_matches_triton_tokens(monkeypa
     calls = []
     original = cuda_history.history_partials
     monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: calls.append(1) or original(*a, **k))
-    new_tokens = 24
+    steps = 24
     cuda = TritonBackend(cuda_history=True, cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0))
-    got, _ = _generate(model, ids, None, cuda, new_tokens)
-    assert len(calls) >= (new_tokens - 1) * model.config.num_hidden_layers  # every decode step, every layer
+    got, tokens = _decode_logits(model, ids, cuda, steps)
+    assert len(calls) == steps * model.config.num_hidden_layers  # every decode step, every layer
     calls.clear()
-    ref, _ = _generate(model, ids, None, TritonBackend(cuda_history=False), new_tokens)
+    ref, _ = _decode_logits(model, ids, TritonBackend(cuda_history=False), steps, tokens)
     assert not calls
-    assert torch.equal(got, ref)
+    assert torch.equal(got[:, 0], ref[:, 0])  # the prefill attends in BF16 on both paths
+    error = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert error < 1.5e-2, f"decode logits differ by {error:.2e} (relative)"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
