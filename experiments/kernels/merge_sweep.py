@@ -1,5 +1,6 @@
 """Whole decode calls with the stage-2 merge's launch options varied (`merge.merge_splits`' column_programs,
-split_chunk, num_warps) or the backend's split plan (`TritonBackend` arguments under "backend"), graph-timed on
+split_chunk, num_warps) or the backend's split plan (`TritonBackend` arguments under "backend"; "launch" and
+"cuda_history_config" in it as the dataclasses' fields, "launch" over the head_dim's default), graph-timed on
 bench/attention.py's cases (d=128 unless --dim); `"folded": true` times the call of a model with R_V folded into
 its weights (`Case.oscar_folded`, whose output times R_Vᵀ is compared). GPU only.
 
@@ -17,6 +18,7 @@ import functools
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +31,7 @@ from attention import Case, graphed  # noqa: E402
 from oscar_hf.kernels import backend as backend_module  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
+from oscar_hf.kernels.launch_plan import default_launch  # noqa: E402
 
 DEFAULT_VARIANTS = [{}, {"column_programs": 4}, {"column_programs": 2}, {"column_programs": 1},
                     {"num_warps": 8}, {"num_warps": 2}, {"split_chunk": 8}, {"split_chunk": 16},
@@ -56,18 +59,23 @@ def main():
             backend_args = dict(variant.pop("backend", {}))
             if "cuda_history_config" in backend_args:  # CudaHistoryConfig fields as JSON
                 backend_args["cuda_history_config"] = CudaHistoryConfig(**backend_args["cuda_history_config"])
+            if "launch" in backend_args:  # LaunchConfig fields over the head_dim's default
+                backend_args["launch"] = replace(default_launch(args.dim), **backend_args["launch"])
             backend = TritonBackend(**backend_args)
             call = case.oscar_folded if variant.pop("folded", False) else case.oscar
             backend_module.merge_splits = functools.partial(original, **variant)
             try:
                 out = call(backend).float()
                 outs.append(out @ case.rotation.T if call == case.oscar_folded else out)
-                times.append(do_bench(graphed(lambda: call(backend)), warmup=20, rep=100,
-                                      return_mode="median") * 1e3)
+                us = do_bench(graphed(lambda: call(backend)), warmup=20, rep=100, return_mode="median") * 1e3
+                times.append(f"{us:.1f}")
+            except Exception as error:  # a variant that does not compile or launch: reported, the sweep goes on
+                times.append(f"{type(error).__name__}")
+                print(f"variant {variant} failed: {str(error)[:200]}", flush=True)
             finally:
                 backend_module.merge_splits = original
         err = max(((o - outs[0]).norm() / outs[0].norm()).item() for o in outs)
-        print(f"| {context} | {batch} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {err:.1e} |", flush=True)
+        print(f"| {context} | {batch} | " + " | ".join(times) + f" | {err:.1e} |", flush=True)
         del case
         torch.cuda.empty_cache()
 
