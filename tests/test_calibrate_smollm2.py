@@ -4,7 +4,6 @@ on held-out text (attention-error proxy; the perplexity tables are in docs/calib
 import os
 
 import pytest
-import torch
 
 from calibrate import CalibrationSettings, calibrate, load_documents, token_sequences
 from calibrate.attention_error import AttentionErrorProbe, Candidate

@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from conftest import tiny_model
