@@ -42,6 +42,7 @@ from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
 from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda_history import history_bytes  # noqa: E402
 from oscar_hf.rotation import hadamard_matrix  # noqa: E402
 
 Q_HEADS, KV_HEADS, SINK, RECENT = 32, 8, 64, 256
@@ -168,8 +169,7 @@ class Case:
                                                                       scale=self.dim**-0.5)[:2]
 
     def bytes_history(self) -> int:
-        per_row = 2 * (self.dim * 2 // 8 + 2 * 2)  # K and V: codes + fp16 (scale, zero)
-        return self.batch * KV_HEADS * self.history_len * per_row
+        return history_bytes(self.batch, KV_HEADS, self.history_len, self.dim)
 
     def bytes_dense(self) -> int:
         return self.batch * KV_HEADS * (SINK + RECENT + 1) * self.dim * 2 * 2

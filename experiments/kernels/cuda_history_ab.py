@@ -21,7 +21,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from oscar_hf.kernels.attention import HistoryTensors, attention_partials  # noqa: E402
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig, history_partials, plan_history, resident_slots  # noqa: E402
+from oscar_hf.kernels.cuda_history import (  # noqa: E402
+    CudaHistoryConfig, history_bytes, history_partials, plan_history, resident_slots)
 from oscar_hf.kernels.launch_plan import SplitPlan, default_launch  # noqa: E402
 from oscar_hf.kernels.merge import merge_splits  # noqa: E402
 
@@ -40,11 +41,6 @@ def random_history(batch, length, dim, capacity=None, pinned=False, device="cuda
     codes = lambda: torch.randint(0, 256, (*shape, dim // 4), dtype=torch.uint8, device=device)  # noqa: E731
     length_ptr = torch.tensor([length], dtype=torch.int32, device=device) if pinned else None
     return HistoryTensors(codes(), codes(), scale_zero(), scale_zero(), length, 2, length_ptr)
-
-
-def history_bytes(batch, length, dim):
-    """Bytes a call must read from the history: 2-bit codes and float16 (scale, zero) of K and V."""
-    return batch * KV_HEADS * length * 2 * (dim // 4 + 4)
 
 
 def wave_plan(batch, length, dim, config):
@@ -176,7 +172,7 @@ def main():
             with torch.cuda.graph(graph):
                 fn()
             times.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3)
-        nbytes = history_bytes(batch, length, dim)
+        nbytes = history_bytes(batch, KV_HEADS, length, dim)
         best = min(times[1:])
         print(f"| {dim} | {length} | {batch} | {times[0]:.1f} | "
               + " | ".join(f"{x:.1f} ({n})" for x, n in zip(times[1:], splits))

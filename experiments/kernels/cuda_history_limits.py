@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from triton.testing import do_bench  # noqa: E402
 
 from attention import Case, copy_bandwidth, graphed, profiled  # noqa: E402
-from cuda_history_ab import history_bytes, run_both, wave_plan  # noqa: E402
+from cuda_history_ab import KV_HEADS, run_both, wave_plan  # noqa: E402
 
 from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
+from oscar_hf.kernels.cuda_history import CudaHistoryConfig, history_bytes  # noqa: E402
 
 MODES = (("attend", 0), ("copies", 1), ("copies + reads", 2), ("arithmetic", 3))
 
@@ -52,7 +52,7 @@ def bandwidth_table(cases, stages_list, dim, copy_bw):
     print("| bs | ctx | stages | mode | kernel us | history GB/s | % copy |")
     print("|---:|---:|---:|---|---:|---:|---:|")
     for batch, length in cases:
-        nbytes = history_bytes(batch, length, dim)
+        nbytes = history_bytes(batch, KV_HEADS, length, dim)
         for stages in stages_list:
             for name, diagnostic in MODES:
                 config = replace(CudaHistoryConfig(), stages=stages, diagnostic=diagnostic)

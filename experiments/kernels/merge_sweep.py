@@ -62,11 +62,12 @@ def main():
             if "launch" in backend_args:  # LaunchConfig fields over the head_dim's default
                 backend_args["launch"] = replace(default_launch(args.dim), **backend_args["launch"])
             backend = TritonBackend(**backend_args)
-            call = case.oscar_folded if variant.pop("folded", False) else case.oscar
+            folded = variant.pop("folded", False)
+            call = case.oscar_folded if folded else case.oscar
             backend_module.merge_splits = functools.partial(original, **variant)
             try:
                 out = call(backend).float()
-                outs.append(out @ case.rotation.T if call == case.oscar_folded else out)
+                outs.append(out @ case.rotation.T if folded else out)
                 us = do_bench(graphed(lambda: call(backend)), warmup=20, rep=100, return_mode="median") * 1e3
                 times.append(f"{us:.1f}")
             except Exception as error:  # a variant that does not compile or launch: reported, the sweep goes on

@@ -212,7 +212,7 @@ class TritonBackend(ReferenceBackend):
     def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
             return False
-        history_bytes = query.shape[0] * kv_heads * hist_len * (query.shape[-1] // 2 + 8)
+        history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1])
         if history_bytes < self.cuda_history_config.min_history_bytes:
             return False
         return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config)

@@ -200,6 +200,11 @@ def stage_bytes(dim: int) -> int:
     return 2 * TILE * dim // 4 + 2 * TILE * 4
 
 
+def history_bytes(batch: int, kv_heads: int, length: int, dim: int) -> int:
+    """Bytes of a 2-bit history a call reads: the codes and float16 (scale, zero) of K and V for every row."""
+    return batch * kv_heads * length * 2 * (dim // 4 + 4)
+
+
 def device_index(device: torch.device) -> int:
     """The CUDA device index of `device` (the current device for a bare "cuda")."""
     return device.index if device.index is not None else torch.cuda.current_device()
