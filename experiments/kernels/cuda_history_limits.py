@@ -2,13 +2,14 @@
 call's time goes. GPU only.
 
     python3 experiments/kernels/cuda_history_limits.py [--cases 8:100000,32:100000] [--stages 4,5]
-                                                          [--timeline 1:4096,8:100000]
+        [--configs '[{}, {"lazy_max": true}]'] [--modes attend,arithmetic] [--timeline 1:4096,8:100000]
 
 Bandwidth table (d=128, history splits filling one wave): the history kernel alone, graph-timed (L2 flushed by
 `do_bench`), as the default kernel ("attend"), with `CudaHistoryConfig.diagnostic=1` ("copies": the tiles staged
 in shared memory, nothing attended), `diagnostic=2` ("copies + reads": every lane's words also read back) and
 `diagnostic=3` ("arithmetic": every tile attended from the first staged buffer, no copies after the prologue);
 history bytes (codes + scale/zero of K and V) over the time, and that over the copy bandwidth of the same process.
+`--configs`: CudaHistoryConfig fields over the default, one table block each.
 
 `--timeline`: the kernels of one decode call (bench/attention.py's case: BF16 tiers, rotation, history, merge), start
 and end relative to the first kernel's start, from torch.profiler over eager calls and over CUDA-graph replays,
@@ -18,6 +19,8 @@ beside SDPA's; then both calls graph-timed.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import sys
 from dataclasses import replace
@@ -47,23 +50,26 @@ def kernel_us(batch: int, length: int, dim: int, config: CudaHistoryConfig) -> f
     return us
 
 
-def bandwidth_table(cases, stages_list, dim, copy_bw):
+def bandwidth_table(cases, stages_list, dim, copy_bw, configs=({},), modes=MODES):
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + written)")
-    print("| bs | ctx | stages | mode | kernel us | history GB/s | % copy |")
-    print("|---:|---:|---:|---|---:|---:|---:|")
+    print("| bs | ctx | config | stages | mode | kernel us | history GB/s | % copy |")
+    print("|---:|---:|---|---:|---|---:|---:|---:|")
     for batch, length in cases:
         nbytes = history_bytes(batch, KV_HEADS, length, dim)
-        for stages in stages_list:
-            for name, diagnostic in MODES:
-                config = replace(CudaHistoryConfig(), stages=stages, diagnostic=diagnostic)
-                try:
-                    us = kernel_us(batch, length, dim, config)
-                except RuntimeError as error:  # e.g. shared memory for these stages
-                    print(f"| {batch} | {length} | {stages} | {name} | failed: {error} | | |", flush=True)
-                    continue
-                rate = nbytes / (us * 1e-6)
-                print(f"| {batch} | {length} | {stages} | {name} | {us:.1f} | {rate / 1e9:.0f} | "
-                      f"{100 * rate / copy_bw:.0f}% |", flush=True)
+        for fields in configs:
+            label = json.dumps(fields)
+            for stages in stages_list:
+                for name, diagnostic in modes:
+                    config = replace(CudaHistoryConfig(), **fields, stages=stages, diagnostic=diagnostic)
+                    try:
+                        us = kernel_us(batch, length, dim, config)
+                    except RuntimeError as error:  # e.g. shared memory for these stages
+                        print(f"| {batch} | {length} | {label} | {stages} | {name} | failed: {error} | | |",
+                              flush=True)
+                        continue
+                    rate = nbytes / (us * 1e-6)
+                    print(f"| {batch} | {length} | {label} | {stages} | {name} | {us:.1f} | {rate / 1e9:.0f} | "
+                          f"{100 * rate / copy_bw:.0f}% |", flush=True)
 
 
 def kernel_spans(fn, calls: int = 20):
@@ -83,7 +89,7 @@ def timeline(cases, dim=128):
     backend = TritonBackend()
     for batch, context in cases:
         case = Case(batch, context, dim, backend)
-        calls = (("OSCAR", lambda: case.oscar(backend)), ("SDPA", case.sdpa))
+        calls = (("OSCAR", functools.partial(case.oscar, backend)), ("SDPA", case.sdpa))
         for label, fn in calls:
             for mode, call in (("eager", fn), ("graph", graphed(fn))):
                 spans = kernel_spans(call)
@@ -100,6 +106,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="8:100000,32:100000", help="batch:history tokens, ...")
     parser.add_argument("--stages", default="4,5")
+    parser.add_argument("--configs", default="[{}]", help="JSON list of CudaHistoryConfig fields")
+    parser.add_argument("--modes", default=",".join(name for name, _ in MODES))
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--timeline", default="", help="batch:context, ... (e.g. 1:4096,8:100000)")
     args = parser.parse_args()
@@ -107,7 +115,9 @@ def main():
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
     if args.cases:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
-        bandwidth_table(cases, [int(s) for s in args.stages.split(",")], args.dim, copy_bandwidth())
+        modes = [mode for mode in MODES if mode[0] in args.modes.split(",")]
+        bandwidth_table(cases, [int(s) for s in args.stages.split(",")], args.dim, copy_bandwidth(),
+                        json.loads(args.configs), modes)
     if args.timeline:
         timeline([tuple(int(x) for x in c.split(":")) for c in args.timeline.split(",")], args.dim)
 
