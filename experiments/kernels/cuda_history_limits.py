@@ -2,7 +2,7 @@
 call's time goes. GPU only.
 
     python3 experiments/kernels/cuda_history_limits.py [--cases 8:100000,32:100000] [--stages 4,5]
-        [--configs '[{}, {"lazy_max": true}]'] [--modes attend,arithmetic] [--timeline 1:4096,8:100000]
+        [--configs '[{}, {"magic_planes": 15}]'] [--modes attend,arithmetic] [--timeline 1:4096,8:100000]
 
 Bandwidth table (d=128, history splits filling one wave): the history kernel alone, graph-timed (L2 flushed by
 `do_bench`), as the default kernel ("attend"), with `CudaHistoryConfig.diagnostic=1` ("copies": the tiles staged

@@ -56,8 +56,6 @@ class CudaHistoryConfig:
         instead of 170.2 us, run 47).
     key_chains: independent score accumulators per tile, over its 2 or 4 m-tiles (run 49, 100k/bs8 whole calls:
         158.7 us with 4, 162.4 with 2 = one chain per m-tile of the narrow kernel, 159.1 with 8, 161.7 with 16).
-    lazy_max: reduce a tile's scores over the warp (4 shuffles per row and the rescale exp) only when a lane's
-        scores exceed their row's running max, decided by one vote; the partials are bit-identical.
     diagnostic: measurements only, the partials are garbage: 1 = stage the tiles and attend to none (the
         bandwidth of the copies alone), 2 = also read every lane's words from shared memory, 3 = attend to
         every tile from the first staged buffer with no copies after the prologue (the arithmetic alone).
@@ -77,7 +75,6 @@ class CudaHistoryConfig:
     min_history_bytes: int = 4 << 20
     narrow_rows: bool = True
     key_chains: int = 4
-    lazy_max: bool = False
     diagnostic: int = 0
 
 
@@ -113,8 +110,7 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"int2_history.cu", 0, None, None))
     options = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-default-device", f"-DSTAGES={config.stages}",
                f"-DMIN_WARPS_PER_SM={config.min_warps_per_sm}", f"-DMAGIC_PLANES={config.magic_planes}",
-               f"-DKEY_CHAINS={config.key_chains}", f"-DLAZY_MAX={int(config.lazy_max)}",
-               f"-DDIAGNOSTIC={config.diagnostic}"]
+               f"-DKEY_CHAINS={config.key_chains}", f"-DDIAGNOSTIC={config.diagnostic}"]
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         if lib.nvrtcCompileProgram(prog, len(options), array) != 0:

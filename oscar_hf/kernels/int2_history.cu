@@ -38,11 +38,6 @@ typedef unsigned int u32;
 // first staged buffer, copying nothing after the prologue (what the arithmetic alone costs): -DDIAGNOSTIC=...
 #define DIAGNOSTIC 0
 #endif
-#ifndef LAZY_MAX
-// 1: a tile's scores are reduced over the warp only when some lane holds one above its row's running max (one vote
-// instead of the shuffles, no exp for the rescale factor); the result is the same, bit for bit: -DLAZY_MAX=...
-#define LAZY_MAX 0
-#endif
 #ifndef MIN_WARPS_PER_SM
 #define MIN_WARPS_PER_SM 1  // programs (one warp each) per SM the registers must allow: -DMIN_WARPS_PER_SM=...
 #endif
@@ -423,26 +418,19 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
         }
     }
     // online softmax per row (the lane's rows: columns e & 1)
-    float alpha[2] = {1.0f, 1.0f}, mx[2];
+    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(s[0][r], s[0][r + 2]);
+        float mx = fmaxf(s[0][r], s[0][r + 2]);
 #pragma unroll
-        for (int i = 1; i < MT; ++i) mx[r] = fmaxf(mx[r], fmaxf(s[i][r], s[i][r + 2]));
-    }
-    // without LAZY_MAX every tile rescales; with it only tiles that raise a row's max (the same m and alpha: the
-    // others would find m_new = m and alpha = 2^0 = 1)
-    if (!LAZY_MAX || __any_sync(0xffffffffu, mx[0] > st.m[0] || mx[1] > st.m[1])) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (ROWS == 4) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 8));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 16));
-            const float m_new = fmaxf(st.m[r], mx[r]);
-            alpha[r] = exp2_approx(st.m[r] - m_new);
-            st.m[r] = m_new;
-        }
+        for (int i = 1; i < MT; ++i) mx = fmaxf(mx, fmaxf(s[i][r], s[i][r + 2]));
+        if (ROWS == 4) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(st.m[r], mx);
+        alpha[r] = exp2_approx(st.m[r] - m_new);
+        st.m[r] = m_new;
     }
     // p, rounded p * scale as the P.V product's B (the score fragment transposed by movmatrix), and the sums
     u32 pb[4][2];
