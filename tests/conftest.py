@@ -3,6 +3,7 @@ SmolLM2-135M (slow tests only)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -62,6 +63,19 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
 def forward(model, ids, cache, **kwargs):
     """One forward through `cache` under whichever argument name this transformers release uses."""
     return model(input_ids=ids, use_cache=True, **{cache_argument_name(model): cache}, **kwargs)
+
+
+@contextlib.contextmanager
+def layers_use_backend(backend):
+    """OscarCache layers created inside get `backend` whatever their device (`oscar_hf.layer.backend_for`)."""
+    import oscar_hf.layer
+
+    original = oscar_hf.layer.backend_for
+    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
+    try:
+        yield
+    finally:
+        oscar_hf.layer.backend_for = original
 
 
 def generate(model, ids, cache, **kwargs):

@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conftest import layers_use_backend  # noqa: E402
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-import oscar_hf.layer  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
@@ -43,12 +43,6 @@ def _reference_tokens(model, ids, new_tokens, cache_options=OPTIONS, **generate_
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **generate_options,
                          **{cache_argument_name(model): cache})
     return out, cache
-
-
-def _with_backend(backend):
-    original = oscar_hf.layer.backend_for
-    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
-    return original
 
 
 @pytest.mark.parametrize("prompt", [40, 10, 21])
@@ -143,18 +137,12 @@ def test_kernels_read_the_pinned_length_and_row_starts_from_the_device(method):
     model = _tiny_qwen3(device=device).float()
     ids, mask = _left_padded((40, 33), seed=3)
     ids, mask = ids.to(device), mask.to(device)
-    original = _with_backend(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16))
-    try:
+    with layers_use_backend(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16)):
         cache = OscarCache(model, rotations="hadamard", method=method, **OPTIONS)
         got = graphed_generate(model, ids, cache, 14, attention_mask=mask, use_graphs=False)
-    finally:
-        oscar_hf.layer.backend_for = original
-    original = _with_backend(ReferenceBackend())
-    try:
+    with layers_use_backend(ReferenceBackend()):
         ref, _ = _reference_tokens(model, ids, 14, dict(OPTIONS, method=method), attention_mask=mask,
                                   min_new_tokens=14)
-    finally:
-        oscar_hf.layer.backend_for = original
     assert cache.layers[0].backend.name == "triton"
     assert cache.layers[0].history.capacity > cache.layers[0].history_length  # splits cut for the capacity
     assert torch.equal(got, ref)

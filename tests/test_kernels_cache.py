@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
+from conftest import layers_use_backend  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-import oscar_hf.layer  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
@@ -44,15 +44,11 @@ def _tiny_model(device, seed=0):
 
 def _generate(model, input_ids, attention_mask, backend, new_tokens, **options):
     """Greedy tokens through an OscarCache whose layers use `backend`."""
-    original = oscar_hf.layer.backend_for
-    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
-    try:
+    with layers_use_backend(backend):
         cache = OscarCache(model, rotations="hadamard", **options)
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False,
                              **{cache_argument_name(model): cache})
-    finally:
-        oscar_hf.layer.backend_for = original
     return out[:, input_ids.shape[1]:], cache
 
 
@@ -103,20 +99,15 @@ def test_generate_32k_context_matches_cpu_reference_tokens():
 def _decode_logits(model, ids, backend, steps, tokens=None):
     """Last-position logits (float32) of the prefill and of `steps` decode steps through an OscarCache on
     `backend`, feeding `tokens` `[B, steps]` (default: greedy from these logits); returns (logits, tokens)."""
-    original = oscar_hf.layer.backend_for
-    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
-    try:
+    with layers_use_backend(backend), torch.no_grad():
         cache = OscarCache(model, rotations="hadamard")
         kwargs = {cache_argument_name(model): cache, "use_cache": True}
-        with torch.no_grad():
-            logits = [model(ids, **kwargs).logits[:, -1].float()]
-            fed = []
-            for step in range(steps):
-                token = logits[-1].argmax(-1) if tokens is None else tokens[:, step]
-                fed.append(token)
-                logits.append(model(token[:, None], **kwargs).logits[:, -1].float())
-    finally:
-        oscar_hf.layer.backend_for = original
+        logits = [model(ids, **kwargs).logits[:, -1].float()]
+        fed = []
+        for step in range(steps):
+            token = logits[-1].argmax(-1) if tokens is None else tokens[:, step]
+            fed.append(token)
+            logits.append(model(token[:, None], **kwargs).logits[:, -1].float())
     return torch.stack(logits, 1), torch.stack(fed, 1)
 
 
