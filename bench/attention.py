@@ -37,13 +37,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import history_bytes  # noqa: E402
-from oscar_hf.rotation import hadamard_matrix  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda.history import history_bytes  # noqa: E402
+from oscar_hf.rotations.math import hadamard_matrix  # noqa: E402
 
 Q_HEADS, KV_HEADS, SINK, RECENT = 32, 8, 64, 256
 DEVICE = "cuda"

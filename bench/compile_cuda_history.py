@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from compile_stage1 import SHARED_PER_SM, disassemble_cubin, loop_mixes  # noqa: E402
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig, compile_cubin, kernel_name, stage_bytes  # noqa: E402
+from oscar_hf.kernels.cuda.history import CudaHistoryConfig, compile_cubin, kernel_name, stage_bytes  # noqa: E402
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from oscar_hf.kernels.attention import _attention_partials_kernel  # noqa: E402
-from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
+from oscar_hf.kernels.triton.attention import _attention_partials_kernel  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32

@@ -334,9 +334,9 @@ def main():
     if args.smoke:
         DEVICE = "cpu"
     if args.launch_config and os.path.exists(args.launch_config):
-        import oscar_hf.backend
-        from oscar_hf.kernels.launch_plan import LaunchConfig
-        from oscar_hf.kernels.backend import TritonBackend
+        import oscar_hf.kernels.reference.backend
+        from oscar_hf.kernels.triton.launch_plan import LaunchConfig
+        from oscar_hf.kernels.triton.backend import TritonBackend
 
         with open(args.launch_config) as f:
             launch = LaunchConfig(**json.load(f))

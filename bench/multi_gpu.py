@@ -268,7 +268,7 @@ def lm_eval_run(args, profile: Profile) -> None:
     which counts CUDA devices, pass on CPU."""
     if args.fake_cuda_count and not torch.cuda.is_available():
         torch.cuda.device_count = lambda: args.fake_cuda_count
-    from oscar_hf.lm_eval import OscarLM, main
+    from oscar_hf.eval.lm_eval import OscarLM, main
 
     instances = []
     original_init = OscarLM.__init__

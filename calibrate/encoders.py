@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.quantize import dequantize_rows, quantize_rows
+from oscar_hf.kernels.reference.quantize import dequantize_rows, quantize_rows
 
 LM_THRESHOLD = 0.98106527  # Gaussian 4-level Lloyd-Max decision threshold (in standard deviations)
 LM_SPAN = 3.0191171  # distance between the outer Gaussian Lloyd-Max levels (2 * 1.5095586)
@@ -40,7 +40,7 @@ def gaussian_lm(x: torch.Tensor, bits: int, clip_ratio, scale_dtype: torch.dtype
     """The reference's Lloyd-Max variant (2 bits only): LM thresholds, stretched uniform reconstruction."""
     if bits != 2:
         raise ValueError("the Gaussian Lloyd-Max encoder is defined for 2-bit codes")
-    from oscar_hf.quantize import clip_rows
+    from oscar_hf.kernels.reference.quantize import clip_rows
 
     x = clip_rows(x.float(), clip_ratio)
     mean = x.mean(-1, keepdim=True)

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
-from oscar_hf.rotation import compose_rotation
-from oscar_hf.rotations import Rotations
+from oscar_hf.rotations.math import compose_rotation
+from oscar_hf.rotations.rotations import Rotations
 
 
 def eigenbasis(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

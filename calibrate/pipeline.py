@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_hf.models import UnsupportedModelError, attention_shape
-from oscar_hf.rotations import Rotations
+from oscar_hf.model_support import UnsupportedModelError, attention_shape
+from oscar_hf.rotations.rotations import Rotations
 
-from .capture import NoAttentionError, capturing, feed
-from .fit import fit_rotations
-from .objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES, check_objectives, passes_needed
-from .statistics import MomentCollector, Tiers
+from oscar_hf.calibrate.capture import NoAttentionError, feed
+from oscar_hf.calibrate.fit import fit_rotations
+from oscar_hf.calibrate.objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES, check_objectives, passes_needed
+from oscar_hf.calibrate.statistics import MomentCollector, Tiers
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ def collect_moments(
 
 
 def _run(model, sequences, collector: MomentCollector, chunk_tokens, progress, total) -> None:
-    with capturing(model, collector):
-        feed(model, sequences, chunk_tokens, progress, total)
+    feed(model, sequences, chunk_tokens, progress, total, observer=collector)
     if collector.calls == 0:
         raise NoAttentionError(
             f"{type(model).__name__} ran without calling any attention implementation: no attention layers to calibrate"

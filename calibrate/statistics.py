@@ -16,9 +16,11 @@ Notation, per layer and KV head h (query heads of group h pooled as extra sample
 - `softmax_sv`: `(S V)ᵀ (S V) / n_q` = `Vᵀ SᵀS V / n_q`, the paper's `C_S` written literally (second moment of the
   attention output). It keeps the cross-token terms of `SᵀS`, which cancel for independent quantization errors.
 
-`Tiers` restricts what is counted to what the cache quantizes: keys at positions `>= sink` (sink tokens stay BF16)
-and query-key pairs with `t < p - recent` (the recent window stays BF16); queries count once they can see one
-quantized key. Softmax probabilities are always those of the full causal attention.
+`Tiers` restricts what is counted to what the cache quantizes, by the cache's demotion rule (`oscar_hf.demotion`)
+for text decoded token by token: keys at positions `>= sink` (sink tokens stay BF16) and the query-key pairs the
+query reads from the history (with the default `demote_block=1`, `t < p - recent`: the recent window stays BF16);
+queries count once they can see one quantized key. Softmax probabilities are always those of the full causal
+attention.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from oscar_hf.demotion import history_lengths, in_history
+from oscar_hf.kernels.reference.attention import gqa_scores
 
 MOMENTS = ("query", "key", "value", "sst", "softmax_diag", "softmax_sv")
 
@@ -35,13 +40,15 @@ class Tiers:
     """Which tokens and query-key pairs the statistics count.
 
     `sink` / `recent` None count every causal pair (the reference); integers mirror `OscarConfig.sink_tokens` /
-    `recent_tokens`. `skip_tokens` drops the first positions of every sequence from every statistic (degenerate
-    warm-up tokens; the reference drops its 6-token warm-up batch).
+    `recent_tokens`, and `demote_block` its demotion granularity (1: the recent window always holds exactly `recent`
+    tokens). `skip_tokens` drops the first positions of every sequence from every statistic (degenerate warm-up
+    tokens; the reference drops its 6-token warm-up batch).
     """
 
     sink: int | None = None
     recent: int | None = None
     skip_tokens: int = 0
+    demote_block: int = 1
 
     def __post_init__(self):
         if (self.sink is None) != (self.recent is None):
@@ -50,6 +57,8 @@ class Tiers:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+        if not isinstance(self.demote_block, int) or self.demote_block < 1:
+            raise ValueError(f"demote_block={self.demote_block!r}: expected an integer >= 1")
 
     @property
     def tier_aware(self) -> bool:
@@ -65,14 +74,20 @@ class Tiers:
         """First position whose query is counted (it must see at least one counted key)."""
         if not self.tier_aware:
             return self.skip_tokens
-        return self.first_key + self.recent + 1
+        # the history reaches past first_key once it holds first_key - sink + 1 tokens: N(p) grows by
+        # demote_block at a time, from p = sink + recent + demote_block on
+        needed = self.first_key - self.sink + 1
+        return self.sink + self.recent + self.demote_block * -(-needed // self.demote_block)
 
     def pair_mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """bool `[Lq, Lk]`: the counted (query, key) pairs."""
         p, t = query_positions[:, None], key_positions[None, :]
         allowed = (t <= p) & (t >= self.first_key) & (p >= self.first_query)
-        if self.tier_aware:
-            allowed &= t < p - self.recent
+        if self.tier_aware and p.numel():
+            # one table per sequence length (cached): the history each position sees when decoded
+            length = int(max(query_positions.max(), key_positions.max())) + 1
+            seen = history_lengths(length, 1, self.sink, self.recent, self.demote_block).to(p.device)
+            allowed &= in_history(t, seen[p], self.sink)
         return allowed
 
 
@@ -158,16 +173,13 @@ def attention_blocks(query, key, scaling: float, query_positions, key_positions,
     context length.
     """
     batch, q_heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, k_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
-    block = query_block_size(batch, q_heads, key.shape[2], max_elements)
-    keys_t = key.float().transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, d, Lk]
+    block = query_block_size(batch, q_heads, k_len, max_elements)
+    keys = key.float()
     for start in range(0, q_len, block):
         rows = slice(start, min(start + block, q_len))
-        q = query[:, :, rows].float().reshape(batch, kv_heads, groups, -1, dim)
-        scores = torch.matmul(q, keys_t).mul_(scaling)  # [B, Hkv, g, b, Lk]
-        if softcap is not None:
-            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        scores = gqa_scores(query[:, :, rows], keys, scaling, softcap).view(batch, kv_heads, groups, -1, k_len)
         future = key_positions[None, :] > query_positions[rows, None]
         yield rows, torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
 
@@ -233,7 +245,7 @@ def observe_layer(
 
 
 class MomentCollector:
-    """Observer for `capture.capturing`: accumulates the `needs` moments of every listed layer.
+    """Observer for `capture.feed`: accumulates the `needs` moments of every listed layer.
 
     Layers not listed (sliding-window layers, whose cache stays BF16) are ignored. `query_moments` (layer ->
     `[Hkv, d, d]`) is required for the "sst" moment, the second pass of the reference value objective.

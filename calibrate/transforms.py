@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.rotation import hadamard_matrix
+from oscar_hf.rotations.math import hadamard_matrix
 
 
 def _sym_power(matrix: torch.Tensor, power: float, floor: float = 1e-12) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """oscar-hf: OSCAR near-2-bit KV-cache quantization for Hugging Face transformers."""
 
-from .attention import OSCAR_ATTENTION, oscar_attention_forward, register
-from .cache import OscarCache, use_oscar_attention
-from .config import PRESETS, OscarConfig
-from .graph_decode import GraphDecodeError, generate_with_graphs, graphed_generate
-from .models import UnsupportedModelError
-from .rotations import RotationFileError, Rotations
+from oscar_hf.attention import OSCAR_ATTENTION, oscar_attention_forward, register
+from oscar_hf.cache import OscarCache, use_oscar_attention
+from oscar_hf.config import PRESETS, OscarConfig
+from oscar_hf.graph_decode import GraphDecodeError, generate_with_graphs, graphed_generate
+from oscar_hf.model_support import UnsupportedModelError
+from oscar_hf.rotations.rotations import RotationFileError, Rotations
 
 register()
 

@@ -16,13 +16,15 @@ import os
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from .attention import OSCAR_ATTENTION, register
-from .compat import publish_segment
-from .config import OscarConfig
-from .layer import OscarLayer
-from .parallel import local_heads, tensor_parallel_position
-from .models import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
-from .rotations import Rotations
+from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
+from oscar_hf.config import OscarConfig
+from oscar_hf.handoff import publish_segment
+from oscar_hf.kernels.interface import Backend
+from oscar_hf.layer import OscarLayer
+from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
+from oscar_hf.parallel import local_heads, tensor_parallel_position
+from oscar_hf.rotations import Rotations
+from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +42,12 @@ class OscarCache(Cache):
             when omitted (a file or repo means `oscar`; nothing means `hadamard`).
         config: a full `OscarConfig` instead of `method` and `**options`.
         fold_value_rotation: fold the value rotations into the model's v_proj/o_proj weights (in place, once), so V
-            is produced already rotated and the attention output needs no un-rotation (see `folding.py`): faster
-            decode at small batch (4k/bs1 attention 16.5 -> 14.5 us on an H200, bench/attention.py run 67). The
-            folded model computes the same function with any cache, up to rounding the rotated weights.
+            is produced already rotated and the attention output needs no un-rotation (`rotations/folding.py`):
+            the merge then skips its R_Vᵀ product, which dominates small decode calls. The folded model computes
+            the same function with any cache, up to rounding the rotated weights.
+        backend: the kernel backend of every layer (`kernels.interface.Backend`, e.g.
+            `oscar_hf.kernels.reference.backend.ReferenceBackend()`); default: `kernels.select.backend_for` of each
+            layer's device, on first use.
         subfolder, revision, token, local_files_only: passed to the Hub when `rotations` is a repo id.
         **options: `OscarConfig` fields overriding the preset (e.g. `recent_tokens=128`, `bits=4`).
 
@@ -58,6 +63,7 @@ class OscarCache(Cache):
         *,
         config: OscarConfig | None = None,
         fold_value_rotation: bool = False,
+        backend: Backend | None = None,
         subfolder: str | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
@@ -89,7 +95,7 @@ class OscarCache(Cache):
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
                 key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
                 layer_config = config if explicit_clip else _recorded_clip_config(config, resolved, i)
-                layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r))
+                layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
         super().__init__(layers=layers)
@@ -125,10 +131,14 @@ class OscarCache(Cache):
         return getattr(self._model_config, "_attn_implementation", None) == OSCAR_ATTENTION
 
     def __deepcopy__(self, memo):
-        # Share the immutable model config and master rotations; copy every tier.
+        # Share the immutable model config, master rotations and kernel backends; copy every tier.
         memo[id(self._model_config)] = self._model_config
         if self.rotations is not None:
             memo[id(self.rotations)] = self.rotations
+        for layer in self.layers:
+            backend = getattr(layer, "backend", None)
+            if backend is not None:
+                memo[id(backend)] = backend
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
@@ -158,15 +168,8 @@ class OscarCache(Cache):
 
 
 def use_oscar_attention(model) -> None:
-    """Switch `model` to the "oscar" attention implementation (registering it first)."""
-    register()
-    model.set_attn_implementation(OSCAR_ATTENTION)
-    config = text_config_of(model.config)
-    if getattr(config, "_attn_implementation", None) != OSCAR_ATTENTION:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} did not accept the 'oscar' attention implementation: it does not use "
-            "transformers' AttentionInterface"
-        )
+    """Switch `model` to the "oscar" attention implementation (registering it first), for good."""
+    switch_to_oscar_attention(model)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(generation_config, "cache_implementation", None):
         logger.info("clearing generation_config.cache_implementation=%r so OscarCache can be passed",
@@ -176,8 +179,6 @@ def use_oscar_attention(model) -> None:
 
 def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int]:
     """Layers whose value rotation lives in the model's weights (folding them now if asked)."""
-    from .folding import fold_value_rotations, folded_value_rotation
-
     if model is model_config:
         if fold:
             raise ValueError("fold_value_rotation=True needs the model itself, not its config")

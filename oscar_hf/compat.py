@@ -1,7 +1,7 @@
 """Differences between transformers releases (5.17 through the newest), kept in one place.
 
-- 5.24 renamed the forward/generate argument `past_key_values` to `cache` and passes the attention's kwargs dict
-  into `Cache.update(..., kwargs=kwargs)`; 5.17-5.23 pass nothing, so the cache tags the returned key tensor.
+- 5.24 renamed the forward/generate argument `past_key_values` to `cache`;
+- 5.24 passes the attention's kwargs dict into `Cache.update(..., kwargs=kwargs)`; 5.17-5.23 pass nothing.
 """
 
 from __future__ import annotations
@@ -29,17 +29,3 @@ def attention_kwargs_of_update(update_kwargs: dict) -> dict | None:
     """The attention kwargs dict that >= 5.24 passes to `Cache.update` (None on older releases)."""
     attention_kwargs = update_kwargs.get("kwargs")
     return attention_kwargs if isinstance(attention_kwargs, dict) else None
-
-
-def publish_segment(key_states, update_kwargs: dict, segment) -> None:
-    """Make `segment` reach the attention function on every release."""
-    attention_kwargs = attention_kwargs_of_update(update_kwargs)
-    if attention_kwargs is not None:
-        attention_kwargs["oscar_segment"] = segment
-    key_states._oscar_segment = segment
-
-
-def take_segment(key_states, attention_kwargs: dict):
-    """The segment published for this attention call, or None."""
-    segment = attention_kwargs.pop("oscar_segment", None)
-    return segment if segment is not None else getattr(key_states, "_oscar_segment", None)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quantize import ENCODERS
+from oscar_hf.kernels.reference.quantize import ENCODERS
 
 # A preset fixes how the INT2 history is made. `rotation` is the default rotation source when the user
 # passes none: "hadamard" (data-free), "identity" (no rotation) or "file" (calibrated, must be given).

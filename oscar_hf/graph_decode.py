@@ -27,9 +27,10 @@ import time
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .compat import cache_argument_name
-from .layer import OscarLayer
-from .parallel import tensor_parallel_position
+from oscar_hf.cache import OscarCache
+from oscar_hf.compat import cache_argument_name
+from oscar_hf.layer import OscarLayer
+from oscar_hf.parallel import tensor_parallel_position
 
 _EOS_CHECK_EVERY = 32  # replays between host checks for "every row has finished" (each check synchronizes)
 
@@ -64,8 +65,7 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     padding = _left_padding(attention_mask, input_ids)
     for layer in layers:
-        layer.decode_without_mask = True  # a decode step attends to every cached token but the row's pads
-        layer.set_row_padding(padding)
+        layer.set_mask_free_decode(True, padding)  # a decode step attends to every cached token but the row's pads
     try:
         with torch.no_grad():
             decoder = _StepDecoder(model, cache, layers, input_ids, max_new_tokens, attention_mask)
@@ -80,8 +80,7 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
             new = decoder.generated[:, : decoder.produced]
     finally:
         for layer in layers:
-            layer.decode_without_mask = False
-            layer.set_row_padding(None)
+            layer.set_mask_free_decode(False)
     if stats is not None:
         stats.update(graph_steps=decoder.replays, graph_seconds=decoder.replay_seconds,
                      eager_steps=decoder.produced - 1 - decoder.replays)
@@ -249,8 +248,6 @@ def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.LongTens
 
 
 def _oscar_layers(cache, input_ids: torch.LongTensor) -> list[OscarLayer]:
-    from .cache import OscarCache
-
     if not isinstance(cache, OscarCache):
         raise GraphDecodeError(f"graph decode needs an OscarCache, got {type(cache).__name__}: pass "
                                "past_key_values=OscarCache(model) (cache= on transformers >= 5.24)")
@@ -280,22 +277,13 @@ def _check_capturable(model, layers: list[OscarLayer], device: torch.device) -> 
         reason = None
         if layer.keys_buffer.device != device:
             reason = f"it lives on {layer.keys_buffer.device}, the inputs on {device} (one graph spans one device)"
-        elif layer.backend.name != "triton":
-            reason = f"its backend is {layer.backend.name!r} (set OSCAR_HF_BACKEND to use the kernels)"
-        elif layer.config.quantize and layer.config.encoder != "minmax":
-            reason = f"encoder {layer.config.encoder!r} demotes through the PyTorch reference"
-        elif not _kernel_shapes(layer):
-            reason = "the kernels do not take its head sizes (powers of two from 64 to 256, keys and values alike)"
+        else:
+            encoder = layer.config.encoder if layer.config.quantize else "minmax"
+            reason = layer.backend.graph_capture_problem(layer.keys_buffer.shape[-1], layer.values_buffer.shape[-1],
+                                                         encoder)
         if reason:
             raise GraphDecodeError(f"layer {layer.layer_idx} cannot be captured in a CUDA graph: {reason}; "
                                    "pass use_graphs=False")
-
-
-def _kernel_shapes(layer: OscarLayer) -> bool:
-    from .kernels.backend import kernel_head_dim  # only reached with the Triton backend in use
-
-    key_dim, value_dim = layer.keys_buffer.shape[-1], layer.values_buffer.shape[-1]
-    return key_dim == value_dim and kernel_head_dim(key_dim)
 
 
 def _is_eos(tokens: torch.Tensor, eos: list[int]) -> torch.Tensor:

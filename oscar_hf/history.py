@@ -18,9 +18,11 @@ from collections.abc import Callable
 
 import torch
 
-from .config import OscarConfig
-from .quantize import unpack_dequantize
-from .rotation import rotate
+from oscar_hf.config import OscarConfig
+from oscar_hf.kernels.interface import HistoryTensors
+from oscar_hf.kernels.reference.attention import history_rows
+from oscar_hf.kernels.reference.quantize import row_bytes
+from oscar_hf.rotations.math import rotate
 
 
 def _grown(buffer: torch.Tensor | None, used: int, needed: int, shape_tail: tuple, dtype, device, batch, heads):
@@ -95,12 +97,19 @@ class _History:
 
     def nbytes(self) -> int:
         """Bytes of the stored tokens (not of spare capacity)."""
-        total = 0
-        for name in self._names:
-            buffer = getattr(self, name)
-            if buffer is not None:
-                total += buffer[:, :, : self.length].numel() * buffer.element_size()
-        return total
+        return self.batch * self.num_heads * self.length * self.token_bytes()
+
+    def token_bytes(self) -> int:
+        """Bytes one token of one KV head stores, keys and values together."""
+        raise NotImplementedError
+
+    def kernel_view(self) -> HistoryTensors | None:
+        """The buffers as the kernel backends read them; None while the history is empty."""
+        raise NotImplementedError
+
+    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]`."""
+        return history_rows(self.kernel_view(), start, end)
 
     def allocated_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (getattr(self, n) for n in self._names) if b is not None)
@@ -126,6 +135,16 @@ class QuantizedHistory(_History):
             "value_scale_zero": ((2,), sdt),
         }
 
+    def token_bytes(self) -> int:
+        cfg = self.config
+        return row_bytes(self.key_dim, cfg.bits, cfg.scale_dtype) + row_bytes(self.value_dim, cfg.bits, cfg.scale_dtype)
+
+    def kernel_view(self) -> HistoryTensors | None:
+        if not self.length:
+            return None
+        return HistoryTensors(self.key_codes, self.value_codes, self.key_scale_zero, self.value_scale_zero,
+                              self.length, self.config.bits, self.device_length)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend) -> None:
         """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end."""
         n = keys.shape[2]
@@ -138,12 +157,6 @@ class QuantizedHistory(_History):
                           out["value_scale_zero"], cfg.encoder)
         self._commit(n, out)
 
-    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]`."""
-        bits = self.config.bits
-        keys = unpack_dequantize(self.key_codes[:, :, start:end], self.key_scale_zero[:, :, start:end], bits)
-        values = unpack_dequantize(self.value_codes[:, :, start:end], self.value_scale_zero[:, :, start:end], bits)
-        return keys, values
 
 
 class FullPrecisionHistory(_History):
@@ -157,6 +170,14 @@ class FullPrecisionHistory(_History):
     def _layout(self) -> dict:
         return {"keys": ((self.key_dim,), self.dtype), "values": ((self.value_dim,), self.dtype)}
 
+    def token_bytes(self) -> int:
+        return (self.key_dim + self.value_dim) * self.dtype.itemsize
+
+    def kernel_view(self) -> HistoryTensors | None:
+        if not self.length:
+            return None
+        return HistoryTensors(self.keys, self.values, None, None, self.length, length_ptr=self.device_length)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend=None) -> None:
         n = keys.shape[2]
         if n == 0:
@@ -165,9 +186,6 @@ class FullPrecisionHistory(_History):
         out["keys"].copy_(rotate(keys, key_rotation))
         out["values"].copy_(rotate(values, value_rotation))
         self._commit(n, out)
-
-    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, start:end].float(), self.values[:, :, start:end].float()
 
 
 def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,

@@ -8,42 +8,32 @@ Storage, per layer:
 
 Logical order of the tokens is sink, history, recent; the mask columns of the attention follow it.
 
-Demotion ("settling") runs after the attention of each forward (called by the attention function, or lazily by
-the next `update`), so a forward always attends to its own tokens in BF16. With S = sink size, R =
-`recent_tokens` and b = `demote_block`:
+Demotion ("settling") runs when the attention of a forward is done with its tiers (it closes the forward's
+`HistorySegment`, `handoff.py`), or lazily at the next `update`, so a forward always attends to its own tokens in
+BF16. The rule is `demotion.tokens_to_demote`: with S = sink size, R = `recent_tokens` and b = `demote_block`,
 - after a multi-token forward (prefill, prefill chunk), the oldest tokens beyond S + R are demoted at once, so a
   prompt of L tokens leaves min(L, S) sink, max(L - S - R, 0) history and min(L - S, R) recent tokens;
 - after a single-token (decode) forward, tokens are demoted only once the recent window exceeds R + b - 1, then
   down to R: b tokens every b steps.
 The sink size is fixed at the first demotion to `sink_tokens` plus the batch's largest left padding, so every row
 keeps `sink_tokens` real sink tokens.
+
+The kernel backend (`kernels.interface.Backend`) is given to the layer, or picked for its device on first use
+(`kernels.select.backend_for`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .backend import backend_for
-from .config import OscarConfig
-from .history import make_history
-from .rotation import rotate
-
-
-@dataclass
-class HistorySegment:
-    """What the attention function needs beyond the BF16 tensors `update` returned.
-
-    Mask columns `[0, sink_length)` and `[sink_length + history_length, kv_len)` are the BF16 tensors;
-    `[sink_length, sink_length + history_length)` is the quantized history.
-    """
-
-    layer: "OscarLayer"
-    layer_idx: int
-    sink_length: int
-    history_length: int
+from oscar_hf.config import OscarConfig
+from oscar_hf.demotion import tokens_to_demote
+from oscar_hf.handoff import HistorySegment
+from oscar_hf.history import make_history
+from oscar_hf.kernels.interface import Backend
+from oscar_hf.kernels.select import backend_for
+from oscar_hf.rotations.math import rotate
 
 
 def leading_padding(mask: torch.Tensor | None) -> int:
@@ -62,17 +52,17 @@ class OscarLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, layer_idx: int, config: OscarConfig, key_rotation: torch.Tensor | None,
-                 value_rotation: torch.Tensor | None):
+                 value_rotation: torch.Tensor | None, backend: Backend | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
-        # Set by `graph_decode`: a single-token forward attends to every cached token but its row's leading pads
-        # (`row_padding`, skipped by count), so the mask transformers materializes while a CUDA graph is captured
-        # (its width fixed at capture) is dropped instead of being replayed against later lengths.
-        self.decode_without_mask = False
-        self.row_padding: torch.Tensor | None = None  # int32 [B]: leading pad columns per row, with the above
+        self.backend = backend
+        # `set_mask_free_decode`: single-token forwards attend to every cached token but their row's leading pads
+        # (`row_padding`, skipped by count) instead of reading the mask
+        self.mask_free_decode = False
+        self.row_padding: torch.Tensor | None = None  # int32 [B]: leading pad columns per row
         self.max_row_padding = 0
         self._clear()
 
@@ -106,7 +96,8 @@ class OscarLayer(CacheLayerMixin):
         self.history = make_history(self.config, batch, heads, key_dim, value_dim, self.dtype, self.device)
         self.keys_buffer = key_states.new_empty((batch, heads, self._steady_capacity(), key_dim))
         self.values_buffer = value_states.new_empty((batch, heads, self._steady_capacity(), value_dim))
-        self.backend = backend_for(self.device, self.config.history_chunk)
+        if self.backend is None:
+            self.backend = backend_for(self.device, self.config.history_chunk)
         self.is_initialized = True
 
     def _steady_capacity(self) -> int:
@@ -163,9 +154,13 @@ class OscarLayer(CacheLayerMixin):
         return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
 
     def open_segment(self) -> HistorySegment:
-        """Hand the attention function the history layout of the current forward (it must `settle` after)."""
+        """Hand the attention function the history layout of the current forward; closing it settles."""
         self.segment_open = True
-        return HistorySegment(self, self.layer_idx, self.sink_length, self.history_length)
+        return HistorySegment(
+            self.layer_idx, self.backend, self.history.kernel_view() if self.history_length else None,
+            self.sink_length, self.key_rotation, self.value_rotation, on_close=self.settle,
+            mask_free_decode=self.mask_free_decode, dense_start=self.row_padding if self.mask_free_decode else None,
+        )
 
     def settle(self, attention_mask: torch.Tensor | None = None) -> None:
         """Demote the oldest recent tokens once the window overflows (see module docstring)."""
@@ -173,17 +168,20 @@ class OscarLayer(CacheLayerMixin):
         if not self.unsettled:
             return
         cfg = self.config
-        limit = cfg.recent_tokens + (cfg.demote_block - 1 if self.unsettled == 1 else 0)
-        self.unsettled = 0
-        sink_size = cfg.sink_tokens if self.sink_size is None else self.sink_size
-        if self.bf16_length - min(self.bf16_length, sink_size) <= limit:
+        forward_tokens, self.unsettled = self.unsettled, 0
+
+        def to_demote(sink: int) -> int:
+            recent = self.bf16_length - min(self.bf16_length, sink)
+            return tokens_to_demote(recent, forward_tokens, cfg.recent_tokens, cfg.demote_block)
+
+        if not to_demote(cfg.sink_tokens if self.sink_size is None else self.sink_size):
             return
         if self.sink_size is None:
             self.sink_size = cfg.sink_tokens + max(leading_padding(attention_mask), self.max_row_padding)
-            if self.bf16_length - min(self.bf16_length, self.sink_size) <= limit:
-                return
+        demote = to_demote(self.sink_size)
+        if not demote:
+            return
         sink = self.sink_size
-        demote = self.bf16_length - sink - cfg.recent_tokens
         keep = slice(sink + demote, self.bf16_length)
         self.history.append(
             self.keys_buffer[:, :, sink : sink + demote], self.values_buffer[:, :, sink : sink + demote],
@@ -203,9 +201,12 @@ class OscarLayer(CacheLayerMixin):
         return (self.history_length > 0 and not self.unsettled and not self.segment_open
                 and self.bf16_length - self.sink_length == self.config.recent_tokens)
 
-    def set_row_padding(self, row_padding: torch.Tensor | None) -> None:
-        """Leading pad columns per row (int `[B]`), for single-token steps that attend without a mask
-        (`decode_without_mask`); the sink grows to hold the largest, as it does from a mask."""
+    def set_mask_free_decode(self, enabled: bool, row_padding: torch.Tensor | None = None) -> None:
+        """From now on (`enabled`), single-token forwards attend to every cached token but each row's first
+        `row_padding[b]` (int `[B]`, left padding; None: no padding) and ignore the mask they are given: what graph
+        decode needs, since a mask captured in a CUDA graph keeps its width. The sink grows to hold the largest
+        padding, as it does from a mask."""
+        self.mask_free_decode = enabled
         self.row_padding = None if row_padding is None else row_padding.to(torch.int32).contiguous()
         self.max_row_padding = 0 if row_padding is None else int(row_padding.max())
 
@@ -293,12 +294,15 @@ class OscarLayer(CacheLayerMixin):
         raise NotImplementedError("OscarCache does not support CPU offloading")
 
     # ------------------------------------------------------------------------------------------ memory
-    def nbytes(self) -> int:
-        """Bytes of the stored tokens: the BF16 tiers plus the history (codes and scales)."""
+    def nbytes(self, tier_dtype: torch.dtype | None = None) -> int:
+        """Bytes of the stored tokens: the BF16 tiers plus the history (codes and scales); spare capacity is not
+        counted. `tier_dtype`: count the tiers as stored in that dtype (e.g. what a float32 model's cache would
+        store under a BF16 model)."""
         if not self.is_initialized:
             return 0
-        per_token = self.keys_buffer.shape[0] * self.keys_buffer.shape[1] * (
-            self.keys_buffer.shape[3] + self.values_buffer.shape[3]) * self.keys_buffer.element_size()
+        batch, heads, _, key_dim = self.keys_buffer.shape
+        element = (tier_dtype or self.keys_buffer.dtype).itemsize
+        per_token = batch * heads * (key_dim + self.values_buffer.shape[3]) * element
         return per_token * self.bf16_length + self.history.nbytes()
 
     def num_elements(self) -> int:

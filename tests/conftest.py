@@ -3,7 +3,6 @@ SmolLM2-135M (slow tests only)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -65,17 +64,16 @@ def forward(model, ids, cache, **kwargs):
     return model(input_ids=ids, use_cache=True, **{cache_argument_name(model): cache}, **kwargs)
 
 
-@contextlib.contextmanager
-def layers_use_backend(backend):
-    """OscarCache layers created inside get `backend` whatever their device (`oscar_hf.layer.backend_for`)."""
-    import oscar_hf.layer
+def poisoned_output_backend(**options):
+    """A `TritonBackend(**options)` whose `tiered_attention` output starts as NaN, so that an element the kernels
+    fail to write shows."""
+    from oscar_hf.kernels.triton.backend import TritonBackend
 
-    original = oscar_hf.layer.backend_for
-    oscar_hf.layer.backend_for = lambda device, chunk=4096: backend
-    try:
-        yield
-    finally:
-        oscar_hf.layer.backend_for = original
+    class PoisonedOutput(TritonBackend):
+        def new_output(self, shape, dtype, device):
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    return PoisonedOutput(**options)
 
 
 def generate(model, ids, cache, **kwargs):
@@ -85,7 +83,7 @@ def generate(model, ids, cache, **kwargs):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from oscar_hf.assets import load_smollm2
+    from oscar_hf.eval.assets import load_smollm2
 
     return load_smollm2()
 

@@ -7,10 +7,9 @@ import pytest
 import torch
 import transformers
 
-from calibrate import CalibrationDataError, CalibrationSettings, NoAttentionError, calibrate, cli
-from calibrate.hub import model_card, push_to_hub
+from oscar_hf.calibrate import CalibrationDataError, CalibrationSettings, NoAttentionError, calibrate, cli
+from oscar_hf.calibrate.hub import model_card, push_to_hub
 from oscar_hf import OscarCache, RotationFileError, Rotations, UnsupportedModelError
-from oscar_hf.rotation_files import load_zoo
 
 from conftest import forward, tiny_model
 
@@ -52,7 +51,7 @@ def test_cli_writes_rotations_that_load_bit_exactly_and_run(model_folder, text_f
     printed = capsys.readouterr().out
     assert "Rotations(2 layers, head_dim=16, per KV head" in printed and "OscarCache(model, rotations=" in printed
     ours = Rotations.from_pretrained(out)  # the safetensors file is preferred when both formats are present
-    zoo = load_zoo(str(out / "k_rotation_qqt_r_h_pbr.pt"), str(out / "v_rotation_sst_r_h_pbr.pt"))
+    zoo = Rotations.from_zoo(out / "k_rotation_qqt_r_h_pbr.pt", out / "v_rotation_sst_r_h_pbr.pt")
     for i in (0, 1):
         assert torch.equal(ours.key[i], zoo.key[i]) and torch.equal(ours.value[i], zoo.value[i])
         assert torch.equal(ours.key_eigenvalues[i], zoo.key_eigenvalues[i])

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from calibrate.attention_error import AttentionErrorProbe, Candidate, reference_fake_quantize
-from calibrate.capture import capturing, feed
-from calibrate.clip_search import apply_clip_ratios, clip_grid, clip_ratios_from_metadata, search_clip_ratios
+from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate
+from oscar_hf.calibrate.capture import feed
+from oscar_hf.calibrate.clip_search import apply_clip_ratios, clip_grid, clip_ratios_from_metadata, search_clip_ratios
 from oscar_hf import OscarCache, Rotations
-from oscar_hf.quantize import clip_index
+from oscar_hf.kernels.reference.quantize import clip_index, fake_quantize
 
 from conftest import forward, tiny_model
 
@@ -36,12 +36,11 @@ def test_probe_matches_a_hand_computation():
         if args[0].layer_idx == 1:
             keep(*args)
 
-    with capturing(model, both):
-        feed(model, [ids])
+    feed(model, [ids], observer=both)
     module, q, k, v, scaling = keep.last
     h = rotations.key[1]
-    k_hat = reference_fake_quantize(k[0] @ h, 2, 0.5, torch.float16) @ h.T
-    v_hat = reference_fake_quantize(v[0] @ h, 2, None, torch.float16) @ h.T
+    k_hat = fake_quantize(k[0] @ h, 2, 0.5, torch.float16) @ h.T
+    v_hat = fake_quantize(v[0] @ h, 2, None, torch.float16) @ h.T
     kl_sum, err_sum, ref_sum, queries = 0.0, 0.0, 0.0, 0
     for p in range(13, 60):  # queries that see at least one quantized key: p >= sink + recent + 1
         hist = torch.zeros(60, dtype=torch.bool)
@@ -75,8 +74,7 @@ def test_probe_is_zero_without_quantization_and_ranks_naive_int2_worst():
     candidates = {"exact": exact, "naive": Candidate(None, None, None),
                   "hadamard": Candidate(Rotations.hadamard([0, 1], 16), 0.96, 0.92)}
     probe = AttentionErrorProbe(candidates, [0, 1], sink=4, recent=8)
-    with capturing(model, probe):
-        feed(model, [ids])
+    feed(model, [ids], observer=probe)
     summary = probe.summary()
     assert summary["exact"]["kl"] == pytest.approx(0, abs=1e-6)
     assert summary["exact"]["rel_mse"] == pytest.approx(0, abs=1e-10)
@@ -148,7 +146,7 @@ def test_cache_applies_the_clip_ratios_its_rotations_record(tmp_path):
 
 
 def test_simulation_uses_each_layers_recorded_clip_ratios(tmp_path):
-    from oscar_hf.simulate import simulate_logits
+    from oscar_hf.eval.decode_equivalent import simulate_logits
 
     model = tiny_model("llama", seed=6)
     ids = torch.randint(1, 96, (1, 36))
@@ -164,7 +162,7 @@ def test_simulation_uses_each_layers_recorded_clip_ratios(tmp_path):
 
 
 def test_unreadable_recorded_clip_ratios_fail_clearly():
-    from oscar_hf.rotations import RotationFileError
+    from oscar_hf.rotations.rotations import RotationFileError
 
     rotations = Rotations.hadamard([0, 1], 16)
     rotations.metadata.update(key_clip_ratios='{"0": 0.9}', value_clip_ratios='{"0": 1.7}')

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from calibrate.data import CalibrationDataError, Document, load_documents, token_sequences
+from oscar_hf.calibrate.data import CalibrationDataError, Document, load_documents, token_sequences
 
 
 class CharTokenizer:

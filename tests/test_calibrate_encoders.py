@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from calibrate.encoders import LM_RATIO, LM_SPAN, gaussian_lm, lloyd, minmax
-from oscar_hf.quantize import dequantize_rows
+from oscar_hf.calibrate.encoders import LM_RATIO, LM_SPAN, gaussian_lm, lloyd, minmax
+from oscar_hf.kernels.reference.quantize import dequantize_rows
 
 
 @pytest.mark.parametrize("clip", [None, 0.92])
@@ -39,8 +39,8 @@ def test_gaussian_lm_follows_the_reference_formula():
 def test_cache_with_lloyd_encoder_stores_the_refined_codes():
     from conftest import forward, tiny_model
     from oscar_hf import OscarCache
-    from oscar_hf.quantize import quantize_pack
-    from oscar_hf.rotation import rotate
+    from oscar_hf.kernels.reference.quantize import quantize_pack
+    from oscar_hf.rotations.math import rotate
 
     model = tiny_model("llama", seed=7)
     ids = torch.randint(1, 96, (1, 40))

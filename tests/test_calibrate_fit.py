@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from calibrate.fit import fit_rotations, hadamard_rotation, rotation_from_moment
-from oscar_hf.rotation import hadamard_matrix
+from oscar_hf.calibrate.fit import fit_rotations, hadamard_rotation, rotation_from_moment
+from oscar_hf.rotations.math import hadamard_matrix
 
 
 def planted(d=16, seed=0):
@@ -86,7 +86,7 @@ def test_non_finite_moment_fails_clearly():
 
 
 def test_balanced_key_transform_keeps_scores_and_predicts_its_gain():
-    from calibrate.transforms import balanced_key_transform, predicted_gain
+    from oscar_hf.calibrate.transforms import balanced_key_transform, predicted_gain
 
     sk, _, _ = planted(seed=5)
     sq = torch.linalg.inv(sk) * 7.0  # anti-aligned statistics: the case a rotation cannot help

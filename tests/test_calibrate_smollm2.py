@@ -5,12 +5,12 @@ import os
 
 import pytest
 
-from calibrate import CalibrationSettings, calibrate, load_documents, token_sequences
-from calibrate.attention_error import AttentionErrorProbe, Candidate
-from calibrate.capture import capturing, feed
-from calibrate.clip_search import clip_ratios_from_metadata
+from oscar_hf.calibrate import CalibrationSettings, calibrate, load_documents, token_sequences
+from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate
+from oscar_hf.calibrate.capture import feed
+from oscar_hf.calibrate.clip_search import clip_ratios_from_metadata
 from oscar_hf import OscarCache, Rotations
-from oscar_hf.assets import play_tokens
+from oscar_hf.eval.assets import play_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,7 @@ SHIPPED = os.path.join(os.path.dirname(__file__), "..", "rotations", "smollm2-13
 
 def proxy(model, ids, candidates):
     probe = AttentionErrorProbe(candidates, range(30), sink=64, recent=256, query_stride=4)
-    with capturing(model, probe):
-        feed(model, [ids])
+    feed(model, [ids], observer=probe)
     return probe.summary()
 
 
@@ -49,7 +48,7 @@ def test_shipped_smollm2_rotations_load_and_beat_hadamard(smollm2):
     OscarCache(model, rotations=SHIPPED)  # fits the model (layers, head_dim, KV heads)
     ids = play_tokens(tokenizer, "romeo_and_juliet_gut.txt", 1024)
     encoder = rotations.metadata.get("encoder", "minmax")
-    from calibrate.clip_search import encoder_fake_quantizer
+    from oscar_hf.calibrate.clip_search import encoder_fake_quantizer
 
     errors = proxy(model, ids, {
         "shipped": Candidate(rotations, key_clips, value_clips, quantizer=encoder_fake_quantizer(encoder)),

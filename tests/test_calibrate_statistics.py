@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from calibrate.capture import capturing, feed
-from calibrate.pipeline import collect_moments
-from calibrate.statistics import SecondMoment, Tiers, attention_blocks
+from oscar_hf.calibrate.capture import feed
+from oscar_hf.calibrate.pipeline import collect_moments
+from oscar_hf.calibrate.statistics import SecondMoment, Tiers, attention_blocks
 
 from conftest import tiny_model
 
@@ -88,8 +88,7 @@ def test_streamed_moments_equal_batch_formulas(tiers, chunk_tokens):
     per_sequence = []
     for ids in sequences:
         dump = Dump()
-        with capturing(model, dump):
-            feed(model, [ids], chunk_tokens=1000)
+        feed(model, [ids], chunk_tokens=1000, observer=dump)
         per_sequence.append(dump)
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     for layer in (0, 1):
@@ -143,8 +142,7 @@ def test_single_sequence_matches_reference_formulas_literally():
     ids = torch.randint(1, 96, (1, 120))
     streamed = collect_moments(model, [ids], {"query", "sst", "softmax_diag", "softmax_sv"}, Tiers(), chunk_tokens=50)
     dump = Dump()
-    with capturing(model, dump):
-        feed(model, [ids], chunk_tokens=1000)
+    feed(model, [ids], chunk_tokens=1000, observer=dump)
     q, k, v, s = dump.full(1)
     expected = batch_moments(q, k, v, s, Tiers(), groups=2)
     for name in ("query", "sst", "softmax_diag", "softmax_sv"):

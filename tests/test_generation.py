@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.diagnostics.generation import full_precision_prefill, greedy_through_cache
+from oscar_hf.eval.diagnostics.generation import full_precision_prefill, greedy_through_cache
 
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 

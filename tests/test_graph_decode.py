@@ -13,11 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import layers_use_backend  # noqa: E402
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.graph_decode import GraphDecodeError, graphed_generate  # noqa: E402
@@ -130,19 +129,18 @@ def test_kernels_read_the_pinned_length_and_row_starts_from_the_device(method):
     """Interpreter on CPU (small shapes, many splits of a capacity-sized plan), the GPU otherwise; left-padded;
     a quantized and an unquantized (`none`) history."""
     pytest.importorskip("triton")
-    from oscar_hf.kernels.backend import TritonBackend
-    from oscar_hf.kernels.interpreter import kernel_device
+    from oscar_hf.kernels.triton.backend import TritonBackend
+    from oscar_hf.kernels.triton.interpreter import kernel_device
 
     device = kernel_device()
     model = _tiny_qwen3(device=device).float()
     ids, mask = _left_padded((40, 33), seed=3)
     ids, mask = ids.to(device), mask.to(device)
-    with layers_use_backend(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16)):
-        cache = OscarCache(model, rotations="hadamard", method=method, **OPTIONS)
-        got = graphed_generate(model, ids, cache, 14, attention_mask=mask, use_graphs=False)
-    with layers_use_backend(ReferenceBackend()):
-        ref, _ = _reference_tokens(model, ids, 14, dict(OPTIONS, method=method), attention_mask=mask,
-                                  min_new_tokens=14)
+    kernels = TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16)
+    cache = OscarCache(model, rotations="hadamard", method=method, backend=kernels, **OPTIONS)
+    got = graphed_generate(model, ids, cache, 14, attention_mask=mask, use_graphs=False)
+    ref, _ = _reference_tokens(model, ids, 14, dict(OPTIONS, method=method, backend=ReferenceBackend()),
+                              attention_mask=mask, min_new_tokens=14)
     assert cache.layers[0].backend.name == "triton"
     assert cache.layers[0].history.capacity > cache.layers[0].history_length  # splits cut for the capacity
     assert torch.equal(got, ref)

@@ -7,9 +7,9 @@ from conftest import VOCAB, forward, tiny_model
 from oscar_hf import OscarCache
 from oscar_hf.history import QuantizedHistory
 from oscar_hf.config import OscarConfig
-from oscar_hf.partials import dense_partial, history_partial, merge_partials
-from oscar_hf.backend import ReferenceBackend
-from oscar_hf.rotation import hadamard_matrix, rotate
+from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials
+from oscar_hf.kernels.reference.backend import ReferenceBackend
+from oscar_hf.rotations.math import hadamard_matrix, rotate
 
 TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
 
@@ -57,8 +57,8 @@ def test_history_partial_chunking_does_not_change_the_result():
     history.append(torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16), r, r, ReferenceBackend())
     query = torch.randn(2, 4, 3, 16)
     mask = torch.rand(2, 1, 3, 37) > 0.2
-    whole = history_partial(query, history, r, r, mask, 0.25, chunk=1000)
-    pieces = history_partial(query, history, r, r, mask, 0.25, chunk=5)
+    whole = history_partial(query, history.kernel_view(), r, r, mask, 0.25, chunk=1000)
+    pieces = history_partial(query, history.kernel_view(), r, r, mask, 0.25, chunk=5)
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
     # and it equals eager attention over the dequantized, un-rotated history
     keys, values = history.dequantize(0, 37)
@@ -100,7 +100,7 @@ def test_softcap_is_applied_before_the_log_sum_exp():
 @pytest.mark.parametrize("per_head", [False, True])
 def test_folding_value_rotation_into_weights_changes_nothing_but_speed(per_head):
     from oscar_hf import Rotations
-    from oscar_hf.rotation import compose_rotation
+    from oscar_hf.rotations.math import compose_rotation
 
     model, folded_model = tiny_model("qwen2"), tiny_model("qwen2")  # qwen2 has a v_proj bias
     gen = torch.Generator().manual_seed(0)

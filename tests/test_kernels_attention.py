@@ -21,15 +21,16 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import FullPrecisionHistory, QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
+from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
 ON_GPU = DEVICE.type == "cuda"
 
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from conftest import poisoned_output_backend  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 
 # (batch, kv heads, history tokens, dense tokens): small under the interpreter, decode-sized on the GPU
 BATCH, KV_HEADS, HISTORY, DENSE = (4, 8, 6000, 330) if ON_GPU else (2, 2, 150, 40)
@@ -40,8 +41,8 @@ TOLERANCE = {torch.float32: (2e-5, 2e-5), "history": (4e-3, 4e-3), "dense": (1.5
 
 
 def _kernel_backend(launch=None):
-    """A Triton backend that cuts even these small inputs into several splits, its scratch poisoned."""
-    backend = TritonBackend(target_programs=256, min_dense_tokens=16, min_history_tokens=32, launch=launch)
+    """A Triton backend that cuts even these small inputs into several splits, its scratch and output poisoned."""
+    backend = poisoned_output_backend(target_programs=256, min_dense_tokens=16, min_history_tokens=32, launch=launch)
     for buffer in backend._workspace(DEVICE, 1 << 22, 1 << 16, 1 << 16):
         buffer.fill_(float("nan"))
     return backend
@@ -69,7 +70,7 @@ def _history(dim, bits, scale_dtype, rotations, dtype, tokens=HISTORY, quantize=
     keys = (torch.randn(BATCH, KV_HEADS, tokens, dim, device=DEVICE) * 1.5).to(dtype)
     values = torch.randn(BATCH, KV_HEADS, tokens, dim, device=DEVICE).to(dtype)
     history.append(keys, values, rotations[0], rotations[1], ReferenceBackend())
-    return history
+    return history.kernel_view()
 
 
 def _query(groups, q_len, dim, dtype):
@@ -123,7 +124,7 @@ def _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, laun
 @pytest.mark.parametrize("block_n,asm_unpack", [(64, False), (128, True)])
 def test_history_partial_other_launch_configs(block_n, asm_unpack):
     """The unpacking without inline PTX (the GPU default uses it for 2-bit codes) and longer tiles."""
-    from oscar_hf.kernels.launch_plan import LaunchConfig
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     launch = LaunchConfig(block_n_history=block_n, asm_unpack=asm_unpack)
     _check_history_partial(128, 2, torch.float16, 4, "shared", torch.bfloat16, launch, "history partial", False)
@@ -145,15 +146,15 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
                                                        warps):
     """The history path with the tokens as the dots' M dimension (`LaunchConfig.token_major`), 8- and 16-row
     blocks, 1 to 4 warps, with a padding mask."""
-    from oscar_hf.kernels.launch_plan import LaunchConfig
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     launch = LaunchConfig(token_major=True, block_m=block_m, num_warps=warps)
     _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, launch, "token-major history partial")
 
 
 def test_default_launch_follows_the_head_dim_unless_one_is_given():
-    from oscar_hf.kernels.launch_plan import LaunchConfig
-    from oscar_hf.kernels.backend import TritonBackend
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
+    from oscar_hf.kernels.triton.backend import TritonBackend
 
     assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32,
                                                           block_m=8, token_major=True, fold_key_offsets=True)
@@ -211,8 +212,8 @@ def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, co
     16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are (plain = S: no R_V);
     some splits empty. `columns`: programs sharing each row block's output columns (None: the default for the
     grid)."""
-    from oscar_hf.kernels.merge import merge_splits
-    from oscar_hf.partials import merge_partials
+    from oscar_hf.kernels.triton.merge import merge_splits
+    from oscar_hf.kernels.reference.attention import merge_partials
 
     dim, kv_heads = 64, 2
     heads = groups * kv_heads
@@ -259,10 +260,7 @@ def _left_padded_mask(q_len, kv_len, pads):
 def _run_tiered(query, keys, values, mask, history, rotations, softcap=None):
     scaling = query.shape[-1] ** -0.5
     batch, q_heads, q_len, dim = query.shape
-    out = torch.full((batch, q_len, q_heads, dim), float("nan"), dtype=query.dtype, device=DEVICE)
-    got = _kernel_backend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap,
-                                             out=out)
-    assert got is out
+    out = _kernel_backend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
     ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
     return out, ref
 
@@ -290,7 +288,7 @@ def test_decode_step_matches_reference(dim, groups, dtype, rotation, softcap):
 def test_decode_step_with_row_starts_instead_of_a_mask(block_n_dense):
     """`dense_start` (what graph decode passes instead of a mask) skips each row's leading dense keys exactly like a
     left-padding mask over the sink; also with 32-key dense tiles."""
-    from oscar_hf.kernels.launch_plan import LaunchConfig
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared")
     pads = [0, SINK - 1] + [3] * (BATCH - 2)
@@ -311,7 +309,7 @@ def test_folded_key_offsets_match_reference(dim, groups):
     """`LaunchConfig.fold_key_offsets`: key codes keep the unpacking's magic numbers (1024 + code ...) and the
     scores subtract them per row; same tolerance as the exact path. (Under the interpreter the float16 products
     are summed exactly; on a GPU the tensor cores' accumulation is what this test measures.)"""
-    from oscar_hf.kernels.launch_plan import LaunchConfig
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     launch = LaunchConfig(token_major=True, block_m=8, num_warps=2, fold_key_offsets=True)
     _check_history_partial(dim, 2, torch.float16, groups, "shared", torch.bfloat16, launch,
@@ -321,7 +319,7 @@ def test_folded_key_offsets_match_reference(dim, groups):
 def test_token_major_decode_step_and_prefill_chunk_match_reference():
     """Token-major history dots with 8-row blocks: a left-padded decode step (one block per GQA group) and a
     chunk of queries (rows beyond 8 fall back to blocks of 16)."""
-    from oscar_hf.kernels.launch_plan import LaunchConfig
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     launch = LaunchConfig(token_major=True, block_m=8)
     scaling = 128**-0.5
@@ -361,7 +359,7 @@ def test_unquantized_history_matches_reference():
 
 
 def test_split_plan_covers_every_token_once():
-    from oscar_hf.kernels.launch_plan import plan_splits
+    from oscar_hf.kernels.triton.launch_plan import plan_splits
 
     for tokens in (1, 63, 64, 65, 5000, 100_000):
         for batch in (1, 8, 32):
@@ -373,7 +371,7 @@ def test_split_plan_covers_every_token_once():
 
 
 def test_split_plan_shortens_splits_only_below_min_programs():
-    from oscar_hf.kernels.launch_plan import plan_splits
+    from oscar_hf.kernels.triton.launch_plan import plan_splits
 
     args = dict(min_dense_tokens=256, min_history_tokens=512, block_n_history=128, block_n_dense=32, small_block_m=8)
     # 4k tokens at batch 1: 8 heads x (2 + 8) splits = 80 programs < 132 -> one history tile, two dense tiles
@@ -389,7 +387,7 @@ def test_split_plan_shortens_splits_only_below_min_programs():
 
 
 def test_backend_takes_the_history_split_minimum_from_its_launch():
-    from oscar_hf.kernels.launch_plan import default_launch
+    from oscar_hf.kernels.triton.launch_plan import default_launch
 
     def history_splits(dim):
         backend = TritonBackend(target_programs=2640)
@@ -404,7 +402,7 @@ def test_backend_takes_the_history_split_minimum_from_its_launch():
 
 
 def test_merge_splits_rejects_bad_column_programs_and_batch_rows():
-    from oscar_hf.kernels.merge import merge_splits
+    from oscar_hf.kernels.triton.merge import merge_splits
 
     part_out = torch.zeros(1, 4, 1, 3, 64, device=DEVICE)
     part_lse = torch.zeros(1, 4, 1, 3, device=DEVICE)
@@ -424,7 +422,7 @@ def test_merge_splits_rejects_bad_column_programs_and_batch_rows():
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_rotate_query_matches_float64_product(per_head, q_len):
-    from oscar_hf.kernels.query_rotation import rotate_query
+    from oscar_hf.kernels.triton.query_rotation import rotate_query
 
     dim, groups = 64, 3
     query = torch.randn(2, KV_HEADS * groups, q_len, dim, device=DEVICE).to(torch.bfloat16)
@@ -438,7 +436,7 @@ def test_rotate_query_matches_float64_product(per_head, q_len):
 
 
 def test_rotate_query_rejects_a_rotation_of_another_size():
-    from oscar_hf.kernels.query_rotation import rotate_query
+    from oscar_hf.kernels.triton.query_rotation import rotate_query
 
     with pytest.raises(ValueError, match="does not fit"):
         rotate_query(torch.randn(1, 4, 1, 64, device=DEVICE), _orthogonal(128))

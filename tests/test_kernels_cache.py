@@ -15,18 +15,17 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from conftest import layers_use_backend  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
-from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
+from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
 ON_GPU = DEVICE.type == "cuda"
 
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 
 
 def _tiny_model(device, seed=0):
@@ -44,11 +43,9 @@ def _tiny_model(device, seed=0):
 
 def _generate(model, input_ids, attention_mask, backend, new_tokens, **options):
     """Greedy tokens through an OscarCache whose layers use `backend`."""
-    with layers_use_backend(backend):
-        cache = OscarCache(model, rotations="hadamard", **options)
-        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False,
-                             **{cache_argument_name(model): cache})
+    cache = OscarCache(model, rotations="hadamard", backend=backend, **options)
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, **{cache_argument_name(model): cache})
     return out[:, input_ids.shape[1]:], cache
 
 
@@ -99,8 +96,8 @@ def test_generate_32k_context_matches_cpu_reference_tokens():
 def _decode_logits(model, ids, backend, steps, tokens=None):
     """Last-position logits (float32) of the prefill and of `steps` decode steps through an OscarCache on
     `backend`, feeding `tokens` `[B, steps]` (default: greedy from these logits); returns (logits, tokens)."""
-    with layers_use_backend(backend), torch.no_grad():
-        cache = OscarCache(model, rotations="hadamard")
+    with torch.no_grad():
+        cache = OscarCache(model, rotations="hadamard", backend=backend)
         kwargs = {cache_argument_name(model): cache, "use_cache": True}
         logits = [model(ids, **kwargs).logits[:, -1].float()]
         fed = []
@@ -117,7 +114,7 @@ def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatc
     decode step's history goes through the hand-written kernel, and its logits equal the Triton-only path's on the
     same tokens to bfloat16 accuracy: 6.4e-3 relative in run 70, as far as the Triton path is from the reference
     backend's (6.4e-3). (Greedy tokens are not compared: bfloat16 logits tie, and 2% of them flipped.)"""
-    from oscar_hf.kernels import cuda_history
+    from oscar_hf.kernels.cuda import history as cuda_history
 
     if not cuda_history.available(cuda_history.device_index(DEVICE), cuda_history.CudaHistoryConfig()):
         pytest.skip("the CUDA history kernel is not available here (NVRTC, compute capability)")
@@ -141,15 +138,13 @@ def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatc
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_decode_path_never_synchronizes_the_host():
     """update + attention + settle (with demotions) for many steps under CUDA's sync debug mode 'error'."""
-    from oscar_hf.attention import tiered_attention
-
     model = _tiny_model(DEVICE)
-    cache = OscarCache(model, rotations="hadamard", sink_tokens=8, recent_tokens=32, demote_block=8)
+    cache = OscarCache(model, rotations="hadamard", sink_tokens=8, recent_tokens=32, demote_block=8,
+                       backend=TritonBackend())
     layer = cache.layers[0]
     batch, heads, dim = 2, 2, 64
     layer.update(torch.randn(batch, heads, 500, dim, device=DEVICE), torch.randn(batch, heads, 500, dim, device=DEVICE))
     layer.settle(None)  # the first demotion reads the padding once (a sync by design)
-    layer.backend = TritonBackend()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -158,8 +153,9 @@ def test_decode_path_never_synchronizes_the_host():
                                         torch.randn(batch, heads, 1, dim, device=DEVICE))
             segment = layer.open_segment()
             query = torch.randn(batch, 4, 1, dim, device=DEVICE)
-            tiered_attention(query, keys, values, None, segment, dim**-0.5)
-            layer.settle(None)
+            segment.backend.tiered_attention(query, keys, values, None, segment.history, segment.sink_length,
+                                             segment.key_rotation, segment.value_rotation, dim**-0.5)
+            segment.close(None)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert layer.history_length > 450

@@ -16,18 +16,20 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels import cuda_history  # noqa: E402
-from oscar_hf.kernels.launch_plan import SplitPlan  # noqa: E402
+from conftest import poisoned_output_backend  # noqa: E402
+from oscar_hf.kernels.cuda import history as cuda_history  # noqa: E402
+from oscar_hf.kernels.cuda import nvrtc  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import SplitPlan  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 
 
 def _nvrtc_missing() -> bool:
     try:
-        cuda_history._nvrtc()
+        nvrtc.load_nvrtc()
     except OSError:
         return True
     return False
@@ -49,10 +51,7 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
 @pytest.mark.skipif(_nvrtc_missing(), reason="needs libnvrtc (pip install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
-                                    cuda_history.CudaHistoryConfig(stages=5, magic_planes=0),
-                                    cuda_history.CudaHistoryConfig(diagnostic=1),
-                                    cuda_history.CudaHistoryConfig(diagnostic=2),
-                                    cuda_history.CudaHistoryConfig(diagnostic=3)])
+                                    cuda_history.CudaHistoryConfig(stages=5, magic_planes=0)])
 def test_source_compiles_without_spills(arch, config):
     resources = _resources(cuda_history.compile_cubin(arch, config))
     assert set(resources) == {cuda_history.kernel_name(d, r) for d in (64, 128) for r in (4, 8)}
@@ -79,7 +78,8 @@ def test_history_plan_cuts_whole_tiles_and_fills_one_wave():
 
 def test_cpu_calls_do_not_qualify():
     history = QuantizedHistory(1, 2, 64, 64, OscarConfig(), torch.device("cpu"))
-    assert not cuda_history.history_kernel_supports(torch.zeros(1, 4, 1, 64), history, None, None, 2)
+    history.append(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64), None, None, ReferenceBackend())
+    assert not cuda_history.history_kernel_supports(torch.zeros(1, 4, 1, 64), history.kernel_view(), None, None, 2)
 
 
 # ------------------------------------------------------------------------------------------ on the GPU
@@ -111,19 +111,16 @@ def _relative(a, b):
                                                        (64, 3, 1, False)])
 def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, monkeypatch):
     """Up to 4 rows per KV head run the narrow-rows kernel, 5-8 the other."""
-    from oscar_hf.kernels.backend import TritonBackend
-
     rotations, history, query, (keys, values) = _case(dim, groups, q_len, per_head)
+    history = history.kernel_view()
     calls = []
     launch = cuda_history.history_partials
     monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: calls.append(1) or launch(*a, **k))
     scaling = dim**-0.5
     outs = []
     for enabled in (True, False):
-        out = torch.full((BATCH, q_len, query.shape[1], dim), float("nan"), dtype=query.dtype, device="cuda")
-        TritonBackend(cuda_history=enabled, cuda_history_config=ALWAYS).tiered_attention(
-            query, keys, values, None, history, SINK, *rotations, scaling, out=out)
-        outs.append(out)
+        backend = poisoned_output_backend(cuda_history=enabled, cuda_history_config=ALWAYS)
+        outs.append(backend.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling))
     assert len(calls) == 1, "the CUDA kernel did not run"
     ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
     assert torch.isfinite(outs[0]).all()
@@ -135,21 +132,20 @@ def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, 
 def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
     """A pinned history (length read from the device, splits cut for the capacity): the CUDA partials equal
     the Triton ones to the kernels' tolerance, also when replayed from a CUDA graph after the history grew."""
-    from oscar_hf.kernels.backend import TritonBackend
+    from oscar_hf.kernels.triton.backend import TritonBackend
 
     rotations, history, query, (keys, values) = _case(128, 4, 1, False, tokens=3001)
     history.pin(8192)
     scaling = 128**-0.5
     cuda, plain = TritonBackend(cuda_history=True, cuda_history_config=ALWAYS), TritonBackend(cuda_history=False)
-    out = torch.empty((BATCH, 1, query.shape[1], 128), dtype=query.dtype, device="cuda")
-    cuda.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, out=out)
+    cuda.tiered_attention(query, keys, values, None, history.kernel_view(), SINK, *rotations, scaling)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, out=out)
+        out = cuda.tiered_attention(query, keys, values, None, history.kernel_view(), SINK, *rotations, scaling)
     more = torch.randn(BATCH, KV_HEADS, 700, 128, device="cuda").bfloat16()
     history.append(more, more, *rotations, ReferenceBackend())
     graph.replay()
-    want = plain.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
+    want = plain.tiered_attention(query, keys, values, None, history.kernel_view(), SINK, *rotations, scaling)
     assert _relative(out, want) < 2e-3
 
 
@@ -157,9 +153,10 @@ def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
 def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
     """A softcap, more than 8 rows per KV head, or a history under `min_history_bytes`: the Triton kernel runs the
     history."""
-    from oscar_hf.kernels.backend import TritonBackend
+    from oscar_hf.kernels.triton.backend import TritonBackend
 
     rotations, history, query, (keys, values) = _case(128, 4, 3, False)
+    history = history.kernel_view()
     monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: pytest.fail("CUDA kernel ran"))
     always = TritonBackend(cuda_history_config=ALWAYS)
     always.tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)  # 12 rows per KV head

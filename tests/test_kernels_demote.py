@@ -14,12 +14,12 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
-from oscar_hf.quantize import quantize_pack, quantize_rows, unpack_codes  # noqa: E402
-from oscar_hf.rotation import hadamard_matrix, rotate  # noqa: E402
+from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
+from oscar_hf.kernels.reference.quantize import quantize_pack, quantize_rows, unpack_codes  # noqa: E402
+from oscar_hf.rotations.math import hadamard_matrix, rotate  # noqa: E402
 
 DEVICE = kernel_device()
 ON_GPU = DEVICE.type == "cuda"
@@ -27,8 +27,8 @@ TOKENS = 300 if ON_GPU else 21  # not a multiple of the kernel's token block
 HEADS = 8 if ON_GPU else 2
 BATCH = 3 if ON_GPU else 2
 
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.demote import demote_rows  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.triton.demote import demote_rows  # noqa: E402
 
 
 def _rows(batch, heads, tokens, dim, dtype):
@@ -86,7 +86,7 @@ def test_demote_with_rotation_differs_only_at_rounding_ties(per_head, dim):
     assert ((got.int() - ref_codes.int()).abs() <= 1).all()
     if mismatch.any():
         # the reference's pre-rounding value, recomputed in float64 from its own scale and zero point
-        from oscar_hf.quantize import clip_rows
+        from oscar_hf.kernels.reference.quantize import clip_rows
         clipped = clip_rows(rotated, clip).double()
         lo, hi = clipped.amin(-1, keepdim=True), clipped.amax(-1, keepdim=True)
         scale = (hi - lo) / 3

@@ -13,13 +13,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels import attention, common, demote, merge  # noqa: E402
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.interpreter import kernel_device  # noqa: E402
+from oscar_hf.kernels.triton import attention, common, demote, merge  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
-from oscar_hf.rotation import hadamard_matrix  # noqa: E402
+from oscar_hf.rotations.math import hadamard_matrix  # noqa: E402
 
 
 def test_launch_device_switches_only_to_another_cuda_device(monkeypatch):
@@ -49,8 +49,8 @@ def _demote_and_attend(backend, device):
     history._reserve(32)
     history.append(keys[:, :, :32], values[:, :, :32], rotation, rotation, backend)
     query = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(1)).to(device)
-    return backend.tiered_attention(query, keys[:, :, 32:], values[:, :, 32:], None, history, 0, rotation, rotation,
-                                    0.125)
+    return backend.tiered_attention(query, keys[:, :, 32:], values[:, :, 32:], None, history.kernel_view(), 0,
+                                    rotation, rotation, 0.125)
 
 
 def test_every_kernel_launch_is_guarded_by_its_tensors_device(monkeypatch):

@@ -7,10 +7,10 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.diagnostics.layers import capture_attention_inputs, replay_layer_errors
-from oscar_hf.diagnostics.metrics import attention_kl
-from oscar_hf.diagnostics.methods import bits_per_element
-from oscar_hf.simulate import SimulationPlan, simulate_logits
+from oscar_hf.eval.diagnostics.layers import capture_attention_inputs, replay_layer_errors
+from oscar_hf.eval.diagnostics.metrics import attention_kl
+from oscar_hf.eval.diagnostics.methods import bits_per_element
+from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 
@@ -78,7 +78,7 @@ def test_bits_per_element_counts_what_is_stored(tiny_llama_model, captured):
 def test_chunks_of_the_demotion_block_are_decode_exact(tiny_llama_model):
     # With forwards of b tokens after a prefill that is a multiple of b, demotion happens on the same boundaries
     # as in decoding, so both the replay and the chunked scoring equal their token-by-token versions.
-    from oscar_hf.diagnostics.run import chunked_logits
+    from oscar_hf.eval.diagnostics.run import chunked_logits
 
     layout = dict(sink_tokens=4, recent_tokens=8, demote_block=4)
     torch.manual_seed(6)

@@ -17,8 +17,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
-from oscar_hf.diagnostics.generation import greedy_through_cache  # noqa: E402
-from oscar_hf.lm_eval import OscarLM  # noqa: E402
+from oscar_hf.eval.diagnostics.generation import greedy_through_cache  # noqa: E402
+from oscar_hf.eval.lm_eval import OscarLM  # noqa: E402
 
 from conftest import LM_EVAL_TASKS as TASKS, tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_command_line_entry_point_runs_the_local_task(model_and_tokenizer, tmp_p
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "oscar_hf.lm_eval", "--model_args",
+        [sys.executable, "-m", "oscar_hf.eval.lm_eval", "--model_args",
          f"pretrained={tmp_path / 'model'},method=hadamard,sink_tokens=4,recent_tokens=8,demote_block=2",
          "--tasks", "tiny_oscar_mc,tiny_oscar_gen", "--include_path", TASKS, "--limit", "2", "--batch_size", "2",
          "--device", "cpu", "--output_path", str(tmp_path / "results")],

@@ -7,9 +7,15 @@ import math
 import pytest
 import torch
 
-from oscar_hf.diagnostics.metrics import (
-    attention_kl, greedy_agreement_length, mean_squared_error, negative_log_likelihood, next_token_kl, perplexity,
-    relative_mse, top1_agreement,
+from oscar_hf.eval.diagnostics.metrics import (
+    attention_kl,
+    greedy_agreement_length,
+    mean_squared_error,
+    negative_log_likelihood,
+    next_token_kl,
+    perplexity,
+    relative_mse,
+    top1_agreement,
 )
 
 

@@ -11,10 +11,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from oscar_hf.diagnostics.methods import builtin_methods
-from oscar_hf.diagnostics.report import load_results, write_report
-from oscar_hf.diagnostics.run import RunSettings, run_methods
-from oscar_hf.passkey import INTRO, NEEDLE, QUESTION, make_probe, make_probes, run_passkey, summary_table
+from oscar_hf.eval.diagnostics.methods import builtin_methods
+from oscar_hf.eval.diagnostics.report import load_results, write_report
+from oscar_hf.eval.diagnostics.run import RunSettings, run_methods
+from oscar_hf.eval.passkey import INTRO, NEEDLE, QUESTION, make_probe, make_probes, run_passkey, summary_table
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -77,7 +77,7 @@ def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
 
 def test_a_rotations_folder_drops_into_the_oscar_rows(tiny_llama_model, tmp_path):
     from oscar_hf import Rotations
-    from oscar_hf.rotation import hadamard_matrix
+    from oscar_hf.rotations.math import hadamard_matrix
 
     # any orthogonal per-layer rotations saved in the library's format stand in for calibrated ones
     torch.manual_seed(0)

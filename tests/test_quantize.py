@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oscar_hf.quantize import (
+from oscar_hf.kernels.reference.quantize import (
     clip_index,
     clip_rows,
     dequantize_rows,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from oscar_hf.rotation import (
+from oscar_hf.rotations.math import (
     bit_reversal_permutation,
     bit_reversal_permutation_matrix,
     compose_rotation,

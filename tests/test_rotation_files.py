@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from oscar_hf import RotationFileError, Rotations
-from oscar_hf.hub import resolve_rotation_folder
-from oscar_hf.rotation import compose_rotation
-from oscar_hf.rotation_files import load_zoo, load_zoo_file
+from oscar_hf.rotations.hub import resolve_rotation_folder
+from oscar_hf.rotations.math import compose_rotation
+from oscar_hf.rotations.io import load_zoo_file
 
 
 def random_rotations(layers=(0, 1, 2), d=16, heads=None):
@@ -54,7 +54,7 @@ def test_zoo_file_with_string_layer_keys_loads(tmp_path):
     state = torch.load(key_file, weights_only=True)
     state["layers"] = {str(k): v for k, v in state["layers"].items()}
     torch.save(state, key_file)
-    assert_same(load_zoo(key_file, value_file), rot)
+    assert_same(Rotations.from_zoo(key_file, value_file), rot)
 
 
 def test_safetensors_round_trip_keeps_tensors_and_metadata(tmp_path):

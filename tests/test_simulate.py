@@ -7,7 +7,8 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_argument_name
-from oscar_hf.simulate import history_lengths, simulate_logits
+from oscar_hf.demotion import history_lengths
+from oscar_hf.eval.decode_equivalent import simulate_logits
 
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 

@@ -6,8 +6,8 @@ import pytest
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.assets import play_tokens
-from oscar_hf.scoring import compare_caches
+from oscar_hf.eval.assets import play_tokens
+from oscar_hf.eval.perplexity import compare_caches
 
 pytestmark = pytest.mark.slow
 

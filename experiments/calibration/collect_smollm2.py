@@ -10,11 +10,11 @@ import time
 
 import torch
 
-from calibrate.capture import capturing, feed
-from calibrate.data import load_documents, token_sequences
-from calibrate.pipeline import calibration_layers
-from calibrate.statistics import MOMENTS, MomentCollector, Tiers
-from oscar_hf.assets import load_smollm2
+from oscar_hf.calibrate.capture import feed
+from oscar_hf.calibrate.data import load_documents, token_sequences
+from oscar_hf.calibrate.pipeline import calibration_layers
+from oscar_hf.calibrate.statistics import MOMENTS, MomentCollector, Tiers
+from oscar_hf.eval.assets import load_smollm2
 
 TIER_SETTINGS = {"all": Tiers(), "tiered": Tiers(sink=64, recent=256)}
 
@@ -43,15 +43,13 @@ def main():
     first = (set(args.moments) - {"sst"}) | ({"query"} if "sst" in args.moments else set())
     start = time.time()
     collectors = {name: MomentCollector(layers, kv_heads, head_dim, first, TIER_SETTINGS[name]) for name in args.tiers}
-    with capturing(model, fan_out(list(collectors.values()))):
-        feed(model, sequences, args.chunk_tokens, progress="pass 1", total_tokens=args.tokens)
+    feed(model, sequences, args.chunk_tokens, progress="pass 1", total_tokens=args.tokens, observer=fan_out(list(collectors.values())))
     pass1 = time.time() - start
     result = {name: {m: c.means(m) for m in first} for name, c in collectors.items()}
     if "sst" in args.moments:
         second = {name: MomentCollector(layers, kv_heads, head_dim, {"sst"}, TIER_SETTINGS[name],
                                         query_moments=result[name]["query"]) for name in collectors}
-        with capturing(model, fan_out(list(second.values()))):
-            feed(model, sequences, args.chunk_tokens, progress="pass 2", total_tokens=args.tokens)
+        feed(model, sequences, args.chunk_tokens, progress="pass 2", total_tokens=args.tokens, observer=fan_out(list(second.values())))
         for name, c in second.items():
             result[name]["sst"] = c.means("sst")
     elapsed = time.time() - start

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from calibrate.clip_search import clip_grid, search_clip_ratios
-from calibrate.data import Document, token_sequences
-from calibrate.pipeline import calibration_layers
-from oscar_hf.assets import load_smollm2, play_text
+from oscar_hf.calibrate.clip_search import clip_grid, search_clip_ratios
+from oscar_hf.calibrate.data import Document, token_sequences
+from oscar_hf.calibrate.pipeline import calibration_layers
+from oscar_hf.eval.assets import load_smollm2, play_text
 
 import evaluate_smollm2
 

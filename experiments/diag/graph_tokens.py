@@ -6,11 +6,11 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-import oscar_hf.kernels.backend as kb  # noqa: E402
+import oscar_hf.kernels.triton.backend as kb  # noqa: E402
 import oscar_hf.layer  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.graph_decode import graphed_generate  # noqa: E402
-from oscar_hf.kernels.launch_plan import LaunchConfig  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig  # noqa: E402
 from test_graph_decode import _left_padded, _reference_tokens, _tiny_qwen3  # noqa: E402
 
 OLD = LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, token_major=True,

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from attention import Case, bench, error_vs_reference, graphed, profiled  # noqa: E402
 
-from oscar_hf.kernels.launch_plan import LaunchConfig, default_launch  # noqa: E402
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.merge import merge_splits  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.triton.merge import merge_splits  # noqa: E402
 
 TWO_WARP = LaunchConfig(num_warps=2, programs_per_sm=6, block_n_dense=32, block_m=8, token_major=True,
                         fold_key_offsets=True)
@@ -69,7 +69,7 @@ def merge_variants(case, backend):
 
 def merge_not_dependent(backend):
     """`backend` with the merge launched plainly (stage 1 still a programmatic dependent of the rotation)."""
-    import oscar_hf.kernels.backend as kb
+    import oscar_hf.kernels.triton.backend as kb
 
     real = kb.merge_splits
 

@@ -19,12 +19,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from triton.testing import do_bench  # noqa: E402
 
-from oscar_hf.kernels.attention import HistoryTensors, attention_partials  # noqa: E402
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import (  # noqa: E402
-    CudaHistoryConfig, history_bytes, history_partials, plan_history, resident_slots)
-from oscar_hf.kernels.launch_plan import SplitPlan, default_launch  # noqa: E402
-from oscar_hf.kernels.merge import merge_splits  # noqa: E402
+from oscar_hf.kernels.triton.attention import HistoryTensors, attention_partials  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda.history import (
+    CudaHistoryConfig,
+    history_bytes,
+    history_partials,
+    plan_history,
+    resident_slots,
+)
+from oscar_hf.kernels.triton.launch_plan import SplitPlan, default_launch  # noqa: E402
+from oscar_hf.kernels.triton.merge import merge_splits  # noqa: E402
 
 KV_HEADS = 8
 

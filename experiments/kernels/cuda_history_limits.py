@@ -35,8 +35,8 @@ from triton.testing import do_bench  # noqa: E402
 from attention import Case, copy_bandwidth, graphed, profiled  # noqa: E402
 from cuda_history_ab import KV_HEADS, run_both, wave_plan  # noqa: E402
 
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig, history_bytes  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda.history import CudaHistoryConfig, history_bytes  # noqa: E402
 
 MODES = (("attend", 0), ("copies", 1), ("copies + reads", 2), ("arithmetic", 3))
 

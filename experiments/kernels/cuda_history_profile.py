@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from cuda_history_ab import run_both, wave_plan  # noqa: E402
 
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
+from oscar_hf.kernels.cuda.history import CudaHistoryConfig  # noqa: E402
 
 for variant in sys.argv[1:] or ["4:8:13"]:
     stages, warps, magic = (int(x) for x in variant.split(":"))

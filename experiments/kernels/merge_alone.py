@@ -21,7 +21,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from attention import graphed  # noqa: E402
 
-from oscar_hf.kernels.merge import merge_splits  # noqa: E402
+from oscar_hf.kernels.triton.merge import merge_splits  # noqa: E402
 
 Q_HEADS, KV_HEADS, DIM = 32, 8, 128
 

@@ -29,9 +29,9 @@ from triton.testing import do_bench  # noqa: E402
 from attention import Case, graphed  # noqa: E402
 
 from oscar_hf.kernels import backend as backend_module  # noqa: E402
-from oscar_hf.kernels.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda_history import CudaHistoryConfig  # noqa: E402
-from oscar_hf.kernels.launch_plan import default_launch  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.cuda.history import CudaHistoryConfig  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import default_launch  # noqa: E402
 
 DEFAULT_VARIANTS = [{}, {"column_programs": 4}, {"column_programs": 2}, {"column_programs": 1},
                     {"num_warps": 8}, {"num_warps": 2}, {"split_chunk": 8}, {"split_chunk": 16},

@@ -1,0 +1,3 @@
+from oscar_hf.eval.diagnostics.cli import main
+
+raise SystemExit(main())

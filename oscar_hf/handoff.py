@@ -1,0 +1,69 @@
+"""The handoff from a layer's `Cache.update` to the attention call that follows it.
+
+`update` returns the BF16 tiers (what transformers passes to the attention as key/value) and publishes a
+`HistorySegment` next to them: the quantized history between those tiers, the rotations, the backend that computes
+the attention, and the callback that lets the cache demote once the attention is done with this forward's tiers.
+The attention function reads the segment and calls `close`; it never reaches into the cache.
+
+Where the segment travels (`compat` holds the release differences): transformers >= 5.24 passes the attention's
+kwargs dict into `update`, so the segment goes into it; older releases pass nothing, so it is also attached to the
+returned key tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from oscar_hf.compat import attention_kwargs_of_update
+from oscar_hf.kernels.interface import Backend, HistoryTensors
+
+SEGMENT_ARGUMENT = "oscar_segment"
+
+
+@dataclass(frozen=True)
+class HistorySegment:
+    """What one layer's attention needs beyond the BF16 tensors `update` returned.
+
+    Mask columns `[0, sink_length)` and `[sink_length + history_length, kv_len)` are the BF16 tensors;
+    `[sink_length, sink_length + history_length)` is the history (`history`, None while it is empty).
+
+    `mask_free_decode`: a single-token forward attends to every cached token except each row's first
+    `dense_start[b]` (int32 `[B]`, left padding, or None), and the mask transformers built is ignored (graph decode:
+    a mask captured in a CUDA graph keeps its width while the history grows).
+    """
+
+    layer_idx: int
+    backend: Backend
+    history: HistoryTensors | None
+    sink_length: int
+    key_rotation: torch.Tensor | None
+    value_rotation: torch.Tensor | None
+    on_close: Callable[[torch.Tensor | None], None]
+    mask_free_decode: bool = False
+    dense_start: torch.Tensor | None = None
+
+    @property
+    def history_length(self) -> int:
+        return self.history.length if self.history is not None else 0
+
+    def close(self, attention_mask: torch.Tensor | None) -> None:
+        """The attention is done with this forward's tiers: the cache may demote (it reads the leading padding of
+        `attention_mask` once, to size the sink)."""
+        self.on_close(attention_mask)
+
+
+def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: HistorySegment) -> None:
+    """Make `segment` reach the attention function on every transformers release."""
+    attention_kwargs = attention_kwargs_of_update(update_kwargs)
+    if attention_kwargs is not None:
+        attention_kwargs[SEGMENT_ARGUMENT] = segment
+    key_states._oscar_segment = segment
+
+
+def take_segment(key_states: torch.Tensor, attention_kwargs: dict) -> HistorySegment | None:
+    """The segment published for this attention call, or None (another cache, or no cache)."""
+    segment = attention_kwargs.pop(SEGMENT_ARGUMENT, None)
+    return segment if segment is not None else getattr(key_states, "_oscar_segment", None)

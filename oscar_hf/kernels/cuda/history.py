@@ -1,0 +1,205 @@
+"""The hand-written history tier of stage 1 (`int2_history.cu`), compiled at run time (`nvrtc.py`) and launched
+through the CUDA driver.
+
+Contract: `kernels.triton.attention.attention_partials`' for the history splits only (same partial layout,
+rounding points and log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 (scale, zero), head_dim
+64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no mask, no softcap, a float16/bfloat16
+model. `history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is
+the path tested against the reference on CPU (this kernel is checked against both on the GPU).
+
+Why not Triton: the value codes must reach the tensor cores as pairs of tokens, the query and p as fragments of
+their own. Triton re-lays the query out every tile and pairs value codes through byte-wise shared-memory loads;
+the CUDA kernel builds the fragments in registers and, with at most 4 query rows per KV head (one decode position
+of a GQA-4 model), scores two 16-token groups per MMA (kernels `_r4`), so each lane scores, exponentiates and sums
+half as many elements. `bench/RESULTS.md` has the measurements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from oscar_hf.kernels.cuda import nvrtc
+from oscar_hf.kernels.reference.quantize import row_bytes
+from oscar_hf.kernels.triton.common import launch_device, multiprocessors
+from oscar_hf.kernels.triton.launch_plan import SplitPlan
+
+SOURCE = os.path.join(os.path.dirname(__file__), "int2_history.cu")
+DIMS = (64, 128)
+_LOG2E = 1.4426950408889634
+MAX_ROWS = 8  # the MMA's N: query rows per KV head
+NARROW_ROWS = 4  # at most this many rows: the kernels whose score MMAs carry two token groups
+ROW_VARIANTS = (NARROW_ROWS, MAX_ROWS)
+TILE = 64  # history tokens per tile; split lengths are multiples of it
+WARP = 32  # threads per program
+
+
+@dataclass(frozen=True)
+class CudaHistoryConfig:
+    """Compile-time shape of the kernel (its defines; the source states no defaults) and when it is used.
+
+    stages: 64-token tiles per warp in shared memory (stages - 1 in flight).
+    min_warps_per_sm: programs per multiprocessor the register allocation must allow.
+    magic_planes: bit c set = value plane c keeps its magic number instead of a subtraction (planes 0, 2, 3: the
+        same error against the Triton kernel as none, and the fastest whole calls).
+    key_chains: independent score accumulators per tile, over its m-tiles.
+    max_splits: cap on history splits per KV head row.
+    min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
+        whose call launches one kernel fewer; below about 4 MiB that is faster.
+    """
+
+    stages: int = 4
+    min_warps_per_sm: int = 8
+    magic_planes: int = 0b1101
+    key_chains: int = 4
+    max_splits: int = 128
+    min_history_bytes: int = 4 << 20
+
+    def defines(self) -> dict[str, int]:
+        """The `-D` definitions `int2_history.cu` is compiled with."""
+        return {"STAGES": self.stages, "MIN_WARPS_PER_SM": self.min_warps_per_sm,
+                "MAGIC_PLANES": self.magic_planes, "KEY_CHAINS": self.key_chains}
+
+
+def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bytes:
+    """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN; needs no GPU."""
+    return nvrtc.compile_cubin(SOURCE, arch, config.defines())
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
+# out, lse, length pointer, 9 ints (length ... split multiple), the query scale
+ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F]
+
+
+def stage_bytes(dim: int) -> int:
+    """Shared memory of one staged tile: codes of 64 keys and 64 values, and their (scale, zero) words."""
+    return 2 * TILE * dim // 4 + 2 * TILE * 4
+
+
+def history_bytes(batch: int, kv_heads: int, length: int, dim: int) -> int:
+    """Bytes of a 2-bit history a call reads: the codes and float16 (scale, zero) of K and V for every row."""
+    return batch * kv_heads * length * 2 * row_bytes(dim, 2, torch.float16)
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (the current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def kernel_name(dim: int, rows: int) -> str:
+    """The kernel for head_dim `dim` whose MMA columns hold `rows` query rows (4: two token groups per MMA)."""
+    return f"int2_history_partials_d{dim}_r{rows}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig(),
+                rows: int = MAX_ROWS) -> nvrtc.Kernel:
+    """Compile (once per device and config) and load the kernel for `dim` and `rows` on CUDA device
+    `device_index`."""
+    # one buffer beyond the pipeline's stages holds a split's partial last tile
+    return nvrtc.Kernel(_device_cubin(device_index, config), kernel_name(dim, rows), device_index, ARG_TYPES,
+                        (config.stages + 1) * stage_bytes(dim), WARP)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cubin(device_index: int, config: CudaHistoryConfig) -> bytes:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return compile_cubin(10 * major + minor, config)
+
+
+@functools.lru_cache(maxsize=None)
+def resident_slots(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> int:
+    """Programs of the kernel resident on the whole device at once (one wave; the fewer of its row variants)."""
+    per_sm = min(load_kernel(device_index, dim, config, rows).resident_programs() for rows in ROW_VARIANTS)
+    return per_sm * multiprocessors(torch.device("cuda", device_index))
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bool:
+    """Whether the kernel compiles and loads on this device (sm_80+ and libnvrtc); warns once if it does not."""
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
+    try:
+        for dim in DIMS:
+            for rows in ROW_VARIANTS:
+                load_kernel(device_index, dim, config, rows)
+    except (OSError, RuntimeError) as error:
+        warnings.warn(f"OSCAR's CUDA history kernel is unavailable ({error}); the Triton kernel is used instead",
+                      stacklevel=2)
+        return False
+    return True
+
+
+def history_kernel_supports(query: torch.Tensor, history, mask, softcap, kv_heads: int) -> bool:
+    """Whether this kernel covers a call's history tier (see the module docstring); `history` a
+    `kernels.interface.HistoryTensors`."""
+    if not query.is_cuda or history is None or not history.quantized:
+        return False
+    batch, q_heads, q_len, dim = query.shape
+    return (dim in DIMS and history.bits == 2 and history.key_scale_zero.dtype == torch.float16
+            and history.value_scale_zero.dtype == torch.float16 and query.dtype in (torch.float16, torch.bfloat16)
+            and mask is None and softcap is None and (q_heads // kv_heads) * q_len <= MAX_ROWS
+            and _code_layout_ok(history))
+
+
+def _code_layout_ok(history) -> bool:
+    """Code rows are contiguous (D/4 bytes apart: the kernel's tile offsets are immediates); (scale, zero) pairs
+    are packed per token; every buffer 16-byte aligned."""
+    k, v, kz, vz = history.keys, history.values, history.key_scale_zero, history.value_scale_zero
+    return (k.stride(-1) == v.stride(-1) == 1 and k.stride(2) == v.stride(2) == k.shape[-1]
+            and kz.stride(-1) == vz.stride(-1) == 1 and kz.stride(2) == vz.stride(2) == 2
+            and all(x.data_ptr() % 16 == 0 for x in (k, v, kz, vz)))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
+                 config: CudaHistoryConfig = CudaHistoryConfig()) -> SplitPlan:
+    """`plan` with its history cut for this kernel: splits of whole 64-token tiles, as many per KV head row
+    (`kv_rows` = batch x KV heads x row blocks) as fill one wave of `slots` resident programs. Every
+    layer of a decode step asks the same question, hence the cache."""
+    if history_len <= 0:
+        return replace(plan, block_n_history=TILE, history_splits=0, history_split_len=TILE)
+    wanted = max(1, min(config.max_splits, slots // kv_rows, triton.cdiv(history_len, TILE)))
+    length = triton.cdiv(triton.cdiv(history_len, wanted), TILE) * TILE
+    return replace(plan, block_n_history=TILE, history_splits=triton.cdiv(history_len, length),
+                   history_split_len=length)
+
+
+def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
+                     partial_out: torch.Tensor, partial_lse: torch.Tensor,
+                     config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False) -> None:
+    """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
+    `kernels.triton.attention.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
+    `history` an `kernels.interface.HistoryTensors` that `history_kernel_supports`. `dependent`: launch as a
+    programmatic dependent of the kernel queued just before (`rotate_query(launch_dependents=True)`, which wrote
+    `rotated_query`): the programs start staging codes at once and wait for it before reading the query."""
+    batch, q_heads, q_len, dim = rotated_query.shape
+    if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
+        raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
+    if plan.block_n_history % TILE or plan.history_split_len % TILE:
+        raise ValueError(f"history splits must be multiples of {TILE} tokens, got {plan.history_split_len}")
+    if plan.history_splits == 0:
+        return
+    keys, values = history.keys, history.values
+    kz = history.key_scale_zero.view(torch.int32)
+    vz = history.value_scale_zero.view(torch.int32)
+    n_from_ptr = history.length_ptr is not None
+    length_ptr = history.length_ptr if n_from_ptr else partial_lse
+    groups = q_heads // kv_heads
+    rows = NARROW_ROWS if groups * q_len <= NARROW_ROWS else MAX_ROWS
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows)
+    args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
+            keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
+            values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
+            partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
+            history.length, groups, kv_heads, q_len, plan.dense_splits,
+            plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
+    with launch_device(rotated_query):
+        kernel((plan.history_splits, batch * kv_heads), args, dependent)

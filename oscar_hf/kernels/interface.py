@@ -1,0 +1,88 @@
+"""What the cache asks of a kernel backend, and the view of a history that every backend reads.
+
+A backend is picked once per layer (`kernels.select.backend_for(device)`, or passed to `OscarCache(backend=...)`)
+and then called through these operations only:
+
+- `demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes_out,
+  key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder)`: rotate, clip, quantize and pack rows
+  `[B, H, n, d]` of keys and values into the given output views (`encoder`: `OscarConfig.encoder`);
+- `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling, softcap,
+  dense_start) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model basis) and its
+  history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
+  `sink_length + history.length`; `dense_start` (int32 `[B]` or None): leading dense keys of each row to ignore
+  (left padding);
+- `graph_capture_problem(key_dim, value_dim, encoder) -> str | None`: why a decode step of a layer of these sizes
+  cannot be captured in a CUDA graph, or None when it can.
+
+The PyTorch reference (`kernels.reference`) defines the semantics; every other backend is tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+def kernel_head_dim(dim: int) -> bool:
+    """Head sizes the GPU kernels take: powers of two from 64 (a quarter of a row feeds a 16-wide dot) to 256."""
+    return 64 <= dim <= 256 and dim & (dim - 1) == 0
+
+
+@dataclass(frozen=True)
+class HistoryTensors:
+    """The history buffers a backend reads (`[B, Hkv, capacity, ...]`, the first `length` tokens valid).
+
+    Quantized: `keys`/`values` are packed codes (uint8, `d * bits / 8` bytes per row) and the scale-zero tensors
+    (`[B, Hkv, capacity, 2]`) are set; unquantized: `keys`/`values` are rotated rows in the model dtype and the
+    scale-zero tensors are None. `length_ptr` (int32 `[1]`) holds the length on the device for a history pinned for
+    CUDA-graph replay; kernels then read the length from there."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scale_zero: torch.Tensor | None
+    value_scale_zero: torch.Tensor | None
+    length: int
+    bits: int = 2
+    length_ptr: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_scale_zero is not None
+
+    @property
+    def num_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def key_dim(self) -> int:
+        return self.keys.shape[-1] * 8 // self.bits if self.quantized else self.keys.shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[-1] * 8 // self.bits if self.quantized else self.values.shape[-1]
+
+    @property
+    def plan_length(self) -> int:
+        """The length to cut splits for: the capacity when the kernel reads the length from the device."""
+        return self.keys.shape[2] if self.length_ptr is not None else self.length
+
+
+class Backend(Protocol):
+    """The operations a layer calls (see the module docstring)."""
+
+    name: str
+
+    def demote_kv(self, keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None,
+                  value_rotation: torch.Tensor | None, key_clip_ratio: float | None, value_clip_ratio: float | None,
+                  bits: int, key_codes_out: torch.Tensor, key_scale_zero_out: torch.Tensor,
+                  value_codes_out: torch.Tensor, value_scale_zero_out: torch.Tensor,
+                  encoder: str = "minmax") -> None: ...
+
+    def tiered_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
+                         key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,
+                         softcap: float | None = None, dense_start: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None: ...

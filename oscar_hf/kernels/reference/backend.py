@@ -1,0 +1,52 @@
+"""`ReferenceBackend`: the backend operations (`kernels.interface`) in plain PyTorch; defines the semantics, runs
+anywhere."""
+
+from __future__ import annotations
+
+from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials, tiered_reference
+from oscar_hf.kernels.reference.quantize import quantize_pack
+from oscar_hf.rotations.math import rotate
+
+
+class ReferenceBackend:
+    """PyTorch reference of every backend operation, plus the partial ops `tiered_attention` composes.
+
+    Args:
+        history_chunk: history tokens dequantized at a time by `history_attention` (bounds its memory).
+    """
+
+    name = "reference"
+
+    def __init__(self, history_chunk: int = 4096):
+        self.history_chunk = history_chunk
+
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
+        """Rotate, clip, quantize and pack rows `x` `[B, H, n, d]` into `codes_out` / `scale_zero_out`."""
+        packed, scale_zero = quantize_pack(rotate(x, rotation), bits, clip_ratio, scale_zero_out.dtype, encoder)
+        codes_out.copy_(packed)
+        scale_zero_out.copy_(scale_zero)
+
+    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+        self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out, encoder)
+        self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out, encoder)
+
+    def dense_attention(self, query, key, value, mask, scaling, softcap=None):
+        """The BF16 tiers' partial `(out, lse)` (`reference.attention.dense_partial`)."""
+        return dense_partial(query, key, value, mask, scaling, softcap)
+
+    def history_attention(self, query, history, key_rotation, value_rotation, mask, scaling, softcap=None):
+        """The history's partial `(out, lse)` in the model basis; `history` a `HistoryTensors`."""
+        return history_partial(query, history, key_rotation, value_rotation, mask, scaling, softcap,
+                               chunk=self.history_chunk)
+
+    def merge(self, parts):
+        return merge_partials(parts)
+
+    def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
+                         softcap=None, dense_start=None):
+        return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
+                                scaling, softcap, dense_start)
+
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None:
+        return "the PyTorch reference backend runs no kernels to capture (the kernels run on CUDA devices)"

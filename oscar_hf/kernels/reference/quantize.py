@@ -1,0 +1,174 @@
+"""Reference quantizer: the ground truth every kernel is tested against.
+
+Per row (one token of one KV head, the whole head_dim; rows are already rotated):
+1. clip: `thr = sort(|x|)[int(ratio * d)]`, `x = clamp(x, -thr, thr)` (skipped when ratio is None);
+2. asymmetric min-max: `scale = max(max - min, floor) / L`, `zero = -min / scale` (a float, in code units),
+   with `L = 2**bits - 1`;
+3. codes: `q = clamp(floor(x / scale + zero + 0.5), 0, L)` (round half up);
+4. the (scale, zero) pair is stored in `scale_dtype`; `dequantize` computes `(q - zero) * scale` in float32.
+5. opt-in (`encoder="lloyd"`, `OscarConfig.encoder`): Lloyd-Max iterations on the uniform grid refine the min-max
+   (codes, scale, zero) to the row's least-squares uniform quantizer; same format, same dequantizer.
+
+`floor` is 1e-8, raised for float16 storage so that |zero| stays below `ZERO_LIMIT_FP16` (only degenerate,
+near-constant rows are affected: without it their zero point would overflow float16).
+
+Packing is "split-planar": with `c = 8 // bits` codes per byte and `n = d // c`, byte j holds elements
+j, j+n, ..., j+(c-1)n at bit offsets 0, bits, ..., (c-1)*bits. At 2 bits that is the OSCAR reference's
+"quartered" layout: byte j = q[j] | q[j+d/4] << 2 | q[j+d/2] << 4 | q[j+3d/4] << 6.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_FLOOR = 1e-8
+ZERO_LIMIT_FP16 = 32768.0
+ENCODERS = ("minmax", "lloyd")
+LLOYD_ITERATIONS = 6
+
+
+def clip_index(ratio: float | None, head_dim: int) -> int | None:
+    """Index into the ascending sorted |x| row that gives the clip threshold; None means no clipping."""
+    if ratio is None or ratio <= 0:
+        return None
+    return min(max(int(ratio * head_dim), 0), head_dim - 1)
+
+
+def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
+    """Symmetric per-row clamp at the |x| order statistic. `x`: float32 `[..., d]`."""
+    idx = clip_index(ratio, x.shape[-1])
+    if idx is None:
+        return x
+    thr = x.abs().sort(dim=-1).values[..., idx : idx + 1]
+    return torch.maximum(torch.minimum(x, thr), -thr)
+
+
+def zero_limit(scale_dtype: torch.dtype) -> float:
+    """Largest |zero| the scale dtype stores safely (inf where the dtype's range is fp32-like)."""
+    return ZERO_LIMIT_FP16 if scale_dtype == torch.float16 else float("inf")
+
+
+def quantize_rows(
+    x: torch.Tensor, bits: int, clip_ratio: float | None, scale_dtype: torch.dtype, encoder: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows of `x` `[..., d]`.
+
+    Returns `codes` uint8 `[..., d]` (unpacked, values 0..2**bits-1) and `scale_zero` `[..., 2]` in
+    `scale_dtype` (scale, zero interleaved). `encoder="lloyd"` refines the min-max result (`lloyd_refine`); the
+    stored format and `dequantize_rows` are the same for both encoders.
+    """
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+    codes, scale_zero = _minmax_rows(x, bits, clip_ratio, scale_dtype)
+    if encoder == "lloyd":
+        return lloyd_refine(x, codes, scale_zero, bits, scale_dtype)
+    return codes, scale_zero
+
+
+def _minmax_rows(x, bits, clip_ratio, scale_dtype):
+    x = clip_rows(x.float(), clip_ratio)
+    levels = float(2**bits - 1)
+    lo = x.amin(dim=-1)
+    hi = x.amax(dim=-1)
+    floor = torch.clamp(lo.abs() * (levels / zero_limit(scale_dtype)), min=SCALE_FLOOR)
+    # divide by a tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal (not IEEE), which
+    # would make this reference differ between devices by an ulp
+    scale = torch.maximum(hi - lo, floor) / torch.full_like(hi, levels)
+    zero = -lo / scale
+    codes = torch.floor(x / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).to(torch.uint8)
+    scale_zero = torch.stack([scale, zero], dim=-1).to(scale_dtype)
+    return codes, scale_zero
+
+
+def lloyd_refine(
+    x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, bits: int, scale_dtype: torch.dtype,
+    iterations: int = LLOYD_ITERATIONS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd-Max iterations on a uniform grid, per row, from a min-max start (opt-in `encoder="lloyd"`).
+
+    Alternates (a) the least-squares grid `x ≈ scale · q + offset` for the current codes and (b) nearest-level codes
+    for the stored (scale, zero). The row's squared error against the *unclipped* `x` never increases: the best
+    (codes, scale_zero) seen is kept per row. Same format as min-max: dequantize with `(q - zero) * scale`.
+    """
+    x = x.float()
+    levels = float(2**bits - 1)
+    scale, zero = scale_zero[..., 0].float(), scale_zero[..., 1].float()
+    offset = -zero * scale
+    best_codes, best_scale_zero = codes, scale_zero
+    best_error = (dequantize_rows(codes, scale_zero) - x).square().sum(-1)
+
+    def keep_if_better(candidate_codes, candidate_scale_zero):
+        nonlocal best_codes, best_scale_zero, best_error
+        error = (dequantize_rows(candidate_codes, candidate_scale_zero) - x).square().sum(-1)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_codes = torch.where(better[..., None], candidate_codes, best_codes)
+        best_scale_zero = torch.where(better[..., None], candidate_scale_zero, best_scale_zero)
+
+    x_mean = x.mean(-1)
+    for _ in range(iterations):
+        q = codes.float()
+        q_mean = q.mean(-1)
+        q_centered = q - q_mean[..., None]
+        q_var = q_centered.square().sum(-1)
+        fitted = q_var > 0
+        scale = torch.where(fitted, (q_centered * (x - x_mean[..., None])).sum(-1) / q_var.clamp_min(1e-30), scale)
+        scale = scale.clamp_min(SCALE_FLOOR)
+        offset = torch.where(fitted, x_mean - scale * q_mean, offset)
+        scale_zero = torch.stack([scale, -offset / scale], -1).to(scale_dtype)
+        keep_if_better(codes, scale_zero)
+        stored = scale_zero.float()
+        codes = torch.floor(x / stored[..., :1] + stored[..., 1:] + 0.5).clamp_(0, levels).to(torch.uint8)
+        keep_if_better(codes, scale_zero)
+    return best_codes, best_scale_zero
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes `[..., d]` into bytes `[..., d * bits // 8]` (split-planar layout, see module doc)."""
+    per_byte = 8 // bits
+    d = codes.shape[-1]
+    if d % per_byte:
+        raise ValueError(f"head_dim={d} is not a multiple of {per_byte} codes per byte")
+    planes = codes.reshape(*codes.shape[:-1], per_byte, d // per_byte).to(torch.int32)
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
+    return (planes << shifts[:, None]).sum(dim=-2).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: bytes `[..., n]` to uint8 codes `[..., n * 8 // bits]`."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
+    planes = (packed.to(torch.int32)[..., None, :] >> shifts[:, None]) & (2**bits - 1)
+    return planes.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+def dequantize_rows(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """`(q - zero) * scale` in float32. `codes` `[..., d]` (unpacked), `scale_zero` `[..., 2]`."""
+    sz = scale_zero.float()
+    return (codes.float() - sz[..., 1:2]) * sz[..., 0:1]
+
+
+def quantize_pack(
+    x: torch.Tensor, bits: int, clip_ratio: float | None, scale_dtype: torch.dtype, encoder: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` followed by `pack_codes`: (packed `[..., d*bits/8]` uint8, scale_zero `[..., 2]`)."""
+    codes, scale_zero = quantize_rows(x, bits, clip_ratio, scale_dtype, encoder)
+    return pack_codes(codes, bits), scale_zero
+
+
+def unpack_dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 rows `[..., d]` from packed codes and their (scale, zero) pairs."""
+    return dequantize_rows(unpack_codes(packed, bits), scale_zero)
+
+
+def fake_quantize(
+    x: torch.Tensor, bits: int, clip_ratio: float | None, scale_dtype: torch.dtype, encoder: str = "minmax"
+) -> torch.Tensor:
+    """Rows `x` `[..., d]` as the history stores them, read back: `quantize_rows` then `dequantize_rows` (float32)."""
+    return dequantize_rows(*quantize_rows(x, bits, clip_ratio, scale_dtype, encoder))
+
+
+def row_bytes(dim: int, bits: int, scale_dtype: torch.dtype) -> int:
+    """Bytes one history row (one token of one KV head, keys or values) stores: `dim` codes of `bits` bits and its
+    (scale, zero) pair."""
+    return dim * bits // 8 + 2 * torch.finfo(scale_dtype).bits // 8

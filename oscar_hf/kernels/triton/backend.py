@@ -1,0 +1,253 @@
+"""`TritonBackend`: the kernel implementation of the backend operations (`kernels.interface`).
+
+Inputs the kernels do not cover (head_dim not a power of two in [64, 256], key and value head sizes that differ,
+per-head masks) fall back to the PyTorch reference, which defines the semantics either way.
+
+Decode (`tiered_attention`) per layer: the query rotated by R_K once (`query_rotation.py`), one stage-1 launch
+covering the BF16 tiers and the quantized history (`attention.py`) and one stage-2 launch that merges the splits,
+un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`merge.py`); where the GPU has
+programmatic dependent launch (Hopper and newer), each is launched as a dependent of the one before, so that its
+launch and prologue overlap the previous kernel's tail. On CUDA, where the call qualifies
+(`kernels.cuda.history.history_kernel_supports`: 2-bit history, no mask, head_dim 64/128, <= 8 rows per KV head,
+a history of at least `CudaHistoryConfig.min_history_bytes`), the history splits come from the hand-written kernel
+instead and the Triton stage 1 covers the BF16 tiers alone, queued behind it as a dependent that runs beside its
+tail. The scratch (split partials, rotated query) is reused across calls (no allocation that grows with the
+history), and nothing synchronizes the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.kernels.cuda import history as cuda_history
+from oscar_hf.kernels.interface import HistoryTensors, kernel_head_dim
+from oscar_hf.kernels.reference.backend import ReferenceBackend
+from oscar_hf.kernels.triton.attention import attention_partials
+from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
+from oscar_hf.kernels.triton.demote import demote_rows
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
+from oscar_hf.kernels.triton.merge import merge_splits
+from oscar_hf.kernels.triton.query_rotation import rotate_query
+
+# When the split minimums would leave a launch under this many programs per multiprocessor (a short context at
+# batch 1, latency-bound), splits are cut down to one history tile and two dense tiles (`plan_splits`'
+# `min_programs`): half of the 8 programs that fit one SM at d=128.
+SMALL_GRID_PROGRAMS_PER_SM = 4
+
+
+class TritonBackend(ReferenceBackend):
+    """Triton kernels on CUDA (or on CPU under `TRITON_INTERPRET=1`, for tests), and the CUDA history kernel.
+
+    Args:
+        history_chunk: passed to the reference fallback.
+        target_programs: programs per stage-1 launch to aim for (default: `launch.programs_per_sm` per
+            multiprocessor).
+        min_dense_tokens / min_history_tokens: the shortest split of each tier (tests lower them to force many
+            splits on small inputs); history default: the launch's `min_history_tokens`.
+        launch: stage-1 tile sizes, warps and pipeline stages (`LaunchConfig`); default: the measured best for
+            the head_dim (`default_launch`).
+        cuda_history: use the CUDA history kernel where a call qualifies; `cuda_history_config` its compile-time
+            shape and the smallest history it takes.
+    """
+
+    name = "triton"
+
+    def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
+                 min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
+                 cuda_history: bool = True,
+                 cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig()):
+        super().__init__(history_chunk=history_chunk)
+        self.launch = launch
+        self.target_programs = target_programs
+        self.min_dense_tokens = min_dense_tokens
+        self.min_history_tokens = min_history_tokens
+        self.cuda_history = cuda_history
+        self.cuda_history_config = cuda_history_config
+        self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None:
+        if encoder != "minmax":
+            return f"encoder {encoder!r} demotes through the PyTorch reference"
+        if key_dim != value_dim or not kernel_head_dim(key_dim):
+            return "the kernels do not take its head sizes (powers of two from 64 to 256, keys and values alike)"
+        return None
+
+    # ------------------------------------------------------------------------------------------ demotion
+    def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
+        if encoder != "minmax" or not kernel_head_dim(x.shape[-1]):  # opt-in encoders: the reference only
+            return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder)
+        demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits)
+
+    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+        if encoder != "minmax" or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1]):
+            return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
+                                     bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
+                                     encoder)
+        demote_rows([(keys, key_rotation, key_clip_ratio, key_codes_out, key_scale_zero_out),
+                     (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits)
+
+    # ------------------------------------------------------------------------------------------ attention
+    def dense_attention(self, query, key, value, mask, scaling, softcap=None):
+        if not self._supported(query, key, value, mask):
+            return super().dense_attention(query, key, value, mask, scaling, softcap)
+        return self._partial(query, key, value, None, None, None, mask, scaling, softcap, causal=False,
+                             gap_start=key.shape[2], hist_col0=0)
+
+    def history_attention(self, query, history: HistoryTensors, key_rotation, value_rotation, mask, scaling,
+                          softcap=None):
+        if not history.length or not self._supported(query, None, None, mask, history):
+            return super().history_attention(query, history, key_rotation, value_rotation, mask, scaling, softcap)
+        return self._partial(query, None, None, history, key_rotation, value_rotation, mask, scaling, softcap,
+                             causal=False, gap_start=0, hist_col0=0, kv_heads=history.num_heads)
+
+    def merge(self, parts):
+        if len(parts) == 1:
+            return parts[0]
+        out0, _ = parts[0]
+        if not kernel_head_dim(out0.shape[-1]):
+            return super().merge(parts)
+        partial_out = torch.stack([o.float() for o, _ in parts], dim=3)
+        partial_lse = torch.stack([lse.float() for _, lse in parts], dim=3)
+        out = torch.empty(out0.shape, dtype=torch.float32, device=out0.device)
+        lse = torch.empty(out0.shape[:-1], dtype=torch.float32, device=out0.device)
+        merge_splits(partial_out, partial_lse, len(parts), out, out_layout="bhld", lse_out=lse)
+        return out, lse
+
+    def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
+                         scaling, softcap=None, dense_start=None):
+        """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
+        `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (`kernels.interface`)."""
+        hist_len = history.length if history is not None else 0
+        tensors = history if hist_len else None
+        if not self._supported(query, key, value, mask, tensors):
+            return super().tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
+                                            value_rotation, scaling, softcap, dense_start)
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
+        self._run(query, key, value, tensors, key_rotation, value_rotation if hist_len else None, mask, scaling, softcap,
+                  causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
+                  kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start)
+        return out
+
+    def new_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The tensor `tiered_attention` writes every element of (uninitialized)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _partial(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
+                 gap_start, hist_col0, kv_heads=None):
+        batch, q_heads, q_len, dim = query.shape
+        out = torch.empty((batch, q_heads, q_len, dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((batch, q_heads, q_len), dtype=torch.float32, device=query.device)
+        self._run(query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal, gap_start,
+                  hist_col0, kv_heads or key.shape[1], out, "bhld", lse)
+        return out, lse
+
+    def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
+             gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None):
+        batch, q_heads, q_len, dim = query.shape
+        dense_len = key.shape[2] if key is not None else 0
+        hist_len = tensors.plan_length if tensors is not None else 0
+        launch = self.launch_for(dim)
+        plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
+        cuda = self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
+        if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
+            plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
+                                             self._cuda_slots(query.device, dim), self.cuda_history_config)
+        if plan.total_splits == 0:  # nothing to attend: an empty softmax
+            out.zero_()
+            if lse_out is not None:
+                lse_out.fill_(float("-inf"))
+            return
+        rows = batch * q_heads * q_len * plan.total_splits
+        partial_out, partial_lse, rotation_scratch = self._workspace(query.device, rows * dim, rows, query.numel())
+        dependent = dependent_launch(query.device)
+        rotating = tensors is not None and key_rotation is not None
+        history_query = query
+        if rotating or cuda:
+            history_query = rotation_scratch[: query.numel()].view(query.shape)
+        if cuda:  # the query rotation; CUDA: the history; Triton: the BF16 tiers, beside the history kernel's tail
+
+            def dense_tiers():
+                if plan.dense_splits:
+                    attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal,
+                                       gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                                       dense_only=True, launch_dependents=dependent, overlap_prior=dependent)
+
+            if not dependent:
+                dense_tiers()
+            if rotating:
+                rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
+            else:
+                history_query.copy_(query)
+            cuda_history.history_partials(history_query, tensors, plan, scaling, kv_heads, partial_out, partial_lse,
+                                          self.cuda_history_config, dependent=dependent and rotating)
+            if dependent:
+                dense_tiers()
+        else:
+            if rotating:
+                rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
+            attention_partials(query, key, value, tensors, history_query, mask, plan, scaling, softcap, causal,
+                               gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
+                               launch_dependents=dependent, wait_for_rotation=dependent and rotating)
+        merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
+                     kv_heads, lse_out, after_stage1=dependent)
+
+    def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
+        if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
+            return False
+        history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1])
+        if history_bytes < self.cuda_history_config.min_history_bytes:
+            return False
+        return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config)
+
+    def _cuda_slots(self, device: torch.device, dim: int) -> int:
+        """Resident programs of the CUDA history kernel on the whole device (what its splits fill)."""
+        return cuda_history.resident_slots(cuda_history.device_index(device), dim, self.cuda_history_config)
+
+    def launch_for(self, head_dim: int) -> LaunchConfig:
+        """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""
+        return self.launch if self.launch is not None else default_launch(head_dim)
+
+    def plan(self, device, batch, kv_heads, rows, dense_len, hist_len, launch: LaunchConfig) -> SplitPlan:
+        return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device, launch),
+                           self.min_dense_tokens,
+                           launch.min_history_tokens if self.min_history_tokens is None else self.min_history_tokens,
+                           block_n_history=launch.block_n_history, block_n_dense=launch.block_n_dense,
+                           small_block_m=launch.block_m,
+                           min_programs=SMALL_GRID_PROGRAMS_PER_SM * multiprocessors(device))
+
+    def _target(self, device: torch.device, launch: LaunchConfig) -> int:
+        if self.target_programs is not None:
+            return self.target_programs
+        return launch.programs_per_sm * multiprocessors(device)
+
+    def _workspace(self, device: torch.device, out_numel: int, lse_numel: int,
+                   query_numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat float32 scratch for the split outputs, their log-sum-exps and the rotated query, reused across
+        calls on the same device (each call's kernels consume them before the next call's first kernel starts,
+        which is not launched as a dependent); grows, never shrinks."""
+        buffers = self._scratch.get(device)
+        wanted = (max(out_numel, 1 << 16), max(lse_numel, 1 << 12), max(query_numel, 1 << 12))
+        if buffers is None or any(b.numel() < n for b, n in zip(buffers, wanted)):
+            old = [b.numel() for b in buffers] if buffers is not None else [0, 0, 0]
+            buffers = tuple(torch.empty(max(n, o), dtype=torch.float32, device=device) for n, o in zip(wanted, old))
+            self._scratch[device] = buffers
+        return buffers
+
+    @staticmethod
+    def _supported(query, key, value, mask, history=None) -> bool:
+        dim = query.shape[-1]
+        if not kernel_head_dim(dim) or query.stride(-1) != 1:
+            return False
+        if key is not None and (key.shape[-1] != dim or value.shape[-1] != dim or key.stride(-1) != 1
+                                or value.stride(-1) != 1 or query.shape[1] % key.shape[1]):
+            return False
+        if history is not None and (history.key_dim != dim or history.value_dim != dim):
+            return False
+        if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.stride(-1) != 1):
+            return False
+        return True
+

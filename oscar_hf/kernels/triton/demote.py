@@ -1,0 +1,162 @@
+"""Demotion kernel: rotate, clip, quantize and pack rows into the history buffers, K and V in one launch.
+
+Contract (`demote_rows`): for each input pair (keys, values) `[B, H, n, d]` (model dtype, model basis, any strides
+with a unit last stride), write
+- `codes` `[B, H, n, d * bits / 8]` uint8: split-planar packed codes of `clip(x @ R)`,
+- `scale_zero` `[B, H, n, 2]` (float16 / bfloat16 / float32): the (scale, zero) pair of each row,
+exactly as `oscar_hf.quantize.quantize_pack(rotate(x, R), ...)` defines them. R is `[d, d]` (one per layer),
+`[H, d, d]` (one per KV head) or None (identity); it is applied in float32 (IEEE products, fp32 accumulation).
+The clip threshold is the order statistic `sort(|x|)[clip_index]`, found exactly by bisection on the float bit
+patterns; every division is IEEE round-to-nearest (`div_rn`), so without a rotation (or with rows already rotated)
+the codes are bit-identical to the reference. With a rotation, `x @ R` sums in a different order than torch's
+matmul, so a row can land on the other side of a rounding boundary (a code off by one at a near-tie).
+
+Grid: (token blocks, H, B * number of tensors): one launch covers a whole demotion of a layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.kernels.interface import kernel_head_dim
+from oscar_hf.kernels.reference.quantize import SCALE_FLOOR, clip_index, zero_limit
+from oscar_hf.kernels.triton.common import launch_device, round_to
+
+_BISECT_STEPS = tl.constexpr(31)  # the bit patterns of |x| lie in [0, 0x7F800000]: 31 halvings isolate one
+_SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
+
+
+@triton.jit
+def _demote_tensor(
+    x_ptr, sxb, sxh, sxt,
+    r_ptr, srh, srk,
+    c_ptr, scb, sch, sct,
+    z_ptr, szb, szh, szt,
+    b, h, t0, n, clip_idx, floor_ratio,
+    D: tl.constexpr, BITS: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_t < n
+    x_base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+    if HAS_ROT:
+        x = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+        r_base = r_ptr + h.to(tl.int64) * srh
+        for k0 in tl.static_range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_base + offs_t[:, None] * sxt + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+            rk = tl.load(r_base + offs_k[:, None] * srk + offs_d[None, :])
+            x = tl.dot(xk.to(tl.float32), rk.to(tl.float32), acc=x, input_precision="ieee")
+    else:
+        x = tl.load(x_base + offs_t[:, None] * sxt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+
+    if clip_idx >= 0:
+        # thr = sort(|x|)[clip_idx]: the smallest bit pattern v with #{|x| <= v} > clip_idx.
+        bits_abs = tl.abs(x).to(tl.int32, bitcast=True)
+        lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+        hi = tl.full((BLOCK_T,), 0x7F800000, dtype=tl.int32)
+        for _ in range(_BISECT_STEPS):
+            mid = lo + (hi - lo) // 2
+            count = tl.sum((bits_abs <= mid[:, None]).to(tl.int32), axis=1)
+            above = count > clip_idx
+            hi = tl.where(above, mid, hi)
+            lo = tl.where(above, lo, mid + 1)
+        thr = lo.to(tl.float32, bitcast=True)[:, None]
+        x = tl.maximum(tl.minimum(x, thr), -thr)
+
+    levels: tl.constexpr = 2**BITS - 1
+    x_min = tl.min(x, axis=1)
+    x_max = tl.max(x, axis=1)
+    floor = tl.maximum(tl.abs(x_min) * floor_ratio, _SCALE_FLOOR)
+    scale = tl.math.div_rn(tl.maximum(x_max - x_min, floor), tl.full((BLOCK_T,), levels, tl.float32))
+    zero = tl.math.div_rn(-x_min, scale)
+    q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
+    q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
+
+    per_byte: tl.constexpr = 8 // BITS
+    nbytes: tl.constexpr = D // per_byte
+    planes = tl.reshape(q, (BLOCK_T, per_byte, nbytes))
+    shifts = tl.arange(0, per_byte) * BITS
+    packed = tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
+    offs_c = tl.arange(0, nbytes)
+    c_base = c_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
+    tl.store(c_base + offs_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
+    z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + offs_t * szt
+    tl.store(z_base, round_to(scale, z_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(z_base + 1, round_to(zero, z_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _demote_kernel(
+    kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt, k_clip, k_floor,
+    vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor,
+    n,
+    D: tl.constexpr, BITS: tl.constexpr, K_ROT: tl.constexpr, V_ROT: tl.constexpr, NUM_TENSORS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t0 = tl.program_id(0) * BLOCK_T
+    h = tl.program_id(1)
+    b = tl.program_id(2) // NUM_TENSORS
+    which = tl.program_id(2) % NUM_TENSORS
+    if which == 0:
+        _demote_tensor(kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt,
+                       b, h, t0, n, k_clip, k_floor, D, BITS, K_ROT, BLOCK_T, BLOCK_K)
+    else:
+        _demote_tensor(vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt,
+                       b, h, t0, n, v_clip, v_floor, D, BITS, V_ROT, BLOCK_T, BLOCK_K)
+
+
+def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
+    d = x.shape[-1]
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale_zero.stride(-1) != 1:
+        raise ValueError("demote_rows needs a unit stride along head_dim for inputs and outputs")
+    if rotation is None:
+        rot, rot_head_stride, rot_row_stride = x, 0, 0  # unused pointer
+    else:
+        if rotation.dtype != torch.float32 or rotation.stride(-1) != 1:
+            rotation = rotation.float().contiguous()
+        rot = rotation
+        rot_head_stride = rotation.stride(0) if rotation.dim() == 3 else 0
+        rot_row_stride = rotation.stride(-2)
+    idx = clip_index(clip_ratio, d)
+    levels = 2**bits - 1
+    floor_ratio = levels / zero_limit(scale_zero.dtype)
+    return (x, *x.stride()[:3], rot, rot_head_stride, rot_row_stride, codes, *codes.stride()[:3],
+            scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio)
+
+
+def demote_rows(pairs, bits: int, block_tokens: int = 16) -> None:
+    """Quantize one or two tensors in one launch.
+
+    `pairs`: a list of one or two tuples `(x, rotation, clip_ratio, codes_out, scale_zero_out)` with `x`
+    `[B, H, n, d]` (the same shape for both), `codes_out` `[B, H, n, d * bits // 8]` uint8 and `scale_zero_out`
+    `[B, H, n, 2]`; the outputs are written in place (views into the history buffers are fine).
+    """
+    if not 1 <= len(pairs) <= 2:
+        raise ValueError(f"demote_rows takes one or two tensors, got {len(pairs)}")
+    x = pairs[0][0]
+    batch, heads, n, d = x.shape
+    for px, _, _, codes, sz in pairs:
+        if px.shape != x.shape:
+            raise ValueError(f"demote_rows needs keys and values of one shape, got {tuple(px.shape)} and {tuple(x.shape)}")
+        if codes.shape != (batch, heads, n, d * bits // 8) or codes.dtype != torch.uint8:
+            raise ValueError(f"codes_out must be uint8 {(batch, heads, n, d * bits // 8)}, got {codes.dtype} {tuple(codes.shape)}")
+        if sz.shape != (batch, heads, n, 2):
+            raise ValueError(f"scale_zero_out must be {(batch, heads, n, 2)}, got {tuple(sz.shape)}")
+    if n == 0:
+        return
+    if not kernel_head_dim(d):
+        raise ValueError(f"head_dim={d}: the kernels need a power of two from 64 to 256")
+    args = [_tensor_args(bits, *p) for p in pairs]
+    if len(args) == 1:
+        args.append(args[0])
+    grid = (triton.cdiv(n, block_tokens), heads, batch * len(pairs))
+    with launch_device(x):
+        _demote_kernel[grid](
+            *args[0], *args[1], n,
+            D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,
+            NUM_TENSORS=len(pairs), BLOCK_T=block_tokens, BLOCK_K=min(d, 32), num_warps=4,
+        )

@@ -1,0 +1,81 @@
+"""Turning a rotation source (local path or Hugging Face Hub repo id) into a local folder."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from oscar_hf.rotations.io import SAFETENSORS_NAME, ZOO_KEY_PATTERN, ZOO_VALUE_PATTERN
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def looks_like_repo_id(name: str) -> bool:
+    return bool(_REPO_ID.match(name)) and ".." not in name
+
+
+def resolve_rotation_folder(
+    path_or_repo_id: str | os.PathLike,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+) -> str:
+    """A local path to the rotations: the argument itself if it exists, else a Hub download (cached).
+
+    Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only=True`) uses the local Hub cache only.
+    """
+    source = os.fspath(path_or_repo_id)
+    local = os.path.join(source, subfolder) if subfolder else source
+    if os.path.exists(local):
+        return local
+    if os.path.exists(source):
+        raise FileNotFoundError(f"{source} exists but has no subfolder {subfolder!r}")
+    if not looks_like_repo_id(source):
+        raise FileNotFoundError(
+            f"rotations {source!r}: no such file or folder, and it is not a Hub repo id of the form 'owner/name'"
+        )
+    return _download(source, subfolder, revision, cache_dir, token, local_files_only)
+
+
+def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    patterns = [prefix + SAFETENSORS_NAME, prefix + ZOO_KEY_PATTERN, prefix + ZOO_VALUE_PATTERN, prefix + "*.json"]
+    where = f"Hub repo {repo_id!r}" + (f" (subfolder {subfolder!r})" if subfolder else "")
+    try:
+        root = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, token=token,
+            local_files_only=local_files_only, allow_patterns=patterns,
+        )
+    except LocalEntryNotFoundError as e:
+        raise OSError(
+            f"could not fetch rotations from the {where}: the Hub is unreachable or offline mode is on "
+            "(HF_HUB_OFFLINE=1 / local_files_only=True), and no copy is in the local Hub cache. Connect and retry, "
+            "or pass a local folder."
+        ) from e
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise OSError(
+            f"the {where} does not exist or is private/gated: check the name, or log in with `hf auth login`"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise OSError(f"the {where} has no revision {revision!r}") from e
+    except HfHubHTTPError as e:
+        raise OSError(f"downloading rotations from the {where} failed: {e}") from e
+    folder = os.path.join(root, subfolder) if subfolder else root
+    if not os.path.isdir(folder) or not any(
+        f.endswith((".safetensors", ".pt")) for f in os.listdir(folder)
+    ):
+        raise FileNotFoundError(
+            f"the {where} holds no rotation files ({SAFETENSORS_NAME}, {ZOO_KEY_PATTERN}, {ZOO_VALUE_PATTERN})"
+        )
+    return folder

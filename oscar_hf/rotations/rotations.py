@@ -1,0 +1,220 @@
+"""`Rotations`: the per-layer key and value rotations an `OscarCache` applies to its quantized history."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+from oscar_hf.rotations.hub import resolve_rotation_folder
+from oscar_hf.rotations.io import (
+    RotationFileError,
+    RotationTables,
+    load_rotation_path,
+    load_zoo,
+    save_safetensors,
+    save_zoo,
+)
+from oscar_hf.rotations.math import hadamard_matrix, is_power_of_two, orthogonality_error
+
+ORTHOGONALITY_TOLERANCE = 1e-3
+
+
+class Rotations:
+    """Key and value rotations per global layer index, float32.
+
+    Each rotation is `[d, d]` (shared by the KV heads of the layer; RotationZoo format v1) or `[Hkv, d, d]` (one
+    per KV head; format v2), used as `x_rot = x @ R`. Eigenvalues (ascending, as `eigh` returns them) and a
+    string metadata dict (provenance) are optional.
+    """
+
+    def __init__(
+        self,
+        key: Mapping[int, torch.Tensor],
+        value: Mapping[int, torch.Tensor],
+        key_eigenvalues: Mapping[int, torch.Tensor] | None = None,
+        value_eigenvalues: Mapping[int, torch.Tensor] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ):
+        self.key = {int(i): r.float() for i, r in key.items()}
+        self.value = {int(i): r.float() for i, r in value.items()}
+        self.key_eigenvalues = {int(i): e.float() for i, e in (key_eigenvalues or {}).items()}
+        self.value_eigenvalues = {int(i): e.float() for i, e in (value_eigenvalues or {}).items()}
+        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        self._check_consistent()
+
+    # ----------------------------------------------------------------------------------------- constructors
+    @classmethod
+    def hadamard(cls, layer_ids, head_dim: int) -> "Rotations":
+        """Data-free rotations: the normalized Sylvester Hadamard for every layer (one shared tensor)."""
+        if not is_power_of_two(head_dim):
+            raise ValueError(
+                f"Hadamard rotations need head_dim to be a power of two; this model has head_dim={head_dim}. "
+                "Use rotations='identity' (naive INT2) or calibrated rotations instead."
+            )
+        h = hadamard_matrix(head_dim, torch.float32)
+        ids = list(layer_ids)
+        return cls({i: h for i in ids}, {i: h for i in ids}, metadata={"objective": "hadamard"})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir: str | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool = False,
+    ) -> "Rotations":
+        """Load from a local folder or file, or from a Hugging Face Hub repo (downloaded and cached).
+
+        A folder holds `oscar_rotations.safetensors` (this library's format) or one `k_rotation*.pt` and one
+        `v_rotation*.pt` (OSCAR RotationZoo format). `.pt` files are read with `torch.load(weights_only=True)`.
+        """
+        local = resolve_rotation_folder(
+            path_or_repo_id, subfolder, revision=revision, cache_dir=cache_dir, token=token,
+            local_files_only=local_files_only,
+        )
+        return cls(**load_rotation_path(local))
+
+    @classmethod
+    def from_zoo(cls, key_file: str | os.PathLike, value_file: str | os.PathLike) -> "Rotations":
+        """Load a RotationZoo pair of files (`k_rotation_<objective>.pt`, `v_rotation_<objective>.pt`)."""
+        return cls(**load_zoo(os.fspath(key_file), os.fspath(value_file)))
+
+    # ------------------------------------------------------------------------------------------- access
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self.key)
+
+    @property
+    def head_dim(self) -> int:
+        return next(iter(self.key.values())).shape[-1]
+
+    @property
+    def per_head(self) -> bool:
+        return any(r.dim() == 3 for r in self.key.values()) or any(r.dim() == 3 for r in self.value.values())
+
+    def for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key rotation, value rotation) of a global layer index."""
+        if layer_idx not in self.key:
+            raise RotationFileError(f"no rotation for layer {layer_idx}; these rotations cover layers {self.layer_ids}")
+        return self.key[layer_idx], self.value[layer_idx]
+
+    def clip_ratios(self, layer_idx: int) -> tuple[float | None, float | None] | None:
+        """(key, value) clip ratios recorded for `layer_idx` by a clip search (None in a pair: no clipping), or None
+        when the metadata records none (`recorded_clip_ratios`)."""
+        try:
+            recorded = recorded_clip_ratios(self.metadata)
+            if recorded is None:
+                return None
+            return tuple(r[layer_idx] if isinstance(r, dict) else r for r in recorded)
+        except (KeyError, ValueError, TypeError) as error:
+            raise RotationFileError(f"the rotations' recorded clip ratios are unreadable for layer {layer_idx}: "
+                                    f"{error!r}") from error
+
+    def tables(self) -> RotationTables:
+        """The rotations as plain tables (what `rotations.io` reads and writes)."""
+        return {"key": self.key, "value": self.value, "key_eigenvalues": self.key_eigenvalues,
+                "value_eigenvalues": self.value_eigenvalues, "metadata": self.metadata}
+
+    def save_pretrained(self, folder: str | os.PathLike) -> str:
+        """Write `folder/oscar_rotations.safetensors`; returns the file path."""
+        return save_safetensors(self.tables(), folder)
+
+    def save_zoo(self, folder: str | os.PathLike, key_objective: str = "qqt_r_h_pbr",
+                 value_objective: str = "sst_r_h_pbr") -> tuple[str, str]:
+        """Write RotationZoo-format `k_rotation_<obj>.pt` / `v_rotation_<obj>.pt` (v1 shared, v2 per head)."""
+        return save_zoo(self.tables(), folder, key_objective, value_objective)
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _check_consistent(self) -> None:
+        if not self.key or not self.value:
+            raise RotationFileError("rotations need at least one key and one value rotation")
+        if set(self.key) != set(self.value):
+            raise RotationFileError(
+                f"key rotations cover layers {sorted(self.key)} but value rotations cover {sorted(self.value)}"
+            )
+        dims = {r.shape[-1] for r in list(self.key.values()) + list(self.value.values())}
+        if len(dims) != 1:
+            raise RotationFileError(f"rotations of different sizes {sorted(dims)} in one set")
+        for kind, table in (("key", self.key), ("value", self.value)):
+            for i, r in table.items():
+                if r.dim() not in (2, 3) or r.shape[-1] != r.shape[-2]:
+                    raise RotationFileError(
+                        f"{kind} rotation of layer {i} has shape {tuple(r.shape)}; expected [d, d] or [kv_heads, d, d]"
+                    )
+                if not torch.isfinite(r).all():
+                    raise RotationFileError(f"{kind} rotation of layer {i} holds NaN or infinite values")
+                err = orthogonality_error(r)
+                if err > ORTHOGONALITY_TOLERANCE:
+                    raise RotationFileError(
+                        f"{kind} rotation of layer {i} is not orthogonal (max |RᵀR - I| = {err:.2e} > "
+                        f"{ORTHOGONALITY_TOLERANCE:g}); the file is corrupt or not a rotation"
+                    )
+
+    def check_model(self, layer_ids: list[int], head_dim: int, num_kv_heads: int) -> None:
+        """Raise `RotationFileError` unless every listed layer has rotations of the model's shape."""
+        missing = [i for i in layer_ids if i not in self.key]
+        if missing:
+            raise RotationFileError(
+                f"the rotations cover layers {_ranges(self.layer_ids)} but the model's full-attention layers are "
+                f"{_ranges(layer_ids)} (missing {_ranges(missing)}): they were made for another model"
+            )
+        if self.head_dim != head_dim:
+            raise RotationFileError(
+                f"the rotations are {self.head_dim}x{self.head_dim} but the model's head_dim is {head_dim}: "
+                "they were made for another model"
+            )
+        for kind, table in (("key", self.key), ("value", self.value)):
+            for i in layer_ids:
+                r = table[i]
+                if r.dim() == 3 and r.shape[0] != num_kv_heads:
+                    raise RotationFileError(
+                        f"{kind} rotation of layer {i} has {r.shape[0]} per-head matrices but the model has "
+                        f"{num_kv_heads} KV heads"
+                    )
+
+    def __repr__(self) -> str:
+        kind = "per KV head" if self.per_head else "shared per layer"
+        objective = self.metadata.get("objective", "?")
+        return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
+
+
+def recorded_clip_ratios(metadata: Mapping[str, str]):
+    """(key, value) clip ratios a clip search recorded in rotations metadata, or None when there are none.
+
+    Each side is one ratio for every layer (`key_clip_ratio` / `value_clip_ratio`: a JSON number or null) or a
+    `{layer: ratio}` dict (`key_clip_ratios` / `value_clip_ratios`: JSON objects). Raises ValueError (or
+    KeyError / TypeError) on malformed entries or ratios outside (0, 1].
+    """
+    if "key_clip_ratios" in metadata:
+        return tuple({int(i): _ratio(r) for i, r in json.loads(metadata[f"{side}_clip_ratios"]).items()}
+                     for side in ("key", "value"))
+    if "key_clip_ratio" in metadata:
+        return tuple(_ratio(json.loads(metadata[f"{side}_clip_ratio"])) for side in ("key", "value"))
+    return None
+
+
+def _ratio(value) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"clip ratio {value} outside (0, 1]")
+    return value
+
+
+def _ranges(ids: list[int]) -> str:
+    """Compact text for a list of layer ids, e.g. [0, 1, 2, 5] -> '0-2, 5'."""
+    ids = sorted(ids)
+    parts, start = [], None
+    for k, i in enumerate(ids):
+        if start is None:
+            start = i
+        if k + 1 == len(ids) or ids[k + 1] != i + 1:
+            parts.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(parts) if parts else "none"
