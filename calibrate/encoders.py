@@ -12,7 +12,7 @@ and the attention kernels stay as they are.
 
 Every encoder has the signature of `quantize_rows`: `(x [..., d] float32, bits, clip_ratio, scale_dtype) ->
 (codes uint8 [..., d], scale_zero [..., 2])`. `lloyd` is available in the cache as `OscarConfig(encoder="lloyd")`;
-the others only through `experiments/calibration/evaluate_smollm2.py` (`+gaussian_lm`).
+the others only through `attention_error.Candidate(quantizer=fake_quantizer(...))`.
 """
 
 from __future__ import annotations

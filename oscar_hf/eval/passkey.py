@@ -7,7 +7,7 @@ Prompt (the classic passkey template, built at the token level so every method s
 The haystack is cut so the prompt length is a multiple of `align` (32: the quanto KIVI-layout cache needs
 prefixes that are multiples of its group size).
 
-    python -m oscar_hf.passkey --model smollm2 --lengths 2048,4096,8160 --depths 0.1,0.5,0.9 --out out/passkey
+    oscar-passkey --model smollm2 --lengths 2048,4096,8160 --depths 0.1,0.5,0.9 --out out/passkey
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_hf.eval.assets import load_model
     from oscar_hf.eval.diagnostics.methods import DEFAULT_METHODS, builtin_methods
 
-    p = argparse.ArgumentParser(prog="python -m oscar_hf.passkey", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="oscar-passkey", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--rotations", default=None)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_passkey(model, tokenizer, probes, methods, args.max_new_tokens, not args.no_shared_prefill)
     elapsed = time.time() - start
     os.makedirs(args.out, exist_ok=True)
-    command = "python -m oscar_hf.passkey " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "oscar-passkey " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     with open(os.path.join(args.out, "passkey.json"), "w") as f:
         json.dump({"command": command, "seconds": elapsed, "results": [asdict(r) for r in results]}, f, indent=1)
     table = summary_table(results, {m.name: m.label for m in methods})

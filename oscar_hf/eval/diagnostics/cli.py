@@ -1,8 +1,8 @@
-"""`python -m oscar_hf.diagnostics`: quality diagnostics of KV caches on a long held-out text.
+"""`oscar-diagnostics` (or `python -m oscar_hf.eval.diagnostics`): quality diagnostics of KV caches on a long held-out text.
 
 Example (SmolLM2-135M on CPU, King Lear, every method):
 
-    python -m oscar_hf.diagnostics --model smollm2 --text lear_gut.txt --tokens 2048 --prefill 512 \
+    oscar-diagnostics --model smollm2 --text lear_gut.txt --tokens 2048 --prefill 512 \
         --out out/quality --rotations /path/to/rotations   # omit --rotations: OSCAR rows use Hadamard
 """
 
@@ -34,7 +34,7 @@ def load_text_ids(tokenizer, text: str, tokens: int) -> torch.Tensor:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m oscar_hf.diagnostics", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="oscar-diagnostics", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help='"smollm2" (offline SmolLM2-135M) or a path / Hub id')
     p.add_argument("--rotations", default=None, help="calibrated rotations for the oscar rows (folder/file/Hub id)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = load_text_ids(tokenizer, args.text, args.tokens).to(args.device)
     settings = RunSettings(tokens=args.tokens, prefill=args.prefill, chunk=args.chunk,
                            replay_chunk=args.replay_chunk, generate=args.generate, progress=not args.no_progress)
-    command = "python -m oscar_hf.diagnostics " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "oscar-diagnostics " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     title = f"KV-cache quality: {args.model}, {args.text}, {args.tokens} tokens"
     meta = {**vars(settings), "model": args.model, "dtype": args.dtype, "rotations": args.rotations,
             "device": args.device, "transformers": transformers.__version__, "torch": torch.__version__, **options}

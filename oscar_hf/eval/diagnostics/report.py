@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     """Re-render report.md and layers.png from a results.json (e.g. one produced on another machine)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m oscar_hf.diagnostics.report")
+    p = argparse.ArgumentParser(prog="python -m oscar_hf.eval.diagnostics.report")
     p.add_argument("results_json", nargs="+", help="one or more results.json (rows merged by method, first wins)")
     p.add_argument("--out", default=None, help="folder (default: the first JSON's folder)")
     p.add_argument("--title", default="KV-cache quality")

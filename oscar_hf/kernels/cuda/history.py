@@ -11,7 +11,7 @@ Why not Triton: the value codes must reach the tensor cores as pairs of tokens, 
 their own. Triton re-lays the query out every tile and pairs value codes through byte-wise shared-memory loads;
 the CUDA kernel builds the fragments in registers and, with at most 4 query rows per KV head (one decode position
 of a GQA-4 model), scores two 16-token groups per MMA (kernels `_r4`), so each lane scores, exponentiates and sums
-half as many elements. `bench/RESULTS.md` has the measurements.
+half as many elements.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ NARROW_ROWS = 4  # at most this many rows: the kernels whose score MMAs carry tw
 ROW_VARIANTS = (NARROW_ROWS, MAX_ROWS)
 TILE = 64  # history tokens per tile; split lengths are multiples of it
 WARP = 32  # threads per program
+KEY_CHAINS = 4  # independent score accumulators per tile (over its m-tiles): hides the MMA latency of one chain
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,6 @@ class CudaHistoryConfig:
     min_warps_per_sm: programs per multiprocessor the register allocation must allow.
     magic_planes: bit c set = value plane c keeps its magic number instead of a subtraction (planes 0, 2, 3: the
         same error against the Triton kernel as none, and the fastest whole calls).
-    key_chains: independent score accumulators per tile, over its m-tiles.
     max_splits: cap on history splits per KV head row.
     min_history_bytes: calls with a smaller history (codes + scale/zero of every row) run on the Triton kernel,
         whose call launches one kernel fewer; below about 4 MiB that is faster.
@@ -57,14 +57,13 @@ class CudaHistoryConfig:
     stages: int = 4
     min_warps_per_sm: int = 8
     magic_planes: int = 0b1101
-    key_chains: int = 4
     max_splits: int = 128
     min_history_bytes: int = 4 << 20
 
     def defines(self) -> dict[str, int]:
         """The `-D` definitions `int2_history.cu` is compiled with."""
         return {"STAGES": self.stages, "MIN_WARPS_PER_SM": self.min_warps_per_sm,
-                "MAGIC_PLANES": self.magic_planes, "KEY_CHAINS": self.key_chains}
+                "MAGIC_PLANES": self.magic_planes, "KEY_CHAINS": KEY_CHAINS}
 
 
 def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bytes:

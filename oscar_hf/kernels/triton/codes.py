@@ -79,8 +79,8 @@ def unpack2_asm(packed, WITH_MAGIC: tl.constexpr = False):
     and magic + 2 is subtracted (sub.f16x2): no shifts, 18 instructions per 16 codes.
 
     `WITH_MAGIC`: skip the subtraction and return 2^(10-2k) + code (`key_planes` corrects the scores instead).
-    Doing that for the values too lost precision on the H200 (history-partial error 1.2e-2, run 13): the long
-    value sums carry the 1024s through the tensor cores' truncating accumulation."""
+    Values always take the subtraction: their long sums would carry the 1024s through the tensor cores'
+    truncating accumulation and lose precision."""
     if WITH_MAGIC:
         asm: tl.constexpr = _UNPACK2_WITH_MAGIC
     else:

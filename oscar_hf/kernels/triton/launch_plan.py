@@ -18,8 +18,7 @@ BLOCK_N_HISTORY = 64
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Stage-1 tile and launch parameters: history tokens per tile, warps and pipeline stages (chosen by the
-    sweep in bench/attention.py on the H200)."""
+    """Stage-1 tile and launch parameters: history tokens per tile, warps and pipeline stages."""
 
     block_n_history: int = 128
     num_warps: int = 4
@@ -27,31 +26,27 @@ class LaunchConfig:
     asm_unpack: bool = True  # 2-bit codes to float16 by inline PTX (GPU, 16-bit queries; ignored elsewhere)
     programs_per_sm: int = 4  # stage-1 programs to aim for per multiprocessor (sets the split count)
     # Dense-tier keys per tile. Its pipelined K/V tiles set the kernel's shared memory for every program (history
-    # programs included): 70 KB at 64 vs 37 KB at 32 for d=128, 3 stages (bench/compile_stage1.py).
+    # programs included), so smaller tiles let more programs share an SM.
     block_n_dense: int = 64
     # Query rows per program (16: the MMA's M; 8 suits the token-major history path, whose N it becomes).
     block_m: int = 16
     # History dots with the tokens as M (`_quant_split_token_major`): decode rows pad N to 8, not M to 16.
     token_major: bool = False
     # Token-major, 2-bit, 16-bit queries: key codes keep the unpacking's magic numbers and the scores are corrected
-    # once per row (8% fewer instructions per tile, offline; run 19: 2-4% faster at 100k/bs8 and 32k/bs32, error
-    # vs the reference unchanged at 1.0e-3).
+    # once per row (fewer instructions per tile, same error against the reference).
     fold_key_offsets: bool = False
-    # Register cap per thread (Triton's `maxnreg`; None: ptxas decides). 128 with 2 stages lets 8 two-warp programs
-    # share an SM instead of 6, for 104 B of spills (bench/compile_stage1.py).
+    # Register cap per thread (Triton's `maxnreg`; None: ptxas decides): more programs per SM, at the price of
+    # spills.
     max_registers: int | None = None
-    # The shortest history split the backend cuts (`TritonBackend(min_history_tokens=None)`): 256 at d=128 (32k/bs1
-    # 0.027 vs 0.032 ms at 512, run 35), 512 at d=64 (32k/bs1 0.025 vs 0.029 at 256, runs 31 and 34).
+    # The shortest history split the backend cuts (`TritonBackend(min_history_tokens=None)`): shorter splits fill
+    # the GPU at batch 1, longer ones cost fewer partials to merge.
     min_history_tokens: int = 512
 
 
-# Defaults per head_dim from the launch sweeps on the H200 (bench/RESULTS.md, run 14): token-major history dots
-# in 8-row blocks with 32-key dense tiles; 2 warps / 4 programs per SM at head_dim 128 (0.358 ms instead of 0.462 at
-# 100k tokens / batch 8), 1 warp / 24 programs per SM at 64 (0.197 ms instead of 0.484); folded key offsets since
-# run 19. At 128 since run 25: one warp per 64-token tile (the softmax reduces within the warp, no barrier per
-# tile), 16-key dense tiles (18 KB of shared memory), 20 programs per SM: 0.302 vs 0.317 ms at 100k/bs8, 0.382 vs
-# 0.438 at 32k/bs32, 0.060 vs 0.065 at 100k/bs1 (0.027 vs 0.023 at 4k/bs1). Other head_dims keep `LaunchConfig()`
-# (not swept).
+# The measured best per head_dim on an H200 (the launch sweeps of the repository's benchmarks):
+# token-major history dots in 8-row blocks with folded key offsets; one warp per program, so that a 64-token
+# history tile's softmax reduces within the warp with no barrier; small dense tiles, so that many programs share an
+# SM. Other head_dims keep `LaunchConfig()` (not swept).
 DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
     64: LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32, block_m=8, token_major=True,
                      fold_key_offsets=True),
@@ -61,7 +56,7 @@ DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
 
 
 def default_launch(head_dim: int) -> LaunchConfig:
-    """The measured best stage-1 launch configuration for `head_dim` (`LaunchConfig()` where none was swept)."""
+    """The measured best stage-1 launch configuration for `head_dim` (`LaunchConfig()` where none was measured)."""
     return DEFAULT_LAUNCH.get(head_dim, LaunchConfig())
 
 
@@ -102,12 +97,10 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     question, hence the cache.
 
     When those minimums leave fewer than `min_programs` programs (a short context at batch 1, where the call is
-    latency-bound), they drop to two dense tiles and one history tile (run 19: 4k/bs1 0.031 -> 0.028 ms at d=128;
-    run 33: 0.018 -> 0.016; the same short minimums lost at 32k/bs1 and 4k/bs8, whose grids fill the GPU anyway).
+    latency-bound), they drop to two dense tiles and one history tile; grids that fill the GPU anyway keep the
+    minimums.
 
-    Rows come in blocks of 16 (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's GQA group):
-    a 64-row variant (8 warps) faulted with an illegal address on the H200 and was dropped (not isolated; see
-    bench/RESULTS.md)."""
+    Rows come in blocks of 16 (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's GQA group)."""
     block_m = small_block_m if rows <= small_block_m else 16
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)

@@ -103,7 +103,6 @@ def _merge_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
         for s0 in range(0, rotated_from, SPLIT_CHUNK):
             acc += _split_chunk(o_rows, lse_rows, top, row_ok, s0, 0, rotated_from, offs_j, D, SPLIT_CHUNK)
-        acc = tl.where(row_ok[:, None], acc, 0.0)  # not needed to compile (unlike acc_rot's), kept as timed in run 18
         if HAS_ROT:
             # (acc_rot @ R^T)[:, j] = sum_i acc_rot[:, i] * R[j, i], on the tensor cores as three TF32 products
             # (~float32 accuracy); the float32 FMA product ("ieee") spilled (255 registers + 352 B of stack)
@@ -148,15 +147,14 @@ def merge_splits(
     Default: one per 32 columns when R_Vᵀ is applied and the row blocks alone would not give every
     multiprocessor a program (decode at small batch, where the merge is latency-bound), else 1.
 
-    `split_chunk`: splits read per loop step (default `128 // block_m`, the most that compiles without spills;
-    at 4 rows, 32 instead of 8 took the 4k/bs1 merge from 16.8 to 10.4 us, run 29). `num_warps`: per program.
+    `split_chunk`: splits read per loop step (default `128 // block_m`, the most that compiles without spills:
+    fewer, larger loads keep a small merge from waiting on one load per split). `num_warps`: per program.
     `after_stage1`: launch as a programmatic dependent of the stage-1 kernel just queued (Hopper+): the programs
     start, read R_V and wait for stage 1's writes, instead of launching after it drained.
     `batch_rows`: batch entries whose rows (of one KV head, so one R_V) share a program, up to 16 rows. Default:
     as many as fit 16 rows when R_Vᵀ is applied to at most 8 rows per KV head and the batch is at least
-    `BATCH_ROWS_FROM`, else 1. Four GQA-4 decode rows per program took the merge alone at 100k/bs32 from 16.1 to
-    8.5 us and whole 32k/bs32 calls from 217 to 206 us (run 63): a quarter of the programs each read R_V once for
-    16 rows instead of 4.
+    `BATCH_ROWS_FROM`, else 1: at large batch, a quarter of the programs each read R_V once for 16 rows instead of
+    4.
     """
     if out_layout == "blhd":
         batch, q_len, q_heads, dim = out.shape
