@@ -1,10 +1,11 @@
 """Decode attention of one layer: OSCAR (BF16 sink + recent, INT2 history, merge) vs PyTorch SDPA over BF16 K/V.
 
-    python bench/attention.py --out bench/results/attention.json [--sweep] [--sweep-splits] [--breakdown]
+    python -m bench.attention --out bench/results/attention.json [--sweep] [--sweep-splits] [--breakdown]
                               [--dims 128,64]
 
-`--sweep` times each head_dim's launch candidates (SWEEP_CONFIGS) and uses the best for its table; `--sweep-splits`
-times the split minimums; `--breakdown` prints each kernel's GPU time per call (torch.profiler).
+`--sweep` times each head_dim's launch candidates (`bench.harness.SWEEP_CONFIGS`) and uses the best for its table;
+`--sweep-splits` times the shortest dense / history splits the backend may cut; `--breakdown` prints each kernel's
+GPU time per call (torch.profiler).
 
 Shape: 32 query / 8 KV heads (Qwen3-8B), head_dim 128 and 64; context 4k, 32k, 100k; batch 1, 8, 32. OSCAR's
 layer holds 64 sink + 256 recent + 1 new token in BF16 and the rest as 2-bit codes with float16 (scale, zero)
@@ -26,27 +27,16 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 
 import torch
-import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import KV_HEADS, SWEEP_CONFIGS, Case, graphed
+from oscar_hf.kernels.triton.backend import TritonBackend
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch
 
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
-from oscar_hf.config import OscarConfig  # noqa: E402
-from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
-from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda.history import history_bytes  # noqa: E402
-from oscar_hf.rotations.math import hadamard_matrix  # noqa: E402
-
-Q_HEADS, KV_HEADS, SINK, RECENT = 32, 8, 64, 256
-DEVICE = "cuda"
 CONTEXTS = (4096, 32768, 100_000)
 BATCHES = (1, 8, 32)
 
@@ -55,20 +45,8 @@ def bench(fn, rep=60):
     return do_bench(fn, warmup=15, rep=rep, return_mode="median")
 
 
-def graphed(fn):
-    """`fn` captured in a CUDA graph (after a warm-up call): replaying it times the GPU work without the host's
-    launch overhead."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def profiled(fn, calls: int, warmup: int = 3, sync_each: bool = False):
-    """torch.profiler (CUDA activity) over `calls` calls of `fn` after `warmup` unprofiled ones; `sync_each`:
-    synchronize after every call (their kernels then never overlap the next call's)."""
+def profiled(fn, calls: int, warmup: int = 3):
+    """torch.profiler (CUDA activity) over `calls` calls of `fn` after `warmup` unprofiled ones."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -77,8 +55,6 @@ def profiled(fn, calls: int, warmup: int = 3, sync_each: bool = False):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-            if sync_each:
-                torch.cuda.synchronize()
         torch.cuda.synchronize()
     return prof
 
@@ -101,81 +77,9 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src), rep=200)
     nbytes = 2 * src.numel() * src.element_size()
-    del src, dst
+    src = dst = None  # freed before the allocator's cache is emptied
     torch.cuda.empty_cache()
     return nbytes / (ms * 1e-3)
-
-
-class Case:
-    """Random BF16 K/V of one layer and its OSCAR tiers (history demoted by the kernel)."""
-
-    def __init__(self, batch: int, context: int, dim: int, backend: TritonBackend):
-        dev = torch.device(DEVICE)
-        self.batch, self.context, self.dim = batch, context, dim
-        self.query = torch.randn(batch, Q_HEADS, 1, dim, device=dev, dtype=torch.bfloat16)
-        self.keys = torch.randn(batch, KV_HEADS, context, dim, device=dev, dtype=torch.bfloat16)
-        self.values = torch.randn(batch, KV_HEADS, context, dim, device=dev, dtype=torch.bfloat16)
-        self.rotation = hadamard_matrix(dim, torch.float32).to(dev)
-        dense = SINK + RECENT + 1
-        self.history_len = context - dense
-        idx = torch.cat([torch.arange(SINK), torch.arange(SINK + self.history_len, context)]).to(dev)
-        self.dense_keys = self.keys.index_select(2, idx).contiguous()
-        self.dense_values = self.values.index_select(2, idx).contiguous()
-        self.history = QuantizedHistory(batch, KV_HEADS, dim, dim, OscarConfig(), dev)
-        self.history._reserve(self.history_len)
-        mid = slice(SINK, SINK + self.history_len)
-        self.demote_args = (self.keys[:, :, mid], self.values[:, :, mid], self.rotation, self.rotation, 0.96, 0.92, 2,
-                            self.history.key_codes[:, :, : self.history_len],
-                            self.history.key_scale_zero[:, :, : self.history_len],
-                            self.history.value_codes[:, :, : self.history_len],
-                            self.history.value_scale_zero[:, :, : self.history_len])
-        backend.demote_kv(*self.demote_args)
-        self.history.length = self.history_len
-
-    def oscar(self, backend, key_rotation=True):
-        """The decode attention call; `key_rotation=False` leaves R_K out (a timing probe, not the same output)."""
-        return backend.tiered_attention(self.query, self.dense_keys, self.dense_values, None, self.history, SINK,
-                                        self.rotation if key_rotation else None, self.rotation, self.dim**-0.5)
-
-    def oscar_folded(self, backend):
-        """The call of a model whose value rotation is folded into v_proj/o_proj (`fold_value_rotation=True`): the
-        BF16 tiers hold `v @ R_V` (the history holds the same codes either way) and no R_Vᵀ is applied; its output
-        times R_Vᵀ is `oscar`'s (o_proj does that product for free)."""
-        if getattr(self, "_folded_values", None) is None:
-            self._folded_values = (self.dense_values.float() @ self.rotation).to(self.dense_values.dtype)
-        return backend.tiered_attention(self.query, self.dense_keys, self._folded_values, None, self.history, SINK,
-                                        self.rotation, None, self.dim**-0.5)
-
-    def reference(self):
-        """The reference backend's output over the same tiers (float32 dequantization), computed once."""
-        if getattr(self, "_reference", None) is None:
-            self._reference = ReferenceBackend().tiered_attention(
-                self.query, self.dense_keys, self.dense_values, None, self.history, SINK, self.rotation,
-                self.rotation, self.dim**-0.5).float()
-        return self._reference
-
-    def sdpa(self):
-        return F.scaled_dot_product_attention(self.query, self.keys, self.values, scale=self.dim**-0.5,
-                                              enable_gqa=True)
-
-    def dense_triton(self, backend):
-        return backend.dense_attention(self.query, self.dense_keys, self.dense_values, None, self.dim**-0.5)
-
-    def dense_torch(self):
-        groups = Q_HEADS // KV_HEADS
-        k = self.dense_keys.repeat_interleave(groups, dim=1)
-        v = self.dense_values.repeat_interleave(groups, dim=1)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(self.query, k, v, None, True,
-                                                                      scale=self.dim**-0.5)[:2]
-
-    def bytes_history(self) -> int:
-        return history_bytes(self.batch, KV_HEADS, self.history_len, self.dim)
-
-    def bytes_dense(self) -> int:
-        return self.batch * KV_HEADS * (SINK + RECENT + 1) * self.dim * 2 * 2
-
-    def bytes_sdpa(self) -> int:
-        return self.batch * KV_HEADS * self.context * self.dim * 2 * 2
 
 
 def check(case: Case, backend: TritonBackend) -> float:
@@ -227,37 +131,7 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense):
     if with_dense:
         row["dense_triton_ms"] = bench(graphed(lambda: case.dense_triton(backend)))
         row["dense_torch_ms"] = bench(graphed(case.dense_torch))
-    del case
-    torch.cuda.empty_cache()
     return row
-
-
-# Candidates as LaunchConfig fields: history tile, warps, stages, programs per SM, dense tile, orientation, fold.
-# Runs 2 and 7 swept row-major configurations with 64-key dense tiles; run 14 chose token-major 8-row blocks with
-# 32-key dense tiles (bench/RESULTS.md).
-def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, regs=None,
-         min_history=512):
-    return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,
-                block_n_dense=dense, token_major=token_major, block_m=block_m, fold_key_offsets=fold,
-                max_registers=regs, min_history_tokens=min_history)
-
-
-# per head_dim (run 22 tried R_V applied in stage 1 and dropped it; runs 14 and 21 tried tiles, warps, stages,
-# register caps and programs per SM: bench/RESULTS.md): the default first, then neighbours. The one-warp 64-token
-# tiles at d=128 (default since run 25) keep each warp's share of a tile (64 tokens) but reduce the softmax within
-# the warp (no barrier per tile); 16-key dense tiles keep their shared memory (18 KB) from capping the programs per SM.
-# Since the query is rotated once per call (run 31) the default takes 240 registers (8 resident); 32-token tiles
-# take 168 (12 resident) for 12% more instructions per token (`compile_stage1.py --loops`), not yet timed.
-SWEEP_CONFIGS = {
-    128: [_cfg(64, 1, 3, 20, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
-          _cfg(64, 1, 3, 30, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
-          _cfg(64, 1, 2, 20, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
-          _cfg(32, 1, 3, 24, dense=16, token_major=True, block_m=8, fold=True, min_history=256),
-          _cfg(32, 1, 3, 36, dense=16, token_major=True, block_m=8, fold=True, min_history=256)],
-    64: [_cfg(128, 1, 3, 24, token_major=True, block_m=8, fold=True),
-         _cfg(64, 1, 3, 28, dense=16, token_major=True, block_m=8, fold=True),
-         _cfg(64, 1, 3, 40, dense=16, token_major=True, block_m=8, fold=True)],
-}
 
 
 LAUNCH_OVERRIDES: dict = {}  # --launch: LaunchConfig fields over each head_dim's default
@@ -290,35 +164,31 @@ def sweep(copy_bw, dim=128):
                       f"error vs reference {err:.1e}", flush=True)
             except Exception as exc:  # a configuration that does not compile or fit
                 print(f"sweep {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        del case
+        case = None
         torch.cuda.empty_cache()
     return out
 
 
-# (dense, history, shorter on small grids); the first is the default
-SPLIT_MINIMUMS = [(256, None, True), (256, 256, True), (256, 512, True), (128, 256, True), (64, 128, False)]
+# (dense, history; None: the launch's min_history_tokens); the first is the default
+SPLIT_MINIMUMS = [(256, None), (256, 256), (256, 512), (128, 256), (64, 128)]
 
 
 def sweep_split_minimums(copy_bw, dim=128):
-    """The shortest dense / history split (TritonBackend's min_dense_tokens / min_history_tokens, with and without
-    `short_splits_on_small_grids`) with the default launch, on the cells where few splits leave SMs idle (batch 1 and
-    short contexts)."""
+    """The shortest dense / history split (TritonBackend's min_dense_tokens / min_history_tokens; where they leave a
+    small grid, the backend cuts shorter ones anyway) with the default launch, on the cells where few splits leave
+    SMs idle (batch 1 and short contexts)."""
     out = []
     for batch, context in [(1, 4096), (8, 4096), (1, 32768), (1, 100_000), (8, 100_000)]:
         case = Case(batch, context, dim, TritonBackend())
-        for dense_min, hist_min, short in SPLIT_MINIMUMS:
-            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min, launch=base_launch(dim),
-                                    short_splits_on_small_grids=short)
+        for dense_min, hist_min in SPLIT_MINIMUMS:
+            backend = TritonBackend(min_dense_tokens=dense_min, min_history_tokens=hist_min, launch=base_launch(dim))
             ms = bench(graphed(lambda: case.oscar(backend)))
             err = error_vs_reference(case, backend)
             out.append(dict(dim=dim, batch=batch, context=context, min_dense_tokens=dense_min,
-                            min_history_tokens=hist_min, short_on_small_grids=short, ms=ms,
-                            rel_err_vs_reference=err))
+                            min_history_tokens=hist_min, ms=ms, rel_err_vs_reference=err))
             print(f"split minimums d={dim} bs={batch} ctx={context} dense>={dense_min} "
-                  f"history>={hist_min or 'launch default'}"
-                  f"{' (shorter on small grids)' if short else ''}: {ms:.3f} ms, error vs reference {err:.1e}",
-                  flush=True)
-        del case
+                  f"history>={hist_min or 'launch default'}: {ms:.3f} ms, error vs reference {err:.1e}", flush=True)
+        case = None
         torch.cuda.empty_cache()
     return out
 
@@ -339,7 +209,7 @@ def kernel_breakdown(dim=128, calls=50):
         out.append(row)
         print(f"kernel breakdown d={dim} bs={batch} ctx={context}: "
               + ", ".join(f"{k} {v:.1f} us" for k, v in sorted(times.items(), key=lambda kv: -kv[1])), flush=True)
-        del case
+        case = None
         torch.cuda.empty_cache()
     return out
 
@@ -441,7 +311,7 @@ def main():
                     row = run_cell(batch, context, dim, backend, copy_bw, with_dense=dim == 128)
                 except Exception as exc:
                     row = dict(batch=batch, context=context, dim=dim, error=f"{type(exc).__name__}: {exc}"[:200])
-                    torch.cuda.empty_cache()
+                torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     text = table(rows, copy_bw)

@@ -1,6 +1,6 @@
 """Save a random-weight model of a real model's attention shapes beside a tokenizer, for timing `oscar-calibrate`.
 
-    python bench/calibrate_random.py --tokenizer TOKENIZER_DIR --out MODEL_DIR [--layers 36] [--smoke]
+    python -m bench.calibrate_random --tokenizer TOKENIZER_DIR --out MODEL_DIR [--layers 36] [--smoke]
     oscar-calibrate --model MODEL_DIR --data text.txt --tokens 20000 --clip-search layer --dtype bfloat16 --out R/
 
 Calibration speed does not depend on weight values (the rotations of a random model mean nothing): this measures
@@ -15,7 +15,8 @@ import os
 import shutil
 
 import torch
-from generate import QWEN3_8B, random_qwen3  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+from bench.harness import QWEN3_8B, random_qwen3
 
 
 def main() -> None:

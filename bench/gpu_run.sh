@@ -15,14 +15,14 @@ for f in $files; do
   python3 -m pytest -q -rs --tb=short "$f" 2>&1 | tee -a "$out/tests.log"
 done
 if [[ ,$parts, == *,generate,* ]]; then
-  python3 bench/generate.py --max-batch --host-profile --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
+  python3 -m bench.generate --max-batch --host-profile --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
 fi
 if [[ ,$parts, == *,attention,* ]]; then
   sweep=""; [[ ,$parts, == *,sweep,* ]] && sweep="--sweep"; [[ ,$parts, == *,splits,* ]] && sweep="$sweep --sweep-splits"; [[ ,$parts, == *,breakdown,* ]] && sweep="$sweep --breakdown"
-  python3 bench/attention.py $sweep --out "$out/attention.json" --launch-out "$out/launch.json" 2>&1 | tee "$out/attention.log"
+  python3 -m bench.attention $sweep --out "$out/attention.json" --launch-out "$out/launch.json" 2>&1 | tee "$out/attention.log"
 fi
 if [[ ,$parts, == *,ncu,* ]]; then
   timeout 120 ncu --clock-control none -k regex:_attention_partials --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
-    --section LaunchStats python3 bench/profile_stage1.py 2>&1 | tee "$out/ncu.log"
+    --section LaunchStats python3 -m bench.profile_stage1 2>&1 | tee "$out/ncu.log"
 fi

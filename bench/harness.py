@@ -39,23 +39,24 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 
 
 def random_model(model_class, config, device, dtype=torch.bfloat16, seed: int = 0):
-    """`model_class(config)` with random weights, built directly on `device` in `dtype` (no float32 copy of
-    billions of weights), in eval mode, padding with its EOS token."""
+    """`model_class(config)` in eval mode with random weights (seeded), built directly on `device` in `dtype` (no
+    float32 copy of billions of weights)."""
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(config).eval()
+            return model_class(config).eval()
     finally:
         torch.set_default_dtype(default_dtype)
-    model.generation_config.pad_token_id = config.eos_token_id
-    return model
 
 
 def random_qwen3(options: dict, device, dtype=torch.bfloat16, seed: int = 0):
-    """A Qwen3ForCausalLM of `Qwen3Config(**options)` with random weights (`random_model`)."""
-    return random_model(Qwen3ForCausalLM, Qwen3Config(**options), device, dtype, seed)
+    """A Qwen3ForCausalLM of `Qwen3Config(**options)` with random weights (`random_model`), padding with EOS."""
+    config = Qwen3Config(**options)
+    model = random_model(Qwen3ForCausalLM, config, device, dtype, seed)
+    model.generation_config.pad_token_id = config.eos_token_id
+    return model
 
 
 def build_model(smoke=False):

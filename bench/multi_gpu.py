@@ -1,15 +1,16 @@
 """Beyond one GPU: OscarCache under a `device_map`, under tensor parallelism, TP decode throughput, and
 data-parallel lm-eval. `bench/multi_gpu.sh OUT_DIR [--smoke]` runs the parts in order; each subcommand here is one
-process of a part (some run under `torchrun` or `accelerate launch`) and writes a JSON file with PASS/FAIL rows.
+process of a part (some run under `torchrun -m` or `accelerate launch -m`) and writes a JSON file with PASS/FAIL rows.
+From the repository root (`python -m bench.multi_gpu` below, `-m bench.multi_gpu` under the launchers):
 
-    multi_gpu.py prepare WORK                  random models (bf16 Qwen3, tiny Llama + tokenizer) and rotations
-    multi_gpu.py device-map WORK OUT           a. device_map="auto" over the GPUs vs one GPU: tokens, placement
-    [torchrun] multi_gpu.py tp-generate WORK OUT   b. greedy tokens with per-KV-head rotations (1 GPU, or TP)
-    multi_gpu.py tp-compare WORK OUT           b. the TP run's tokens vs the single-GPU run's
-    [torchrun] multi_gpu.py throughput WORK OUT    c. decode tokens/s of a Qwen3-32B-shaped model (fewer layers)
-    [accelerate launch] multi_gpu.py lm-eval OUT -- ARGS   d. `python -m oscar_hf.lm_eval ARGS`, recording each rank
-    multi_gpu.py lm-eval-compare OUT           d. the data-parallel results vs the one-process results
-    multi_gpu.py report OUT                    results.json and a markdown table of every part
+    python -m bench.multi_gpu prepare WORK          random models (bf16 Qwen3, tiny Llama + tokenizer) and rotations
+    python -m bench.multi_gpu device-map WORK OUT   a. device_map="auto" over the GPUs vs one GPU: tokens, placement
+    [torchrun] ... tp-generate WORK OUT             b. greedy tokens with per-KV-head rotations (1 GPU, or TP)
+    python -m bench.multi_gpu tp-compare WORK OUT   b. the TP run's tokens vs the single-GPU run's
+    [torchrun] ... throughput WORK OUT              c. decode tokens/s of a Qwen3-32B-shaped model (fewer layers)
+    [accelerate launch] ... lm-eval OUT -- ARGS     d. `python -m oscar_hf.eval.lm_eval ARGS`, recording each rank
+    python -m bench.multi_gpu lm-eval-compare OUT   d. the data-parallel results vs the one-process results
+    python -m bench.multi_gpu report OUT            results.json and a markdown table of every part
 
 `--smoke`: tiny models on CPU (gloo for torchrun), to check the script; it times nothing meaningful.
 Greedy tokens are compared exactly; a mismatch counts as a near-tie (reported, not a failure) when the reference's
@@ -28,16 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
-sys.path[:0] = [REPO, BENCH]
+from bench import harness
+from bench.multi_gpu_report import (compare_greedy, describe, lm_eval_outputs, response_diff, row, write_json,
+                                    write_report)
+from oscar_hf import OscarCache, Rotations
+from oscar_hf.compat import cache_argument_name
+from oscar_hf.layer import OscarLayer
 
-import generate as decode_bench  # noqa: E402  (bench/generate.py: random_qwen3, fill_oscar, safe_measure)
-from oscar_hf import OscarCache, Rotations  # noqa: E402
-from oscar_hf.compat import cache_argument_name  # noqa: E402
-from oscar_hf.layer import OscarLayer  # noqa: E402
-from multi_gpu_report import (compare_greedy, describe, lm_eval_outputs, response_diff, row,  # noqa: E402
-                              write_json, write_report)
+# the local lm-eval task of part d (multi_gpu.sh passes its folder as --include_path); its words make the tokenizer
+LM_EVAL_TASK_DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                                 "lm_eval_task", "tiny.jsonl")
 
 QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -129,15 +130,38 @@ def first_device(profile: Profile) -> str:
     return "cuda:0" if profile.device == "cuda" else "cpu"
 
 
+def tiny_llama(seed: int, vocab: int):
+    """A random float32 2-layer Llama (GQA 4:2, head_dim 32) on CPU, for the lm-eval part."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    return harness.random_model(LlamaForCausalLM, config, "cpu", torch.float32, seed)
+
+
+def word_tokenizer(docs_path: str):
+    """A whitespace word-level tokenizer over the words of a local lm-eval task's documents (JSON lines with
+    `context`, `answer` and `choices`), plus [PAD], [UNK] and [EOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = set()
+    with open(docs_path) as f:
+        for doc in map(json.loads, f):
+            words.update(doc["context"].split(), doc["answer"].split(), *(c.split() for c in doc["choices"]))
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[EOS]", *sorted(words)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
 # ---------------------------------------------------------------------------------------------------------- parts
 def prepare(args, profile: Profile) -> None:
     """WORK/small (bf16 Qwen3), WORK/rotations (random orthogonal `[Hkv, d, d]` per layer), WORK/lm (tiny Llama +
     word-level tokenizer for the local lm-eval task)."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from conftest import tiny_llama, tiny_tokenizer
-
     t0 = time.perf_counter()
-    small = decode_bench.random_qwen3(profile.small_model, profile.device)
+    small = harness.random_qwen3(profile.small_model, profile.device)
     small.save_pretrained(os.path.join(args.work, "small"))
     cfg = small.config
     gen = torch.Generator().manual_seed(2)
@@ -151,7 +175,7 @@ def prepare(args, profile: Profile) -> None:
               metadata={"objective": "random orthogonal (bench)"}).save_pretrained(os.path.join(args.work, "rotations"))
     lm_dir = os.path.join(args.work, "lm")
     tiny_llama(seed=7, vocab=64).save_pretrained(lm_dir)
-    tiny_tokenizer().save_pretrained(lm_dir)
+    word_tokenizer(LM_EVAL_TASK_DOCS).save_pretrained(lm_dir)
     print(f"prepared {args.work} in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -230,7 +254,7 @@ def throughput(args, profile: Profile) -> None:
     """c. Decode step time through OscarCache at long contexts: one GPU (builds the random model, `--save`s it for
     the TP run first), or one rank of torchrun loading the saved model with tp_plan="auto"."""
     rank, world = distributed()
-    decode_bench.DEVICE = profile.device
+    harness.DEVICE = profile.device
     path = os.path.join(args.work, "big")
     options = dict(profile.big_model, num_hidden_layers=args.layers)
     info = dict(layers=args.layers, world_size=world)
@@ -239,7 +263,7 @@ def throughput(args, profile: Profile) -> None:
         model = load(path, tp_plan="auto")
         info["load_s"] = time.perf_counter() - t0
     else:
-        model = decode_bench.random_qwen3(options, profile.device)
+        model = harness.random_qwen3(options, profile.device)
         info["build_s"] = time.perf_counter() - t0
         if args.save:
             t0 = time.perf_counter()
@@ -252,7 +276,7 @@ def throughput(args, profile: Profile) -> None:
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             torch.manual_seed(0)  # the same decode ids on every rank
-            measured = decode_bench.safe_measure(model, "oscar", batch, context)
+            measured = harness.safe_measure(model, "oscar", batch, context)
             rows.append(measured)
             print(f"rank {rank}: {json.dumps(measured)}", flush=True)
     if rank == 0:
@@ -263,7 +287,7 @@ def throughput(args, profile: Profile) -> None:
 
 
 def lm_eval_run(args, profile: Profile) -> None:
-    """d. lm-eval's CLI through `oscar_hf.lm_eval`, writing each rank's OscarLM state (rank, world size, caches
+    """d. lm-eval's CLI through `oscar_hf.eval.lm_eval`, writing each rank's OscarLM state (rank, world size, caches
     built, device) to OUT/rank-R.json. `--fake-cuda-count N` (CPU smoke only) makes HFLM's data-parallel check,
     which counts CUDA devices, pass on CPU."""
     if args.fake_cuda_count and not torch.cuda.is_available():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Beyond one GPU (issue 6): every part of bench/multi_gpu.py (a, b, d, then c), each step under a time limit, all within
+# Beyond one GPU (issue 6): every part of bench.multi_gpu (a, b, d, then c), each step under a time limit, all within
 # BUDGET_S seconds; logs, JSON and results.json land in OUT_DIR; prints a markdown table; exits 1 if anything failed.
 # Usage (from the repository root): bench/multi_gpu.sh OUT_DIR [--smoke]
 # Environment: BUDGET_S (default 480), LAYERS (Qwen3-32B-shaped layers, default 16), CONTEXTS (default 32768,100000),
@@ -51,29 +51,29 @@ step() {  # step PART NAME LIMIT_S COMMAND...: run under min(LIMIT_S, time left)
   printf '%s\t%s\t%s\t%s\t%s\n' "$part" "$name" "$rc" "$((SECONDS - t0))" "$log" >> "$out/steps.tsv"
 }
 
-mg=bench/multi_gpu.py
-step prepare prepare 90 "$py" $mg prepare "$work" "${flags[@]}"
-step "a. device_map" device_map 90 "$py" $mg device-map "$work" "$out" "${flags[@]}"
-step "b. tensor parallel" tp_single 60 "$py" $mg tp-generate "$work" "$out" "${flags[@]}"
-step "b. tensor parallel" tp_tp2 90 "${torchrun[@]}" $mg tp-generate "$work" "$out" "${flags[@]}"
-step "b. tensor parallel" tp_compare 30 "$py" $mg tp-compare "$work" "$out" "${flags[@]}"
+mg=(-m bench.multi_gpu)  # python -m, torchrun -m and accelerate launch -m alike
+step prepare prepare 90 "$py" "${mg[@]}" prepare "$work" "${flags[@]}"
+step "a. device_map" device_map 90 "$py" "${mg[@]}" device-map "$work" "$out" "${flags[@]}"
+step "b. tensor parallel" tp_single 60 "$py" "${mg[@]}" tp-generate "$work" "$out" "${flags[@]}"
+step "b. tensor parallel" tp_tp2 90 "${torchrun[@]}" "${mg[@]}" tp-generate "$work" "$out" "${flags[@]}"
+step "b. tensor parallel" tp_compare 30 "$py" "${mg[@]}" tp-compare "$work" "$out" "${flags[@]}"
 if "$py" -c "import lm_eval" 2>/dev/null; then
   lm_args=(--model_args "pretrained=$work/lm,method=hadamard,sink_tokens=4,recent_tokens=8,demote_block=2"
            --tasks tiny_oscar_mc,tiny_oscar_ppl,tiny_oscar_gen --include_path tests/lm_eval_task --batch_size 2
            --log_samples)
-  step "d. lm-eval DP" lm_eval_single 90 "$py" $mg lm-eval "$out/lm-eval-single" -- "${lm_args[@]}" \
+  step "d. lm-eval DP" lm_eval_single 90 "$py" "${mg[@]}" lm-eval "$out/lm-eval-single" -- "${lm_args[@]}" \
     --device $device --output_path "$out/lm-eval-single"
-  step "d. lm-eval DP" lm_eval_dp 120 "${dp_env[@]}" "${launch[@]}" $mg lm-eval "$out/lm-eval-dp" "${dp_flags[@]}" \
+  step "d. lm-eval DP" lm_eval_dp 120 "${dp_env[@]}" "${launch[@]}" "${mg[@]}" lm-eval "$out/lm-eval-dp" "${dp_flags[@]}" \
     -- "${lm_args[@]}" --device "${device%:0}" --output_path "$out/lm-eval-dp"
-  step "d. lm-eval DP" lm_eval_compare 30 "$py" $mg lm-eval-compare "$out"
+  step "d. lm-eval DP" lm_eval_compare 30 "$py" "${mg[@]}" lm-eval-compare "$out"
 else
   echo "=== part d skipped: lm_eval cannot be imported (put its wheels in .whl, see bench/multi_gpu_wheels.txt)"
   printf '%s\t%s\tnolm_eval\t0\t-\n' "d. lm-eval DP" lm_eval >> "$out/steps.tsv"
 fi
 # c. last: the largest (a 19 GB checkpoint at 16 layers), it gets whatever time is left
-step "c. throughput" throughput_1gpu 180 "$py" $mg throughput "$work" "$out" --save "${sizes[@]}" "${flags[@]}"
-step "c. throughput" throughput_tp2 150 "${torchrun[@]}" $mg throughput "$work" "$out" "${sizes[@]}" "${flags[@]}"
+step "c. throughput" throughput_1gpu 180 "$py" "${mg[@]}" throughput "$work" "$out" --save "${sizes[@]}" "${flags[@]}"
+step "c. throughput" throughput_tp2 150 "${torchrun[@]}" "${mg[@]}" throughput "$work" "$out" "${sizes[@]}" "${flags[@]}"
 rm -rf "$work/big"
 echo "=== total $((SECONDS - start)) s"
-"$py" $mg report "$out" 2>&1 | tee "$out/report.md"
+"$py" "${mg[@]}" report "$out" 2>&1 | tee "$out/report.md"
 exit "${PIPESTATUS[0]}"

@@ -1,4 +1,4 @@
-"""Rows, comparisons and the final report of `bench/multi_gpu.py` (see its docstring)."""
+"""Rows, comparisons and the final report of `python -m bench.multi_gpu` (see its docstring)."""
 
 from __future__ import annotations
 

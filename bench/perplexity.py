@@ -1,10 +1,10 @@
 """Perplexity and next-token KL vs BF16 through OscarCache on SmolLM2-135M (CPU), as a markdown table.
 
-    python bench/perplexity.py [--play lear_gut.txt] [--tokens 2048] [--prefill 512] [--chunk 64]
+    python -m bench.perplexity [--play lear_gut.txt] [--tokens 2048] [--prefill 512] [--chunk 64]
                                [--methods none hadamard quarot clip identity] [--rotations FOLDER]
 
 Every scored token is predicted by a chunked forward that attends to the quantized history of all tokens before
-its chunk (see oscar_hf/scoring.py).
+its chunk (see `oscar_hf.eval.perplexity`).
 """
 
 from __future__ import annotations

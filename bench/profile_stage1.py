@@ -1,19 +1,21 @@
-"""Three OSCAR decode-attention calls at 100k context, batch 8, d=128, for `ncu` to profile (bench/gpu_run.sh)."""
+"""Three OSCAR decode-attention calls at 100k context, batch 8, d=128, for `ncu` to profile (bench/gpu_run.sh):
 
-import os
-import sys
+    ncu -k regex:_attention_partials ... python -m bench.profile_stage1
+"""
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import Case
+from oscar_hf.kernels.triton.backend import TritonBackend
 
-from attention import Case  # noqa: E402
 
-from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+def main():
+    backend = TritonBackend()
+    case = Case(8, 100_000, 128, backend)
+    for _ in range(3):
+        case.oscar(backend)
+    torch.cuda.synchronize()
 
-backend = TritonBackend()
-case = Case(8, 100_000, 128, backend)
-for _ in range(3):
-    case.oscar(backend)
-torch.cuda.synchronize()
+
+if __name__ == "__main__":
+    main()

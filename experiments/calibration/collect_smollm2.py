@@ -1,6 +1,6 @@
 """Collect every calibration moment of SmolLM2-135M on the Shakespeare calibration plays, for several `Tiers`.
 
-Usage: python experiments/calibration/collect_smollm2.py --tokens 20480 --context 2048 --out out/moments_20k.pt
+Usage: python -m experiments.calibration.collect_smollm2 --tokens 20480 --context 2048 --out out/moments_20k.pt
 One forward pass feeds all tier settings at once (a fan-out observer); a second pass makes the `sst` moment.
 `--moments query key value` and `--tiers all` restrict the work (the softmax moments cost the most).
 """
@@ -43,13 +43,15 @@ def main():
     first = (set(args.moments) - {"sst"}) | ({"query"} if "sst" in args.moments else set())
     start = time.time()
     collectors = {name: MomentCollector(layers, kv_heads, head_dim, first, TIER_SETTINGS[name]) for name in args.tiers}
-    feed(model, sequences, args.chunk_tokens, progress="pass 1", total_tokens=args.tokens, observer=fan_out(list(collectors.values())))
+    feed(model, sequences, args.chunk_tokens, progress="pass 1", total_tokens=args.tokens,
+         observer=fan_out(list(collectors.values())))
     pass1 = time.time() - start
     result = {name: {m: c.means(m) for m in first} for name, c in collectors.items()}
     if "sst" in args.moments:
         second = {name: MomentCollector(layers, kv_heads, head_dim, {"sst"}, TIER_SETTINGS[name],
                                         query_moments=result[name]["query"]) for name in collectors}
-        feed(model, sequences, args.chunk_tokens, progress="pass 2", total_tokens=args.tokens, observer=fan_out(list(second.values())))
+        feed(model, sequences, args.chunk_tokens, progress="pass 2", total_tokens=args.tokens,
+             observer=fan_out(list(second.values())))
         for name, c in second.items():
             result[name]["sst"] = c.means("sst")
     elapsed = time.time() - start

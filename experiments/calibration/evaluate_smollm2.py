@@ -1,20 +1,20 @@
 """Evaluate rotation sets on held-out Shakespeare (EVALUATION_PLAYS) with SmolLM2-135M.
 
-  proxy: per-layer attention-score KL and attention-output relative MSE (calibrate.attention_error), one BF16
+  proxy: per-layer attention-score KL and attention-output relative MSE (oscar_hf.calibrate.attention_error), one BF16
          forward per sequence, every configuration measured on the same inputs;
-  ppl:   perplexity, next-token KL vs BF16 and top-1 agreement through OscarCache (oscar_hf.scoring.compare_caches,
+  ppl:   perplexity, next-token KL vs BF16 and top-1 agreement through OscarCache (oscar_hf.eval.perplexity.compare_caches,
          prefill 512 then chunks of 64), plus the cache's stored bits per element.
 
 Configurations are named `<key objective>/<value objective>/<shared|head>/<all|tiered>` from a moments file of
 collect_smollm2.py (`<set>.<all|tiered>` for a file given as `--moments <set>=<path>`),
 or `hadamard`, `quarot`, `identity`, or `file:<folder>`; `@k=<ratio>,v=<ratio>` overrides the
 clip ratios (`none` = no clip), `@clips=<json file>` applies a clip choice of search_clips.py, `@meta` the one recorded in a `file:` folder; a trailing
-`+lloyd` / `+gaussian_lm` swaps the row encoder (calibrate.encoders; same stored format), `+konly` / `+vonly`
+`+lloyd` / `+gaussian_lm` swaps the row encoder (oscar_hf.calibrate.encoders; same stored format), `+konly` / `+vonly`
 (proxy only) quantizes one side, `+balanced` / `+balanced0.5` stores keys through the experimental
-non-orthogonal transform of calibrate.transforms (per KV head, from the configuration's moments, full or half
+non-orthogonal transform of oscar_hf.calibrate.transforms (per KV head, from the configuration's moments, full or half
 strength; in the cache via a patched backend whose history attention uses the query-side transform).
 
-  python experiments/calibration/evaluate_smollm2.py --moments out/moments_20k.pt --mode proxy \
+  python -m experiments.calibration.evaluate_smollm2 --moments out/moments_20k.pt --mode proxy \
       --configs hadamard identity qqt/sst/shared/all --plays lear_gut.txt --tokens 2048 --out out/proxy.json
 """
 
@@ -79,18 +79,11 @@ def install_encoder(cache, encoder, transforms=None):
     for layer in cache.layers:
         if isinstance(layer, OscarLayer):
             if transforms is None:
-                backend = EncoderBackend(encoder)
+                layer.backend = EncoderBackend(encoder)
             else:
                 forward_side, query_side = transforms[layer.layer_idx]
                 layer.key_rotation = forward_side
-                backend = TransformBackend(encoder, query_side)
-            original = layer.lazy_initialization
-
-            def init(keys, values, layer=layer, original=original, backend=backend):
-                original(keys, values)
-                layer.backend = backend
-
-            layer.lazy_initialization = init
+                layer.backend = TransformBackend(encoder, query_side)
     return cache
 
 

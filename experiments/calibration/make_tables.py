@@ -3,7 +3,7 @@
 Perplexity files scored on disjoint play sets combine exactly (each play is scored with fresh caches): NLL, KL
 and top-1 are token-weighted means. Proxy files are averaged over plays per layer (each play weighs the same).
 
-  python experiments/calibration/make_tables.py --ppl out/ppl_*.json --proxy out/proxy_final_*.json \
+  python -m experiments.calibration.make_tables --ppl out/ppl_*.json --proxy out/proxy_final_*.json \
       --configs experiments/calibration/final_configs.txt
 """
 

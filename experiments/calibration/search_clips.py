@@ -3,7 +3,7 @@
 The statistics of collect_smollm2.py come from the first tokens of the calibration plays (Hamlet); the search uses
 Macbeth, a calibration play the statistics never saw, and never the evaluation plays.
 
-  python experiments/calibration/search_clips.py --moments out/moments_20k.pt --config qqt/sst/shared/all \
+  python -m experiments.calibration.search_clips --moments out/moments_20k.pt --config qqt/sst/shared/all \
       --per-layer --out out/clips_ref_layer.json
 """
 
@@ -11,14 +11,11 @@ import argparse
 import json
 import time
 
-import torch
-
+from experiments.calibration.evaluate_smollm2 import build, load_moments
 from oscar_hf.calibrate.clip_search import clip_grid, search_clip_ratios
 from oscar_hf.calibrate.data import Document, token_sequences
 from oscar_hf.calibrate.pipeline import calibration_layers
 from oscar_hf.eval.assets import load_smollm2, play_text
-
-import evaluate_smollm2
 
 
 def main():
@@ -36,8 +33,8 @@ def main():
     args = parser.parse_args()
     model, tokenizer = load_smollm2()
     layers, kv_heads, head_dim = calibration_layers(model)
-    moments = evaluate_smollm2.load_moments([args.moments] if args.moments else [])
-    rotations = evaluate_smollm2.build(args.config, moments, layers, kv_heads, head_dim)[0]
+    moments = load_moments([args.moments] if args.moments else [])
+    rotations = build(args.config, moments, layers, kv_heads, head_dim)[0]
     sequences = token_sequences(tokenizer, [Document(text=play_text(args.play))], args.tokens, args.context)
     start = time.time()
     grid = clip_grid(head_dim, args.lowest)

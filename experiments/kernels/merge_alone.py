@@ -3,27 +3,21 @@ partials L2-resident (written just before, as in a decode call), for decode shap
 one query position. Varies the split count, R_Vᵀ on/off and the launch options, to see what a merge costs.
 GPU only.
 
-    python3 experiments/kernels/merge_alone.py
+    python -m experiments.kernels.merge_alone
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import sys
 
 import torch
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from bench.harness import KV_HEADS, Q_HEADS, graphed
+from oscar_hf.kernels.triton.merge import merge_splits
 
-from triton.testing import do_bench  # noqa: E402
-
-from attention import graphed  # noqa: E402
-
-from oscar_hf.kernels.triton.merge import merge_splits  # noqa: E402
-
-Q_HEADS, KV_HEADS, DIM = 32, 8, 128
+DIM = 128
 
 
 def time_merge(batch: int, splits: int, plain: int, rotate: bool, **options) -> tuple[float, float]:
@@ -47,6 +41,7 @@ def time_merge(batch: int, splits: int, plain: int, rotate: bool, **options) -> 
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}: merge alone, us (graph replay; 'warm' = "
           "after rewriting the partials, the rewrite's own time subtracted)")

@@ -1,14 +1,13 @@
 """Whole decode calls with the stage-2 merge's launch options varied (`merge.merge_splits`' column_programs,
 split_chunk, num_warps) or the backend's split plan (`TritonBackend` arguments under "backend"; "launch" and
 "cuda_history_config" in it as the dataclasses' fields, "launch" over the head_dim's default), graph-timed on
-bench/attention.py's cases (d=128 unless --dim); `"folded": true` times the call of a model with R_V folded into
+`bench.harness.Case`s (d=128 unless --dim); `"folded": true` times the call of a model with R_V folded into
 its weights (`Case.oscar_folded`, whose output times R_Vᵀ is compared). GPU only.
 
-    python3 experiments/kernels/merge_sweep.py [--cells 1:4096,8:100000] [--variants '[{}, {"num_warps": 8},
+    python -m experiments.kernels.merge_sweep [--cells 1:4096,8:100000] [--variants '[{}, {"num_warps": 8},
         {"backend": {"min_history_tokens": 128}}, {"backend": {"cuda_history_config": {"min_history_bytes": 0}}}]']
 
-The merge runs after the history's last split: its time after stage 1 is the call's tail (a 100k/bs32 call spent
-16 us there in run 58, `cuda_history_limits.py --timeline`).
+The merge runs after the history's last split: its time after stage 1 is the call's tail.
 """
 
 from __future__ import annotations
@@ -16,22 +15,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import sys
 from dataclasses import replace
 
 import torch
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-
-from triton.testing import do_bench  # noqa: E402
-
-from attention import Case, graphed  # noqa: E402
-
-from oscar_hf.kernels import backend as backend_module  # noqa: E402
-from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
-from oscar_hf.kernels.cuda.history import CudaHistoryConfig  # noqa: E402
-from oscar_hf.kernels.triton.launch_plan import default_launch  # noqa: E402
+from bench.harness import Case, graphed
+from oscar_hf.kernels.cuda.history import CudaHistoryConfig
+from oscar_hf.kernels.triton import backend as backend_module
+from oscar_hf.kernels.triton.backend import TritonBackend
+from oscar_hf.kernels.triton.launch_plan import default_launch
 
 DEFAULT_VARIANTS = [{}, {"column_programs": 4}, {"column_programs": 2}, {"column_programs": 1},
                     {"num_warps": 8}, {"num_warps": 2}, {"split_chunk": 8}, {"split_chunk": 16},
@@ -77,7 +70,7 @@ def main():
                 backend_module.merge_splits = original
         err = max(((o - outs[0]).norm() / outs[0].norm()).item() for o in outs)
         print(f"| {context} | {batch} | " + " | ".join(times) + f" | {err:.1e} |", flush=True)
-        del case
+        case = None
         torch.cuda.empty_cache()
 
 

@@ -1,0 +1,1 @@
+"""Calibration experiments on SmolLM2-135M: moments, rotation sets, clip ratios and their tables."""
