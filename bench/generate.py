@@ -79,8 +79,9 @@ def max_batch(model, kind, context, rows, budget):
 def host_profile(model, steps=50, context=4096, batch=1):
     """Python-side microseconds per decode step in cache.update + attention + settle, all layers (GPU work is
     queued, not waited for)."""
-    from oscar_hf.attention import oscar_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from oscar_hf.attention import oscar_attention_forward
 
     cfg, device = model.config, harness.DEVICE
     out = {}

@@ -30,8 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from bench import harness
-from bench.multi_gpu_report import (compare_greedy, describe, lm_eval_outputs, response_diff, row, write_json,
-                                    write_report)
+from bench.multi_gpu_report import (
+    compare_greedy,
+    describe,
+    lm_eval_outputs,
+    response_diff,
+    row,
+    write_json,
+    write_report,
+)
 from oscar_hf import OscarCache, Rotations
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.layer import OscarLayer

@@ -33,7 +33,8 @@ def bare_steps(model, cache, batch, steps):
 
 
 def profile(model, cache, batch, steps=4, rows=12):
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     name = cache_argument_name(model)
     ids = torch.randint(10, 1000, (batch, 1), device=harness.DEVICE)

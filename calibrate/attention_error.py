@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oscar_hf.calibrate.statistics import query_block_size
 from oscar_hf.demotion import history_lengths, in_history
 from oscar_hf.kernels.reference.attention import gqa_mix, gqa_scores
 from oscar_hf.kernels.reference.quantize import fake_quantize
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.math import rotate
-
-from oscar_hf.calibrate.statistics import query_block_size
 
 ClipRatio = float | None
 RowQuantizer = Callable[[torch.Tensor, int, ClipRatio, torch.dtype], torch.Tensor]

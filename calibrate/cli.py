@@ -90,13 +90,13 @@ def load_calibration_model(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import oscar_hf
     from oscar_hf.calibrate import clip_search
     from oscar_hf.calibrate.data import load_documents, token_sequences
     from oscar_hf.calibrate.hub import push_to_hub, write_model_card
     from oscar_hf.calibrate.objectives import file_objective
     from oscar_hf.calibrate.pipeline import CalibrationSettings, calibrate, calibration_layers
     from oscar_hf.calibrate.statistics import Tiers
-    import oscar_hf
 
     for name in ("tokens", "context", "chunk_tokens"):
         if getattr(args, name) < 1:

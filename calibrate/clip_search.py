@@ -19,16 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate, ClipRatio
+from oscar_hf.calibrate.capture import feed
 from oscar_hf.kernels.reference.quantize import fake_quantize
 from oscar_hf.rotations.rotations import Rotations, recorded_clip_ratios
-
-from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate, ClipRatio
 
 
 def encoder_fake_quantizer(encoder: str):
     """Quantize-dequantize rows the way `OscarConfig(encoder=...)` stores them."""
     return functools.partial(fake_quantize, encoder=encoder)
-from oscar_hf.calibrate.capture import feed
 
 
 def clip_grid(head_dim: int, lowest: float = 0.75) -> list[ClipRatio]:

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_hf.model_support import UnsupportedModelError, attention_shape
-from oscar_hf.rotations.rotations import Rotations
-
 from oscar_hf.calibrate.capture import NoAttentionError, feed
 from oscar_hf.calibrate.fit import fit_rotations
 from oscar_hf.calibrate.objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES, check_objectives, passes_needed
 from oscar_hf.calibrate.statistics import MomentCollector, Tiers
+from oscar_hf.model_support import UnsupportedModelError, attention_shape
+from oscar_hf.rotations.rotations import Rotations
 
 
 @dataclass(frozen=True)

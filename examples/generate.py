@@ -20,8 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, generate_with_graphs
-from oscar_hf.eval.assets import load_smollm2, play_text
 from oscar_hf.compat import cache_argument_name
+from oscar_hf.eval.assets import load_smollm2, play_text
 
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotations", "smollm2-135m")
 

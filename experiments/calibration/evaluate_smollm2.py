@@ -25,21 +25,21 @@ import time
 import torch
 from transformers import DynamicCache
 
+from oscar_hf import OscarCache, Rotations
 from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.calibrate.clip_search import apply_clip_ratios, clip_ratios_from_metadata
 from oscar_hf.calibrate.encoders import ENCODERS, fake_quantizer
-from oscar_hf.calibrate.transforms import balanced_key_transform
-from oscar_hf.kernels.reference.backend import ReferenceBackend
-from oscar_hf.layer import OscarLayer
-from oscar_hf.kernels.reference.attention import history_partial
-from oscar_hf.kernels.reference.quantize import pack_codes
-from oscar_hf.rotations.math import rotate
 from oscar_hf.calibrate.pipeline import calibration_layers, rotations_from_moments
-from oscar_hf import OscarCache, Rotations
-from oscar_hf.eval.assets import load_smollm2, play_tokens
+from oscar_hf.calibrate.transforms import balanced_key_transform
 from oscar_hf.compat import cache_argument_name
+from oscar_hf.eval.assets import load_smollm2, play_tokens
 from oscar_hf.eval.perplexity import compare_caches
+from oscar_hf.kernels.reference.attention import history_partial
+from oscar_hf.kernels.reference.backend import ReferenceBackend
+from oscar_hf.kernels.reference.quantize import pack_codes
+from oscar_hf.layer import OscarLayer
+from oscar_hf.rotations.math import rotate
 
 DEFAULT_CLIPS = (0.96, 0.92)
 

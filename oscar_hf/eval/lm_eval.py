@@ -38,9 +38,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("oscar_hf.lm_eval needs lm-eval: pip install 'oscar-hf[eval]' (lm-eval==0.4.13)") from e
 
 from oscar_hf.cache import OscarCache, use_oscar_attention
-from oscar_hf.eval.assets import SMOLLM2_ALIASES, load_model
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.config import OscarConfig
+from oscar_hf.eval.assets import SMOLLM2_ALIASES, load_model
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 
 LL_MODES = ("simulate", "chunked", "off")

@@ -21,9 +21,8 @@ import os
 import pickle
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from safetensors import safe_open
 
 SAFETENSORS_NAME = "oscar_rotations.safetensors"
 FORMAT_TAG = "oscar-hf-rotations"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_wait
 
 from oscar_hf.kernels.triton.common import launch_device, multiprocessors, round_to
