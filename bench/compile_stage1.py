@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.harness import MAX_BLOCKS, REGISTERS_PER_SM, SHARED_PER_SM, SWEEP_CONFIGS, disassemble_cubin, loop_mixes
-from oscar_hf.kernels.triton.attention import _attention_partials_kernel
+from oscar_hf.kernels.triton.stage1 import _attention_partials_kernel
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch
 
 H200 = GPUTarget("cuda", 90, 32)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import VOCAB, forward, generate, tiny_model
 from oscar_hf import OscarCache
+
+from conftest import VOCAB, forward, generate, tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=2)

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import VOCAB, forward, generate, tiny_model
 from oscar_hf import OscarCache, OscarConfig
+
+from conftest import VOCAB, forward, generate, tiny_model
 
 
 def ids_of(batch, length, seed=0):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
+from oscar_hf import OscarCache, RotationFileError, Rotations, UnsupportedModelError
 from oscar_hf.calibrate import CalibrationDataError, CalibrationSettings, NoAttentionError, calibrate, cli
 from oscar_hf.calibrate.hub import model_card, push_to_hub
-from oscar_hf import OscarCache, RotationFileError, Rotations, UnsupportedModelError
 
 from conftest import forward, tiny_model
 

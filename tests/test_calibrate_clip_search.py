@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from oscar_hf import OscarCache, Rotations
 from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.calibrate.clip_search import apply_clip_ratios, clip_grid, clip_ratios_from_metadata, search_clip_ratios
-from oscar_hf import OscarCache, Rotations
 from oscar_hf.kernels.reference.quantize import clip_index, fake_quantize
 
 from conftest import forward, tiny_model

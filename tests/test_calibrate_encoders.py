@@ -37,10 +37,11 @@ def test_gaussian_lm_follows_the_reference_formula():
 
 
 def test_cache_with_lloyd_encoder_stores_the_refined_codes():
-    from conftest import forward, tiny_model
     from oscar_hf import OscarCache
     from oscar_hf.kernels.reference.quantize import quantize_pack
     from oscar_hf.rotations.math import rotate
+
+    from conftest import forward, tiny_model
 
     model = tiny_model("llama", seed=7)
     ids = torch.randint(1, 96, (1, 40))

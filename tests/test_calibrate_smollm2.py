@@ -5,11 +5,11 @@ import os
 
 import pytest
 
+from oscar_hf import OscarCache, Rotations
 from oscar_hf.calibrate import CalibrationSettings, calibrate, load_documents, token_sequences
 from oscar_hf.calibrate.attention_error import AttentionErrorProbe, Candidate
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.calibrate.clip_search import clip_ratios_from_metadata
-from oscar_hf import OscarCache, Rotations
 from oscar_hf.eval.assets import play_tokens
 
 pytestmark = pytest.mark.slow

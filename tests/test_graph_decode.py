@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.graph_decode import GraphDecodeError, graphed_generate  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 OPTIONS = dict(sink_tokens=4, recent_tokens=16, demote_block=4)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, graphed_generate
-from oscar_hf.eval.assets import play_tokens
 from oscar_hf.compat import cache_argument_name
+from oscar_hf.eval.assets import play_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from conftest import VOCAB, forward, tiny_model
 from oscar_hf import OscarCache
-from oscar_hf.history import QuantizedHistory
 from oscar_hf.config import OscarConfig
+from oscar_hf.history import QuantizedHistory
 from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.rotations.math import hadamard_matrix, rotate
+
+from conftest import VOCAB, forward, tiny_model
 
 TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
 

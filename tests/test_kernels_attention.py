@@ -21,16 +21,17 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import FullPrecisionHistory, QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
 ON_GPU = DEVICE.type == "cuda"
 
-from conftest import poisoned_output_backend  # noqa: E402
 from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+
+from conftest import poisoned_output_backend  # noqa: E402
 
 # (batch, kv heads, history tokens, dense tokens): small under the interpreter, decode-sized on the GPU
 BATCH, KV_HEADS, HISTORY, DENSE = (4, 8, 6000, 330) if ON_GPU else (2, 2, 150, 40)
@@ -153,8 +154,8 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
 
 
 def test_default_launch_follows_the_head_dim_unless_one_is_given():
-    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
     from oscar_hf.kernels.triton.backend import TritonBackend
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     assert TritonBackend().launch_for(64) == LaunchConfig(num_warps=1, programs_per_sm=24, block_n_dense=32,
                                                           block_m=8, token_major=True, fold_key_offsets=True)
@@ -212,8 +213,8 @@ def test_merge_splits_many_splits_with_rotation(groups, q_len, splits, plain, co
     16: splits [plain, S) are un-rotated by a per-KV-head R_Vᵀ, the rest taken as they are (plain = S: no R_V);
     some splits empty. `columns`: programs sharing each row block's output columns (None: the default for the
     grid)."""
-    from oscar_hf.kernels.triton.merge import merge_splits
     from oscar_hf.kernels.reference.attention import merge_partials
+    from oscar_hf.kernels.triton.merge import merge_splits
 
     dim, kv_heads = 64, 2
     heads = groups * kv_heads

@@ -18,8 +18,8 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()

@@ -16,13 +16,14 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from conftest import poisoned_output_backend  # noqa: E402
 from oscar_hf.kernels.cuda import history as cuda_history  # noqa: E402
 from oscar_hf.kernels.cuda import nvrtc  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.launch_plan import SplitPlan  # noqa: E402
+
+from conftest import poisoned_output_backend  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 

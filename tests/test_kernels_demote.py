@@ -14,11 +14,11 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.reference.quantize import quantize_pack, quantize_rows, unpack_codes  # noqa: E402
+from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 from oscar_hf.rotations.math import hadamard_matrix, rotate  # noqa: E402
 
 DEVICE = kernel_device()

@@ -13,12 +13,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the kernels need triton")
 
-from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.triton import attention, common, demote, merge  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.triton import common, demote, merge, stage1  # noqa: E402
 from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
-from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.rotations.math import hadamard_matrix  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def test_every_kernel_launch_is_guarded_by_its_tensors_device(monkeypatch):
     device = kernel_device()
     guarded = []
     recorder = lambda tensor: guarded.append(tensor.device) or contextlib.nullcontext()  # noqa: E731
-    for module in (demote, attention, merge):
+    for module in (demote, stage1, merge):
         monkeypatch.setattr(module, "launch_device", recorder)
     out = _demote_and_attend(TritonBackend(), device)
     assert out.shape == (1, 1, 4, 64)

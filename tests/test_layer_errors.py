@@ -7,10 +7,10 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.eval.diagnostics.layers import capture_attention_inputs, replay_layer_errors
-from oscar_hf.eval.diagnostics.metrics import attention_kl
-from oscar_hf.eval.diagnostics.methods import bits_per_element
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
+from oscar_hf.eval.diagnostics.layers import capture_attention_inputs, replay_layer_errors
+from oscar_hf.eval.diagnostics.methods import bits_per_element
+from oscar_hf.eval.diagnostics.metrics import attention_kl
 
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 

@@ -20,7 +20,8 @@ from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache  # noqa: E402
 from oscar_hf.eval.lm_eval import OscarLM  # noqa: E402
 
-from conftest import LM_EVAL_TASKS as TASKS, tiny_llama, tiny_tokenizer  # noqa: E402
+from conftest import LM_EVAL_TASKS as TASKS  # noqa: E402
+from conftest import tiny_llama, tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=2)

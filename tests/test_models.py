@@ -7,9 +7,10 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import VOCAB, generate, tiny_config, tiny_model
 from oscar_hf import OscarCache, UnsupportedModelError
 from oscar_hf.layer import OscarLayer
+
+from conftest import VOCAB, generate, tiny_config, tiny_model
 
 TIERS = dict(sink_tokens=2, recent_tokens=4, demote_block=2)
 

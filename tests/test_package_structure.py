@@ -6,9 +6,9 @@ from __future__ import annotations
 import ast
 import importlib
 import os
-import tomllib
 
 import pytest
+import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # source folder -> the module name it installs as

@@ -8,8 +8,8 @@ import torch
 
 from oscar_hf import RotationFileError, Rotations
 from oscar_hf.rotations.hub import resolve_rotation_folder
-from oscar_hf.rotations.math import compose_rotation
 from oscar_hf.rotations.io import load_zoo_file
+from oscar_hf.rotations.math import compose_rotation
 
 
 def random_rotations(layers=(0, 1, 2), d=16, heads=None):

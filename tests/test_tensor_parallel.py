@@ -8,8 +8,9 @@ import sys
 
 import torch
 
-from conftest import tiny_model
 from oscar_hf import Rotations
+
+from conftest import tiny_model
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
 

@@ -12,7 +12,7 @@ import torch
 from bench.harness import KV_HEADS, Q_HEADS
 from oscar_hf.kernels.cuda.history import CudaHistoryConfig, history_partials, plan_history, resident_slots
 from oscar_hf.kernels.interface import HistoryTensors
-from oscar_hf.kernels.triton.attention import attention_partials
+from oscar_hf.kernels.triton.stage1 import attention_partials
 from oscar_hf.kernels.triton.backend import TritonBackend
 from oscar_hf.kernels.triton.common import multiprocessors
 from oscar_hf.kernels.triton.launch_plan import default_launch

@@ -1,7 +1,7 @@
 """The hand-written history tier of stage 1 (`int2_history.cu`), compiled at run time (`nvrtc.py`) and launched
 through the CUDA driver.
 
-Contract: `kernels.triton.attention.attention_partials`' for the history splits only (same partial layout,
+Contract: `kernels.triton.stage1.attention_partials`' for the history splits only (same partial layout,
 rounding points and log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 (scale, zero), head_dim
 64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no mask, no softcap, a float16/bfloat16
 model. `history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is
@@ -175,7 +175,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
                      partial_out: torch.Tensor, partial_lse: torch.Tensor,
                      config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
-    `kernels.triton.attention.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
+    `kernels.triton.stage1.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
     `history` an `kernels.interface.HistoryTensors` that `history_kernel_supports`. `dependent`: launch as a
     programmatic dependent of the kernel queued just before (`rotate_query(launch_dependents=True)`, which wrote
     `rotated_query`): the programs start staging codes at once and wait for it before reading the query."""

@@ -1,5 +1,5 @@
 // Stage-1 partials over a 2-bit history, hand-written for NVIDIA tensor cores (sm_80+): the decode hot path of
-// `kernels/triton/attention.py`'s `_quant_split_token_major` (same contract, same rounding points), with register layouts that Triton
+// `kernels/triton/stage1.py`'s `_quant_split_token_major` (same contract, same rounding points), with register layouts that Triton
 // cannot express. Compiled at run time by NVRTC (`kernels/cuda/history.py`, which documents the contract); no headers.
 //
 // One warp per program = (history split, batch row x KV head); 64-token tiles; up to 8 query rows (a GQA group x

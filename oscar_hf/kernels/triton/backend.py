@@ -4,7 +4,7 @@ Inputs the kernels do not cover (head_dim not a power of two in [64, 256], key a
 per-head masks) fall back to the PyTorch reference, which defines the semantics either way.
 
 Decode (`tiered_attention`) per layer: the query rotated by R_K once (`query_rotation.py`), one stage-1 launch
-covering the BF16 tiers and the quantized history (`attention.py`) and one stage-2 launch that merges the splits,
+covering the BF16 tiers and the quantized history (`stage1.py`) and one stage-2 launch that merges the splits,
 un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`merge.py`); where the GPU has
 programmatic dependent launch (Hopper and newer), each is launched as a dependent of the one before, so that its
 launch and prologue overlap the previous kernel's tail. On CUDA, where the call qualifies
@@ -22,12 +22,12 @@ import torch
 from oscar_hf.kernels.cuda import history as cuda_history
 from oscar_hf.kernels.interface import HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
-from oscar_hf.kernels.triton.attention import attention_partials
 from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
 from oscar_hf.kernels.triton.demote import demote_rows
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
 from oscar_hf.kernels.triton.merge import merge_splits
 from oscar_hf.kernels.triton.query_rotation import rotate_query
+from oscar_hf.kernels.triton.stage1 import attention_partials
 
 # When the split minimums would leave a launch under this many programs per multiprocessor (a short context at
 # batch 1, latency-bound), splits are cut down to one history tile and two dense tiles (`plan_splits`'

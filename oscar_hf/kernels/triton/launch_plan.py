@@ -1,7 +1,7 @@
 """How a stage-1 launch is shaped: the tile / warp / pipeline configuration per head_dim (`LaunchConfig`, measured
 defaults in `DEFAULT_LAUNCH`) and how the keys of a call are cut into split-K partials (`plan_splits`).
 
-The kernel that these parameterize is `attention.py`; `backend.TritonBackend` picks a configuration and a plan per
+The kernel that these parameterize is `stage1.py`; `backend.TritonBackend` picks a configuration and a plan per
 call.
 """
 

@@ -4,7 +4,7 @@ Contract (`rotate_query`): query `[B, Hq, Lq, D]` (any float dtype, unit stride 
 `[Hkv, D, D]` (float32, unit stride along its rows; query head h takes the rotation of KV head h // (Hq / Hkv))
 give `out` `[B, Hq, Lq, D]` float32 (contiguous) = query @ R_K, as three TF32 products (~float32 accuracy).
 
-Stage 1 (`attention.py`) reads this instead of rotating the query in every history program, each of which would
+Stage 1 (`stage1.py`) reads this instead of rotating the query in every history program, each of which would
 otherwise load 64 KB of R before its first tile. One program per 16 rows and 32 output columns. On Hopper, stage 1
 is launched as a programmatic dependent of this kernel, so only its history programs wait for it.
 """
