@@ -104,6 +104,21 @@ def tiny_llama_model():
     return tiny_llama()
 
 
+def char_tokenizer():
+    """One token per printable character (no chat template): prompt lengths in characters, for retrieval tests."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable))
+    vocab = {c: i for i, c in enumerate(["[UNK]", "[EOS]", *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+
+
 def tiny_tokenizer():
     """A whitespace word-level tokenizer over the words of the local lm-eval task (`lm_eval_task/tiny.jsonl`)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from oscar_hf.eval.diagnostics.methods import builtin_methods
 from oscar_hf.eval.diagnostics.report import load_results, write_report
 from oscar_hf.eval.diagnostics.run import RunSettings, run_methods
-from oscar_hf.eval.passkey import INTRO, NEEDLE, QUESTION, make_probe, make_probes, run_passkey, summary_table
+from oscar_hf.eval.passkey import INTRO, NEEDLE, QUESTION, make_probe, make_probes
+from oscar_hf.eval.retrieval import run_probes, summary_table
 
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    chars = sorted(set(string.printable))
-    vocab = {c: i for i, c in enumerate(["[UNK]", "[EOS]", *chars])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+from conftest import char_tokenizer
 
 
 def test_probe_has_the_requested_length_and_the_key_at_its_depth():
@@ -36,9 +27,9 @@ def test_probe_has_the_requested_length_and_the_key_at_its_depth():
         assert text.startswith(INTRO) and text.endswith(QUESTION) and text.count(needle) == 1
         haystack = len(text) - len(INTRO) - len(needle) - len(QUESTION)
         assert abs((text.index(needle) - len(INTRO)) / haystack - depth) < 0.03  # within one filler sentence
-    keys = [p.key for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]
+    keys = [p.answer for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]
     assert len(set(keys)) == 4 and all(len(k) == 5 and k.isdigit() for k in keys)
-    assert keys == [p.key for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]  # reproducible
+    assert keys == [p.answer for p in make_probes(tokenizer, [400, 600], [0.2, 0.8], seed=3)]  # reproducible
 
 
 def test_passkey_runs_every_method_and_scores_hits(tiny_llama_model):
@@ -47,11 +38,11 @@ def test_passkey_runs_every_method_and_scores_hits(tiny_llama_model):
     model.eval()
     methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
     probes = make_probes(tokenizer, [480], [0.5])
-    results = run_passkey(model, tokenizer, probes, [methods["bf16"], methods["oscar"]], max_new_tokens=5,
+    results = run_probes(model, tokenizer, probes, [methods["bf16"], methods["oscar"]], max_new_tokens=5,
                           progress=False)
     assert [r.method for r in results] == ["bf16", "oscar"]
-    assert all(r.hit == (r.key in r.output) for r in results)
-    plain = run_passkey(model, tokenizer, probes, [methods["oscar"]], max_new_tokens=5, shared_prefill=False,
+    assert all(r.hit == (r.answer in r.output) for r in results)
+    plain = run_probes(model, tokenizer, probes, [methods["oscar"]], max_new_tokens=5, shared_prefill=False,
                         progress=False)
     assert plain[0].output == results[1].output
     assert summary_table(results, {}).splitlines()[2].startswith("| bf16 | ")

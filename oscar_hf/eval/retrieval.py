@@ -1,0 +1,169 @@
+"""Retrieval probes run through every cache: a prompt with a fact in it, greedy generation, a hit when the fact comes
+back. The probes come from `passkey` (a key in repeated filler) or `needles` (facts in real text, with
+distractors); this module runs them and reports.
+
+Every method sees the same token ids. By default the prompt is prefilled once in full precision and its K/V are
+replayed into each method's fresh cache (`diagnostics.generation`): every cache here attends to its prefill in full
+precision, so this equals `model.generate(prompt, cache)` and saves one long prefill per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from oscar_hf.eval.assets import load_model
+from oscar_hf.eval.diagnostics.generation import full_precision_prefill, greedy_through_cache
+from oscar_hf.eval.diagnostics.methods import DEFAULT_METHODS, Method, builtin_methods
+
+
+@dataclass
+class Probe:
+    """One prompt `input_ids` `[1, length]` holding `answer` at `depth`, the fact it must give back."""
+
+    length: int  # prompt tokens
+    depth: float
+    answer: str
+    input_ids: torch.Tensor
+    kind: str = "passkey"
+    distractors: int = 0  # other facts of the same form in the prompt
+    position: int = -1  # prompt token where the fact starts (-1: not recorded)
+    message: str = ""  # the prompt as text before any chat template (what an lm-eval document holds)
+    requested: int = 0  # the length asked for (prompts cut at speech boundaries fall short of it); 0: `length`
+
+    @property
+    def group(self) -> int:
+        return self.requested or self.length
+
+
+@dataclass
+class ProbeResult:
+    method: str
+    kind: str
+    group: int  # the requested length
+    length: int
+    depth: float
+    distractors: int
+    answer: str
+    output: str
+    hit: bool
+    seconds: float
+
+
+def is_hit(answer: str, output: str) -> bool:
+    """Whether the generated `output` contains `answer` (case and surrounding quotes ignored)."""
+    return answer.strip().strip('"').lower() in output.lower()
+
+
+def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Method], max_new_tokens: int = 8,
+               shared_prefill: bool = True, progress: bool = True) -> list[ProbeResult]:
+    """Greedy-generate `max_new_tokens` after each probe through a fresh cache of every method."""
+    results = []
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(probes) * len(methods), desc="probes", disable=not progress)
+    for probe in probes:
+        prompt = probe.input_ids.to(device)
+        prefill = full_precision_prefill(model, prompt) if shared_prefill else None
+        for method in methods:
+            start = time.time()
+            try:
+                tokens = greedy_through_cache(model, method.build(model), max_new_tokens, prefill=prefill,
+                                              prompt=prompt)
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+            except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
+                text = f"<error {type(e).__name__}: {e}>"
+            results.append(ProbeResult(method.name, probe.kind, probe.group, probe.length, probe.depth,
+                                       probe.distractors, probe.answer, text, is_hit(probe.answer, text),
+                                       time.time() - start))
+            bar.update(1)
+        del prefill
+    bar.close()
+    return results
+
+
+def summary_table(results: Sequence[ProbeResult], labels: dict[str, str]) -> str:
+    """Hits per method (rows) and probe group (columns: kind and requested length), with totals and, when a `bf16`
+    row is present, each method's hits as a share of BF16's."""
+    groups = sorted({(r.kind, r.group) for r in results})
+    several_kinds = len({kind for kind, _ in groups}) > 1
+    methods = list(dict.fromkeys(r.method for r in results))
+    reference = sum(r.hit for r in results if r.method == "bf16")
+    names = [f"{kind} {length} tok" if several_kinds else f"{length} tok" for kind, length in groups]
+    header = "| method | " + " | ".join(names) + " | total |" + (" vs BF16 |" if reference else "")
+    lines = [header, "|" + "---|" * (len(groups) + 2 + bool(reference))]
+    for m in methods:
+        rows = [r for r in results if r.method == m]
+        cells = []
+        for kind, length in groups:
+            at = [r for r in rows if r.kind == kind and r.group == length]
+            cells.append(f"{sum(r.hit for r in at)}/{len(at)}")
+        hits = sum(r.hit for r in rows)
+        line = f"| {labels.get(m, m)} | " + " | ".join(cells) + f" | {hits}/{len(rows)} |"
+        lines.append(line + (f" {hits / reference:.0%} |" if reference else ""))
+    return "\n".join(lines)
+
+
+def write_results(results: Sequence[ProbeResult], methods: Sequence[Method], out: str, title: str, command: str,
+                  seconds: float, basename: str) -> str:
+    """Write `<basename>.json` (every result) and `<basename>.md` (the summary and every output) into `out`; returns
+    the summary table."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{basename}.json"), "w") as f:
+        json.dump({"command": command, "seconds": seconds, "results": [asdict(r) for r in results]}, f, indent=1)
+    table = summary_table(results, {m.name: m.label for m in methods})
+    with open(os.path.join(out, f"{basename}.md"), "w") as f:
+        f.write(f"# {title}\n\nCommand: `{command}` ({seconds:.0f} s)\n\n{table}\n\n"
+                "| method | kind | length | depth | distractors | answer | output |\n|---|---|---|---|---|---|---|\n")
+        for r in results:
+            f.write(f"| {r.method} | {r.kind} | {r.length} | {r.depth} | {r.distractors} | {r.answer} | "
+                    f"{r.output.strip()!r} |\n")
+    return table
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_tokens: int) -> None:
+    """The options every retrieval CLI shares: model, methods, decoding, device, output."""
+    parser.add_argument("--model", default="smollm2", help='"smollm2" (offline SmolLM2-135M) or a path / Hub id')
+    parser.add_argument("--rotations", default=None,
+                        help="calibrated rotations for the oscar rows (folder/file/Hub id)")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--no-shared-prefill", action="store_true", help="plain generate (one prefill per method)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
+    """The `--methods` of the parsed arguments (unknown names exit with the known ones)."""
+    available = builtin_methods(args.rotations, **oscar_options)
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(available)}")
+    return [available[n] for n in names]
+
+
+def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: "callable", title: str,
+            basename: str) -> int:
+    """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary."""
+    methods = selected_methods(args)
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    probes = make(tokenizer)
+    start = time.time()
+    results = run_probes(model, tokenizer, probes, methods, args.max_new_tokens, not args.no_shared_prefill,
+                         progress=not args.no_progress)
+    elapsed = time.time() - start
+    command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    print(write_results(results, methods, args.out, title, command, elapsed, basename))
+    return 0

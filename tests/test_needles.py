@@ -1,0 +1,110 @@
+"""The real-text needle suite: prompts hold the asked-for fact inside the span the cache quantizes, distractors of
+the same form beside it; runs through caches and through lm-eval score it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import char_tokenizer
+
+from oscar_hf.eval.diagnostics.methods import builtin_methods
+from oscar_hf.eval.needles import KINDS, WORDS, make_needle_probe, make_needle_suite
+from oscar_hf.eval.retrieval import is_hit, run_probes, summary_table
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SINK, RECENT = 64, 256
+FORMAT = {"number": r"\d{7}", "words": r"[a-z]+ [a-z]+ [a-z]+", "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("distractors", [0, 2])
+def test_the_needle_sits_in_the_quantized_span_among_its_distractors(kind, distractors):
+    tokenizer = char_tokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        probe = make_needle_probe(tokenizer, 1500, depth, kind, distractors, seed=1, sink=SINK, recent=RECENT)
+        text = tokenizer.decode(probe.input_ids[0])
+        found = list(re.finditer(rf"The secret \w+ of the (\w+) vault is ({FORMAT[kind]})\.", text))
+        assert len(found) == distractors + 1 and len({m[1] for m in found}) == distractors + 1
+        target = next(m for m in found if m[2] == probe.answer)
+        assert re.fullmatch(FORMAT[kind], probe.answer) and text.count(probe.answer) == 1
+        assert text.rstrip().endswith(f"of the {target[1]} vault?")  # the question asks for the target
+        assert 1200 < probe.length <= 1500 and probe.input_ids.shape == (1, probe.length)
+        at = probe.position  # the sentence's first token (one token per character)
+        assert tokenizer.decode(probe.input_ids[0, at : at + len(target[0])]) == target[0]
+        assert SINK <= at and at + len(target[0]) <= probe.length - RECENT  # in the 2-bit history
+    if kind == "words":
+        assert all(word in WORDS for word in probe.answer.split())
+
+
+def test_depths_order_the_needles_and_seeds_repeat():
+    tokenizer = char_tokenizer()
+    positions = [make_needle_probe(tokenizer, 3000, d, "number", sink=SINK, recent=RECENT).position
+                 for d in (0.1, 0.5, 0.9)]
+    assert positions == sorted(positions) and positions[2] - positions[0] > 1500
+    one = make_needle_suite(tokenizer, [1000, 1400], [0.3], ["number", "uuid"], [0, 1], seed=4)
+    again = make_needle_suite(tokenizer, [1000, 1400], [0.3], ["number", "uuid"], [0, 1], seed=4)
+    other = make_needle_suite(tokenizer, [1000, 1400], [0.3], ["number", "uuid"], [0, 1], seed=5)
+    assert len(one) == 8 and all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(one, again))
+    assert [p.answer for p in one] != [p.answer for p in other]
+    with pytest.raises(ValueError, match="no room"):
+        make_needle_probe(tokenizer, 120, 0.5, "number", distractors=3)
+
+
+def test_hits_ignore_case_and_quotes():
+    assert is_hit("amber harbor lantern", 'The phrase is "Amber Harbor Lantern".')
+    assert not is_hit("2651247", "The code is 265124.")
+
+
+def test_an_unquantized_cache_retrieves_exactly_what_bf16_retrieves(tiny_llama_model):
+    tokenizer = char_tokenizer()
+    config = tiny_llama_model.config.to_dict() | {"vocab_size": 128}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    methods = builtin_methods(sink_tokens=8, recent_tokens=16, demote_block=4)
+    probes = make_needle_suite(tokenizer, [700], [0.5], ["number"], [0, 1], sink=8, recent=16)
+    results = run_probes(model, tokenizer, probes, [methods["bf16"], methods["none"], methods["oscar"]],
+                         max_new_tokens=6, progress=False)
+    by_method = {m: [r for r in results if r.method == m] for m in ("bf16", "none", "oscar")}
+    assert [r.output for r in by_method["none"]] == [r.output for r in by_method["bf16"]]
+    assert all(r.hit == is_hit(r.answer, r.output) and r.distractors in (0, 1) for r in results)
+    table = summary_table(results, {}).splitlines()
+    assert table[0].startswith("| method | 700 tok | total |") and len(table) == 2 + 3
+
+
+def test_lm_eval_task_generates_and_scores_the_suite(tmp_path):
+    pytest.importorskip("lm_eval")
+    from oscar_hf.eval.lm_eval_tasks.oscar_needles import needle_dataset, process_results
+
+    char_tokenizer().save_pretrained(tmp_path / "tok")
+    rows = needle_dataset(lengths=[1500], depths=[0.5], kinds=["uuid"], distractors=[0, 2],
+                          pretrained=str(tmp_path / "tok"), version=1.0)["test"]
+    assert len(rows) == 2 and all(row["answer"] in row["input"] for row in rows)
+    assert process_results(rows[0], [f"It is {rows[0]['answer']}."]) == {"hit": 1.0}
+    assert process_results(rows[0], ["no idea"]) == {"hit": 0.0}
+    with pytest.raises(ValueError, match="pretrained"):
+        needle_dataset(lengths=[800])
+
+
+def test_oscar_lm_eval_runs_the_needle_task_from_any_directory(tiny_llama_model, tmp_path):
+    pytest.importorskip("lm_eval")
+    config = tiny_llama_model.config.to_dict() | {"vocab_size": 128, "max_position_embeddings": 2048}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "model")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    metadata = {"lengths": [600], "depths": [0.5], "kinds": ["number"], "distractors": [0]}
+    result = subprocess.run(
+        [sys.executable, "-m", "oscar_hf.eval.lm_eval", "--model_args",
+         f"pretrained={tmp_path / 'model'},method=hadamard,sink_tokens=8,recent_tokens=16,demote_block=4",
+         "--tasks", "oscar_needles", "--metadata", json.dumps(metadata), "--batch_size", "1", "--device", "cpu",
+         "--output_path", str(tmp_path / "results")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "oscar_needles" in result.stdout and "hit" in result.stdout
