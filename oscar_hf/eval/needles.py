@@ -171,12 +171,11 @@ def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, 
 def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float], kinds: Sequence[str] = KINDS,
                       distractors: Sequence[int] = (0,), seed: int = 0, sink: int | None = None,
                       recent: int | None = None) -> list[Probe]:
-    """Every combination of length, depth, kind and distractor count; the passages cycle through the held-out
-    plays."""
+    """Every combination of length, depth, kind and distractor count. Each probe's play (one of the held-out
+    plays) follows from its own parameters and the seed, so a probe is the same in every suite that holds it."""
     probes = []
-    for i, (kind, count, length, depth) in enumerate(
-            (k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths):
-        play = EVALUATION_PLAYS[i % len(EVALUATION_PLAYS)]
+    for kind, count, length, depth in ((k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths):
+        play = random.Random(f"{seed}:{kind}:{length}:{depth}:{count}").choice(EVALUATION_PLAYS)
         probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent))
     return probes
 
