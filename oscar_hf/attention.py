@@ -56,7 +56,8 @@ AttentionHook = Callable[[AttentionCall], "torch.Tensor | None"]
 
 @torch.compiler.disable
 def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """AttentionInterface entry: `query` `[B, Hq, Lq, D]`, `key`/`value` `[B, Hkv, Lk, D]` -> (`[B, Lq, Hq, D]`, None)."""
+    """AttentionInterface entry: `query` `[B, Hq, Lq, D]`, `key`/`value` `[B, Hkv, Lk, D]` ->
+    (`[B, Lq, Hq, D]`, None)."""
     segment = take_segment(key, kwargs)
     hook = kwargs.pop(HOOK_ARGUMENT, None)
     softcap = kwargs.get("softcap")

@@ -64,8 +64,8 @@ class OscarLM(HFLM):
         if pretrained in SMOLLM2_ALIASES:
             dtype = kwargs.pop("dtype", "float32")
             device = kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-            model, tokenizer = load_model(pretrained, getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto"
-                                          else torch.float32, device)
+            torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else torch.float32
+            model, tokenizer = load_model(pretrained, torch_dtype, device)
             pretrained, kwargs["tokenizer"] = model, kwargs.get("tokenizer") or tokenizer
         super().__init__(pretrained=pretrained, **kwargs)
         use_oscar_attention(self.model)

@@ -174,7 +174,8 @@ def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float]
     """Every combination of length, depth, kind and distractor count. Each probe's play (one of the held-out
     plays) follows from its own parameters and the seed, so a probe is the same in every suite that holds it."""
     probes = []
-    for kind, count, length, depth in ((k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths):
+    grid = ((k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths)
+    for kind, count, length, depth in grid:
         play = random.Random(f"{seed}:{kind}:{length}:{depth}:{count}").choice(EVALUATION_PLAYS)
         probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent))
     return probes

@@ -1,4 +1,5 @@
-"""`oscar-diagnostics` (or `python -m oscar_hf.eval.diagnostics`): quality diagnostics of KV caches on a long held-out text.
+"""`oscar-diagnostics` (or `python -m oscar_hf.eval.diagnostics`): quality diagnostics of KV caches on a long
+held-out text.
 
 Example (SmolLM2-135M on CPU, King Lear, every method):
 
