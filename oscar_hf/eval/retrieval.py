@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -154,7 +154,7 @@ def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
     return [available[n] for n in names]
 
 
-def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: "callable", title: str,
+def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: Callable[[object], list[Probe]], title: str,
             basename: str) -> int:
     """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary."""
     methods = selected_methods(args)
