@@ -157,7 +157,7 @@ class OscarLayer(CacheLayerMixin):
         """Hand the attention function the history layout of the current forward; closing it settles."""
         self.segment_open = True
         return HistorySegment(
-            self.layer_idx, self.backend, self.history.kernel_view() if self.history_length else None,
+            self.layer_idx, self.backend, self.history.kernel_view(),
             self.sink_length, self.key_rotation, self.value_rotation, on_close=self.settle,
             mask_free_decode=self.mask_free_decode, dense_start=self.row_padding if self.mask_free_decode else None,
         )
