@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lowest clip ratio searched (every order statistic from there up to no clip)")
     clip.add_argument("--encoder", default="minmax", choices=["minmax", "lloyd"],
                       help="the cache's row encoder the clip search assumes (OscarConfig.encoder; recorded)")
+    clip.add_argument("--clip-bits", type=int, choices=(2, 4), default=2,
+                      help="code width the clip search measures (caches of another width ignore the ratios)")
     clip.add_argument("--key-clip-ratio", type=float, default=0.96, help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92, help="value clip ratio without a search (default 0.92)")
     out = p.add_argument_group("output")
@@ -126,13 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             key_grid=clip_search.clip_grid(head_dim, args.clip_lowest),
             value_grid=clip_search.clip_grid(head_dim, args.clip_lowest),
             default_value_clip=args.value_clip_ratio, sink=args.sink, recent=args.recent,
-            chunk_tokens=args.chunk_tokens, progress=progress, encoder=args.encoder,
+            chunk_tokens=args.chunk_tokens, progress=progress, encoder=args.encoder, bits=args.clip_bits,
         )
         rotations.metadata.update(choice.metadata())
         rotations.metadata["clip_search_tokens"] = str(sum(s.shape[-1] for s in search))
     else:
         rotations.metadata.update({"key_clip_ratio": json.dumps(args.key_clip_ratio),
-                                   "value_clip_ratio": json.dumps(args.value_clip_ratio)})
+                                   "value_clip_ratio": json.dumps(args.value_clip_ratio), "clip_bits": "2"})
     rotations.metadata["encoder"] = args.encoder
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
     rotations.metadata["platform"] = platform.platform()

@@ -46,12 +46,14 @@ class ClipChoice:
     key: ClipRatio | dict[int, ClipRatio]
     value: ClipRatio | dict[int, ClipRatio]
     errors: dict[str, dict[str, dict[int, float]]]
+    bits: int = 2  # the code width searched: caches of another width ignore these ratios
 
     def metadata(self) -> dict[str, str]:
+        width = {"clip_bits": str(self.bits)}
         if isinstance(self.key, dict):
             return {"key_clip_ratios": json.dumps({str(i): r for i, r in self.key.items()}),
-                    "value_clip_ratios": json.dumps({str(i): r for i, r in self.value.items()})}
-        return {"key_clip_ratio": json.dumps(self.key), "value_clip_ratio": json.dumps(self.value)}
+                    "value_clip_ratios": json.dumps({str(i): r for i, r in self.value.items()}), **width}
+        return {"key_clip_ratio": json.dumps(self.key), "value_clip_ratio": json.dumps(self.value), **width}
 
 
 def _probe(model, sequences, candidates, layer_ids, sink, recent, chunk_tokens, progress, label, query_stride):
@@ -110,7 +112,7 @@ def search_clip_ratios(
                           "clip search V", query_stride)
     value_by_ratio = {r: value_errors[str(r)] for r in value_grid}
     value_choice = _choose(value_by_ratio, per_layer, layer_ids)
-    return ClipChoice(key_choice, value_choice, {"key": key_errors, "value": value_errors})
+    return ClipChoice(key_choice, value_choice, {"key": key_errors, "value": value_errors}, bits)
 
 
 def clip_ratios_from_metadata(metadata: Mapping[str, str]):

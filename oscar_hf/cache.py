@@ -52,7 +52,8 @@ class OscarCache(Cache):
         **options: `OscarConfig` fields overriding the preset (e.g. `recent_tokens=128`, `bits=4`).
 
     Clip ratios recorded in the rotations (by `oscar-calibrate --clip-search`) replace the preset's, per layer,
-    unless `key_clip_ratio`/`value_clip_ratio` or a full `config` are given.
+    unless `key_clip_ratio`/`value_clip_ratio` or a full `config` are given, or the cache's `bits` differ from the
+    code width they were chosen for (`Rotations.clip_ratios`).
     """
 
     def __init__(
@@ -200,8 +201,8 @@ def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int
 
 
 def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, layer_idx: int) -> OscarConfig:
-    """`config` with the clip ratios the rotations record for this layer, if any."""
-    recorded = rotations.clip_ratios(layer_idx) if rotations is not None else None
+    """`config` with the clip ratios the rotations record for this layer and code width, if any."""
+    recorded = rotations.clip_ratios(layer_idx, config.bits) if rotations is not None else None
     if recorded is None:
         return config
     return dataclasses.replace(config, key_clip_ratio=recorded[0], value_clip_ratio=recorded[1])

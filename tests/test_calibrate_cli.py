@@ -91,7 +91,7 @@ def test_cli_clip_search_records_ratios(model_folder, text_file, tmp_path):
     key_ratios = json.loads(metadata["key_clip_ratios"])
     assert set(key_ratios) == {"0", "1"}
     assert all(r is None or 0 < r <= 1 for r in key_ratios.values())
-    assert metadata["clip_search_tokens"] == "200"
+    assert metadata["clip_search_tokens"] == "200" and metadata["clip_bits"] == "2"
 
 
 def test_push_to_hub_uploads_folder_with_provenance_card(tmp_path):

@@ -145,6 +145,21 @@ def test_cache_applies_the_clip_ratios_its_rotations_record(tmp_path):
     assert not torch.equal(automatic.layers[0].history.key_codes, explicit.layers[0].history.key_codes)  # 0.5 vs 0.96
 
 
+def test_recorded_clip_ratios_apply_only_at_the_code_width_they_were_searched_for(tmp_path):
+    model = tiny_model("llama", seed=5)
+    loaded = _rotations_with_clips(tmp_path, {0: 0.5, 1: None}, {0: 0.92, 1: 0.5})  # no clip_bits: a 2-bit search
+    assert loaded.clip_ratios(0, bits=2) == (0.5, 0.92) and loaded.clip_ratios(0, bits=4) is None
+    four = OscarCache(model, rotations=loaded, bits=4, sink_tokens=4, recent_tokens=8)
+    assert [(layer.config.key_clip_ratio, layer.config.value_clip_ratio) for layer in four.layers] == [(0.96, 0.92)] * 2
+    loaded.metadata["clip_bits"] = "4"
+    assert loaded.clip_ratios(1, bits=4) == (None, 0.5) and loaded.clip_ratios(1, bits=2) is None
+    two = OscarCache(model, rotations=loaded, sink_tokens=4, recent_tokens=8)
+    assert [layer.config.key_clip_ratio for layer in two.layers] == [0.96, 0.96]
+    choice = search_clip_ratios(model, [torch.randint(1, 96, (1, 40))], Rotations.hadamard([0, 1], 16), [0, 1], 16,
+                                key_grid=[0.9], value_grid=[0.9], bits=4, sink=4, recent=8)
+    assert choice.metadata()["clip_bits"] == "4"
+
+
 def test_simulation_uses_each_layers_recorded_clip_ratios(tmp_path):
     from oscar_hf.eval.decode_equivalent import simulate_logits
 

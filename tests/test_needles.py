@@ -12,11 +12,13 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import char_tokenizer
 
 from oscar_hf.eval.diagnostics.methods import builtin_methods
+from oscar_hf.eval.diagnostics.needle_attention import copy_targets, needle_attention, report_table
 from oscar_hf.eval.needles import KINDS, WORDS, make_needle_probe, make_needle_suite
 from oscar_hf.eval.retrieval import is_hit, run_probes, summary_table
+
+from conftest import char_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SINK, RECENT = 64, 256
@@ -36,9 +38,10 @@ def test_the_needle_sits_in_the_quantized_span_among_its_distractors(kind, distr
         assert re.fullmatch(FORMAT[kind], probe.answer) and text.count(probe.answer) == 1
         assert text.rstrip().endswith(f"of the {target[1]} vault?")  # the question asks for the target
         assert 1200 < probe.length <= 1500 and probe.input_ids.shape == (1, probe.length)
-        at = probe.position  # the sentence's first token (one token per character)
-        assert tokenizer.decode(probe.input_ids[0, at : at + len(target[0])]) == target[0]
-        assert SINK <= at and at + len(target[0]) <= probe.length - RECENT  # in the 2-bit history
+        at, stop = probe.span  # the sentence's tokens (one token per character)
+        assert tokenizer.decode(probe.input_ids[0, at:stop]) == target[0]
+        assert tokenizer.decode(probe.input_ids[0, slice(*probe.value_span)]) == probe.answer
+        assert SINK <= at and stop <= probe.length - RECENT  # in the 2-bit history
     if kind == "words":
         assert all(word in WORDS for word in probe.answer.split())
 
@@ -108,3 +111,53 @@ def test_oscar_lm_eval_runs_the_needle_task_from_any_directory(tiny_llama_model,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "oscar_needles" in result.stdout and "hit" in result.stdout
+
+
+def _tiny_char_model(tiny_llama_model):
+    config = tiny_llama_model.config.to_dict() | {"vocab_size": 128}
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+
+
+def test_copy_targets_are_the_answer_tokens_that_spell_the_fact():
+    tokenizer = char_tokenizer()
+    answer = tokenizer("It is 2651247.", add_special_tokens=False).input_ids
+    assert copy_targets(tokenizer, answer, "2651247") == list(range(6, 13))
+    assert copy_targets(tokenizer, answer, "7654321") == []
+
+
+def test_needle_trace_sees_no_loss_without_quantization_and_a_loss_with_it(tiny_llama_model):
+    from oscar_hf import OscarCache
+
+    tokenizer = char_tokenizer()
+    model = _tiny_char_model(tiny_llama_model)
+    probes = make_needle_suite(tokenizer, [700], [0.3, 0.7], ["number"], [0], sink=8, recent=16)
+    answers = [tokenizer(f"It is {p.answer}.", add_special_tokens=False).input_ids for p in probes]
+    options = dict(sink_tokens=8, recent_tokens=16, demote_block=4)
+    exact = needle_attention(model, tokenizer, probes, answers, OscarCache(model.config, method="none", **options),
+                             progress=False)
+    assert exact.probes == 2 and exact.queries == 14 and len(exact.layers) == 2
+    assert torch.allclose(exact.tensor("mass_quantized"), exact.tensor("mass_bf16"), atol=1e-6)
+    assert exact.tensor("value_error").abs().max() < 1e-5 and exact.tensor("mass_bf16").min() > 0
+    assert exact.tensor("rank_quantized").equal(exact.tensor("rank_bf16"))
+    # the teacher-forced copy accuracy is BF16's own (an unquantized history changes no argmax)
+    bf16 = 0
+    for probe, answer in zip(probes, answers):
+        ids = torch.cat([probe.input_ids, torch.tensor([answer])], dim=1)
+        logits = model(ids).logits[0]
+        queries = [probe.length + i - 1 for i in copy_targets(tokenizer, answer, probe.answer) if i > 0]
+        bf16 += int((logits[queries].argmax(-1) == ids[0, [q + 1 for q in queries]]).sum())
+    assert exact.copy_accuracy == bf16 / 14
+    naive = needle_attention(model, tokenizer, probes, answers,
+                             OscarCache(model.config, method="identity", **options), progress=False)
+    assert naive.tensor("value_error").min() > 0.05
+    assert (naive.tensor("mass_quantized") - naive.tensor("mass_bf16")).abs().max() > 1e-5  # exact: < 1e-7
+    # a row format passed in replaces the cache's quantizer: reading rows back exactly is the unquantized trace
+    through = needle_attention(model, tokenizer, probes, answers,
+                               OscarCache(model.config, method="identity", **options),
+                               row_format=lambda rows, layer, side: rows, progress=False)
+    assert torch.allclose(through.tensor("mass_quantized"), exact.tensor("mass_quantized"), atol=1e-6)
+    report = report_table({"identity": naive})
+    assert "copy accuracy" in report and report.count("\n| 1 |") + report.count("\n| 0 |") == 8
+    with pytest.raises(ValueError, match="no probe"):
+        needle_attention(model, tokenizer, probes, [answers[0][:3]] * 2,
+                         OscarCache(model.config, method="none", **options), progress=False)

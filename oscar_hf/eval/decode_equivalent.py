@@ -49,6 +49,9 @@ class SimulationPlan:
     `recorder`, when set, is called once per OSCAR layer with a `LayerProbe`.
     `propagate=False` returns the BF16 attention output (the model stays on the BF16 trajectory) while the
     recorder still sees the quantized one.
+    `row_format`, when set, replaces the cache's quantizer: `row_format(rows, layer_idx, side)` gets the rotated
+    float32 rows `[B, Hkv, L, d]` of one layer's keys (`side="key"`) or values and returns them as a history of
+    that format would read them back (how formats the cache does not store are studied).
     """
 
     config: OscarConfig
@@ -58,6 +61,7 @@ class SimulationPlan:
     recorder: Callable | None = None
     propagate: bool = True
     clip_ratios: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+    row_format: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None
     _history: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -133,11 +137,15 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
     cfg = plan.config
     key_rotation, value_rotation = plan.rotations[layer_idx]
     groups = q_heads // key.shape[1]
-    key_clip, value_clip = plan.clip_ratios.get(layer_idx, (cfg.key_clip_ratio, cfg.value_clip_ratio))
-    k_hat = reconstruct(key, key_rotation, cfg, key_clip)
-    v_hat = reconstruct(value, value_rotation, cfg, value_clip)
     key_r = None if key_rotation is None else key_rotation.to(query.device, torch.float32)
     value_r = None if value_rotation is None else value_rotation.to(query.device, torch.float32)
+    if plan.row_format is None:
+        key_clip, value_clip = plan.clip_ratios.get(layer_idx, (cfg.key_clip_ratio, cfg.value_clip_ratio))
+        k_hat = reconstruct(key, key_rotation, cfg, key_clip)
+        v_hat = reconstruct(value, value_rotation, cfg, value_clip)
+    else:
+        k_hat = plan.row_format(rotate(key, key_r), layer_idx, "key")
+        v_hat = plan.row_format(rotate(value, value_r), layer_idx, "value")
     q = query.float()
     q_rot = rotate(q, expand_heads(key_r, groups))
     k, v = key.float(), value.float()

@@ -89,7 +89,8 @@ def _chat(tokenizer, message: str) -> str:
 def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distractors: int = 0, seed: int = 0,
                       play: str = EVALUATION_PLAYS[0], sink: int | None = None, recent: int | None = None) -> Probe:
     """A chat prompt of at most `length` tokens with one needle of `kind` at `depth` of the quantized span and
-    `distractors` others; `Probe.answer` is the asked-for value, `Probe.position` the token its sentence starts at."""
+    `distractors` others; `Probe.answer` is the asked-for value, `Probe.span` / `Probe.value_span` the tokens of its
+    sentence and of the value."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth}: expected a fraction in [0, 1]")
     defaults = OscarConfig()
@@ -120,19 +121,19 @@ def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distracto
     while True:
         if len(chosen) < distractors + 2:
             raise ValueError(f"length={length} leaves no room for a passage around {distractors + 1} needles")
-        message, text, position = _build(tokenizer, chosen, needles, depth, sink, recent, rng.getstate())
+        message, text, span, value_span = _build(tokenizer, chosen, needles, depth, sink, recent, rng.getstate())
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) <= length:
             return Probe(len(ids), depth, target.value, torch.tensor([ids]), kind=kind, distractors=distractors,
-                         position=position, message=message, requested=length)
+                         span=span, value_span=value_span, message=message, requested=length)
         chosen.pop()
 
 
 def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, sink: int, recent: int,
-           state) -> tuple[str, str, int]:
+           state) -> tuple[str, str, tuple[int, int], tuple[int, int]]:
     """The prompt with the distractors (`needles[1:]`) at random speech boundaries and the target (`needles[0]`)
     at the boundary nearest to `depth` of the tokens between the first `sink` and the last `recent`: (message, chat
-    text, token the target's sentence starts at)."""
+    text, tokens of the target's sentence, tokens of its value)."""
     rng = random.Random()
     rng.setstate(state)
     target = needles[0]
@@ -163,9 +164,17 @@ def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, 
         parts.append(passage)
     message = INSTRUCTION + "\n\n" + "\n\n".join(parts) + "\n\n" + target.question
     text = _chat(tokenizer, message)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
     char = text.index(target.sentence)
-    return message, text, next(i for i, (_, stop) in enumerate(encoded.offset_mapping) if stop > char)
+    value = char + target.sentence.index(target.value)
+    return (message, text, _token_span(offsets, char, char + len(target.sentence)),
+            _token_span(offsets, value, value + len(target.value)))
+
+
+def _token_span(offsets: Sequence[tuple[int, int]], begin: int, end: int) -> tuple[int, int]:
+    """The tokens [start, stop) whose characters overlap `[begin, end)`."""
+    inside = [i for i, (a, b) in enumerate(offsets) if b > begin and a < end]
+    return inside[0], inside[-1] + 1
 
 
 def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float], kinds: Sequence[str] = KINDS,
@@ -188,14 +197,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default="0.2,0.5,0.8")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--distractors", default="0,3", help="needle counts besides the asked one, comma-separated")
+    p.add_argument("--attention", action="store_true",
+                   help="also trace, per layer and head, the fact's attention and value read-out of every OSCAR "
+                        "method on the probes BF16 answers (needs bf16 among the methods; writes needle_attention.*)")
     args = p.parse_args(argv)
+    if args.attention and "bf16" not in args.methods.split(","):
+        p.error("--attention compares against BF16's answers: add bf16 to --methods")
 
     def make(tokenizer):
         return make_needle_suite(tokenizer, [int(x) for x in args.lengths.split(",")],
                                  [float(x) for x in args.depths.split(",")], args.kinds.split(","),
                                  [int(x) for x in args.distractors.split(",")], seed=args.seed)
 
-    return run_cli(args, "oscar-needles", argv, make, "Needle retrieval in real text", "needles")
+    def trace(model, tokenizer, probes, results, methods, command):
+        from oscar_hf.eval.diagnostics.needle_attention import needle_attention, write_report
+
+        answers = [r.tokens for r in results if r.method == "bf16"]
+        found = [(p, a) for p, a, r in zip(probes, answers, [r for r in results if r.method == "bf16"]) if r.hit]
+        if not found:
+            print("--attention: BF16 answers no probe; nothing to trace")
+            return
+        traced = {m.name: needle_attention(model, tokenizer, [p for p, _ in found], [a for _, a in found],
+                                           m.oscar_template(model))
+                  for m in methods if m.oscar}
+        print(write_report(traced, args.out, command))
+
+    return run_cli(args, "oscar-needles", argv, make, "Needle retrieval in real text", "needles",
+                   after=trace if args.attention else None)
 
 
 if __name__ == "__main__":

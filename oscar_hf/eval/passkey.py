@@ -46,7 +46,8 @@ def make_probe(tokenizer, target_length: int, depth: float, key: str, align: int
     at = round(depth * haystack / len(filler)) * len(filler)
     at = min(at, haystack - haystack % len(filler))
     ids = intro + stream[:at] + needle + stream[at:] + question
-    return Probe(len(ids), depth, key, torch.tensor([ids]), position=len(intro) + at)
+    start = len(intro) + at
+    return Probe(len(ids), depth, key, torch.tensor([ids]), span=(start, start + len(needle)))
 
 
 def make_probes(tokenizer, lengths, depths, seed: int = 0, align: int = 32) -> list[Probe]:

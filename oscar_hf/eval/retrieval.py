@@ -16,7 +16,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -36,9 +36,15 @@ class Probe:
     input_ids: torch.Tensor
     kind: str = "passkey"
     distractors: int = 0  # other facts of the same form in the prompt
-    position: int = -1  # prompt token where the fact starts (-1: not recorded)
+    span: tuple[int, int] = (-1, -1)  # prompt tokens [start, stop) of the fact's sentence ((-1, -1): not recorded)
+    value_span: tuple[int, int] = (-1, -1)  # prompt tokens [start, stop) of `answer` inside it
     message: str = ""  # the prompt as text before any chat template (what an lm-eval document holds)
     requested: int = 0  # the length asked for (prompts cut at speech boundaries fall short of it); 0: `length`
+
+    @property
+    def position(self) -> int:
+        """The prompt token the fact starts at (-1: not recorded)."""
+        return self.span[0]
 
     @property
     def group(self) -> int:
@@ -57,6 +63,7 @@ class ProbeResult:
     output: str
     hit: bool
     seconds: float
+    tokens: list[int] = field(default_factory=list)  # the generated token ids
 
 
 def is_hit(answer: str, output: str) -> bool:
@@ -75,6 +82,7 @@ def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Meth
         prefill = full_precision_prefill(model, prompt) if shared_prefill else None
         for method in methods:
             start = time.time()
+            tokens = []
             try:
                 tokens = greedy_through_cache(model, method.build(model), max_new_tokens, prefill=prefill,
                                               prompt=prompt)
@@ -83,7 +91,7 @@ def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Meth
                 text = f"<error {type(e).__name__}: {e}>"
             results.append(ProbeResult(method.name, probe.kind, probe.group, probe.length, probe.depth,
                                        probe.distractors, probe.answer, text, is_hit(probe.answer, text),
-                                       time.time() - start))
+                                       time.time() - start, tokens))
             bar.update(1)
         del prefill
     bar.close()
@@ -154,9 +162,13 @@ def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
     return [available[n] for n in names]
 
 
+AfterRun = Callable[[object, object, list[Probe], list[ProbeResult], list[Method], str], None]
+
+
 def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: Callable[[object], list[Probe]], title: str,
-            basename: str) -> int:
-    """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary."""
+            basename: str, after: AfterRun | None = None) -> int:
+    """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary, then
+    call `after(model, tokenizer, probes, results, methods, command)` when given."""
     methods = selected_methods(args)
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
     probes = make(tokenizer)
@@ -166,4 +178,6 @@ def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: C
     elapsed = time.time() - start
     command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     print(write_results(results, methods, args.out, title, command, elapsed, basename))
+    if after is not None:
+        after(model, tokenizer, probes, results, methods, command)
     return 0

@@ -103,12 +103,14 @@ class Rotations:
             raise RotationFileError(f"no rotation for layer {layer_idx}; these rotations cover layers {self.layer_ids}")
         return self.key[layer_idx], self.value[layer_idx]
 
-    def clip_ratios(self, layer_idx: int) -> tuple[float | None, float | None] | None:
+    def clip_ratios(self, layer_idx: int, bits: int | None = None) -> tuple[float | None, float | None] | None:
         """(key, value) clip ratios recorded for `layer_idx` by a clip search (None in a pair: no clipping), or None
-        when the metadata records none (`recorded_clip_ratios`)."""
+        when the metadata records none (`recorded_clip_ratios`), or when `bits` is given and differs from the code
+        width the ratios were chosen for (`clip_bits`): a clip that is best for 2-bit rows cuts tails that 4-bit
+        rows would have kept, and costs them retrieval."""
         try:
             recorded = recorded_clip_ratios(self.metadata)
-            if recorded is None:
+            if recorded is None or (bits is not None and bits != recorded_clip_bits(self.metadata)):
                 return None
             return tuple(r[layer_idx] if isinstance(r, dict) else r for r in recorded)
         except (KeyError, ValueError, TypeError) as error:
@@ -183,6 +185,9 @@ class Rotations:
         return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
 
 
+DEFAULT_CLIP_BITS = 2
+
+
 def recorded_clip_ratios(metadata: Mapping[str, str]):
     """(key, value) clip ratios a clip search recorded in rotations metadata, or None when there are none.
 
@@ -196,6 +201,12 @@ def recorded_clip_ratios(metadata: Mapping[str, str]):
     if "key_clip_ratio" in metadata:
         return tuple(_ratio(json.loads(metadata[f"{side}_clip_ratio"])) for side in ("key", "value"))
     return None
+
+
+def recorded_clip_bits(metadata: Mapping[str, str]) -> int:
+    """The code width recorded clip ratios were chosen for: `clip_bits`, or 2 for files written before it was
+    recorded (every clip search then ran at 2 bits)."""
+    return int(metadata.get("clip_bits", DEFAULT_CLIP_BITS))
 
 
 def _ratio(value) -> float | None:

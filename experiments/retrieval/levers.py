@@ -1,0 +1,234 @@
+"""Issue 21, part 3: the levers on retrieval, one at a time, in exact simulation (SmolLM2-135M, CPU).
+
+Every row format is simulated exactly by the decode-equivalent evaluation (`SimulationPlan(row_format=...)`): the
+history is read back as that format stores it, in the rotation's basis; sink and recent stay BF16.
+
+Per format:
+- `copy`: teacher-forced copy accuracy on the needle suite: the BF16 answer is fed after the prompt (prefill = the
+  prompt, then token by token) and we count the fact's answer tokens the simulated model predicts (argmax), errors
+  propagated through the layers; `probes`: probes where every fact token is predicted (a greedy hit, given the
+  answer's prefix);
+- `ppl`/`KL`: decode-equivalent perplexity and next-token KL vs BF16 on held-out text (prefill 512, then decoding);
+- `bits`: stored bits per history element, (scale, zero) or (mean, std) pairs in fp16 counted.
+
+  python -m experiments.retrieval.levers --formats all --out out/levers
+  python -m experiments.retrieval.levers --formats u2,u3,mix4:auto8 --rotations rotations/smollm2-135m
+
+Format names: `u<k>[/<v>][g<group>][c][l]` uniform min-max rows (`c`: clip 0.96/0.92; `l`: least-squares
+encoder), `n<k>[/<v>]` Gaussian Lloyd-Max codebook on the standardized row, `salient<pct>:<base>` the tokens with
+the largest key norms per head kept in BF16, `mix<bits>:<layers>:<base>` layers at higher uniform precision
+(`auto<n>`: the n layers that lose the most fact mass in the needle-attention trace of the base format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache
+from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
+from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
+from oscar_hf.eval.diagnostics.generation import greedy_through_cache
+from oscar_hf.eval.diagnostics.needle_attention import copy_targets, needle_attention
+from oscar_hf.eval.needles import make_needle_suite
+from oscar_hf.kernels.reference.quantize import fake_quantize
+
+SCALE = torch.float16
+PAIR_BITS = 32  # one fp16 pair per group
+CLIPS = {"key": 0.96, "value": 0.92}
+# Gaussian Lloyd-Max levels (positive half, in standard deviations)
+GAUSSIAN_LEVELS = {2: (0.4528, 1.5104), 3: (0.2451, 0.7560, 1.3439, 2.1520),
+                   4: (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326)}
+
+
+@dataclass
+class Format:
+    name: str
+    read_back: object  # (rows [B, H, L, d] float32, layer, side) -> rows
+    bits: object  # (layer, side, d) -> bits per element
+
+
+def _grouped(fn, rows: torch.Tensor, group: int) -> torch.Tensor:
+    shape = rows.shape
+    return fn(rows.reshape(*shape[:-1], shape[-1] // group, group)).reshape(shape)
+
+
+def uniform(key_bits: int, value_bits: int, group: int | None = None, clip: bool = False,
+            encoder: str = "minmax") -> tuple:
+    widths = {"key": key_bits, "value": value_bits}
+
+    def read_back(rows, layer, side):
+        g = group or rows.shape[-1]
+        ratio = CLIPS[side] if clip else None
+        return _grouped(lambda x: fake_quantize(x, widths[side], ratio, SCALE, encoder), rows, g)
+
+    return read_back, lambda layer, side, d: widths[side] + PAIR_BITS / (group or d)
+
+
+def gaussian(key_bits: int, value_bits: int) -> tuple:
+    widths = {"key": key_bits, "value": value_bits}
+
+    def read_back(rows, layer, side):
+        half = torch.tensor(GAUSSIAN_LEVELS[widths[side]], device=rows.device)
+        levels = torch.cat([-half.flip(0), half])
+        mean = rows.mean(-1, keepdim=True).to(SCALE).float()
+        std = rows.std(-1, keepdim=True).clamp_min(1e-8).to(SCALE).float()
+        z = (rows - mean) / std
+        return mean + std * levels[(z[..., None] - levels).abs().argmin(-1)]
+
+    return read_back, lambda layer, side, d: widths[side] + PAIR_BITS / d
+
+
+def salient(fraction: float, base: Format) -> tuple:
+    """The `fraction` of tokens with the largest key norm, per (row, KV head), kept exact on both sides; a key's
+    norm is the same in any orthogonal basis, so the value side selects by the same tokens."""
+    chosen: dict[int, torch.Tensor] = {}
+
+    def read_back(rows, layer, side):
+        out = base.read_back(rows, layer, side)
+        if side == "key":
+            count = max(1, round(fraction * rows.shape[2]))
+            top = rows.norm(dim=-1).topk(count, dim=-1).indices
+            chosen[layer] = torch.zeros(rows.shape[:3], dtype=torch.bool, device=rows.device).scatter_(-1, top, True)
+        keep = chosen[layer][..., None]
+        return torch.where(keep, rows.to(torch.bfloat16).float(), out)
+
+    return read_back, lambda layer, side, d: (1 - fraction) * base.bits(layer, side, d) + fraction * 16
+
+
+def mixed(layers: set[int], high: Format, base: Format) -> tuple:
+    def read_back(rows, layer, side):
+        return (high if layer in layers else base).read_back(rows, layer, side)
+
+    return read_back, lambda layer, side, d: (high if layer in layers else base).bits(layer, side, d)
+
+
+def parse(name: str, context) -> Format:
+    m = re.fullmatch(r"u(\d)(?:/(\d))?(?:g(\d+))?(c)?(l)?", name)
+    if m:
+        k = int(m[1])
+        return Format(name, *uniform(k, int(m[2] or k), int(m[3]) if m[3] else None, bool(m[4]),
+                                     "lloyd" if m[5] else "minmax"))
+    m = re.fullmatch(r"n(\d)(?:/(\d))?", name)
+    if m:
+        return Format(name, *gaussian(int(m[1]), int(m[2] or m[1])))
+    m = re.fullmatch(r"salient([\d.]+):(.+)", name)
+    if m:
+        return Format(name, *salient(float(m[1]) / 100, parse(m[2], context)))
+    m = re.fullmatch(r"mix(\d):([\w,]+):(.+)", name)
+    if m:
+        base = parse(m[3], context)
+        layers = context.sensitive_layers(base, int(m[2][4:])) if m[2].startswith("auto") else {
+            int(x) for x in m[2].split(",")}
+        return Format(f"{name} {sorted(layers)}", *mixed(layers, parse(f"u{m[1]}", context), base))
+    raise SystemExit(f"unknown format {name!r}")
+
+
+class Study:
+    def __init__(self, args):
+        self.model, self.tokenizer = load_model("smollm2", torch.float32, "cpu")
+        self.template = OscarCache(self.model.config, rotations=args.rotations or "hadamard",
+                                   method="oscar" if args.rotations else "hadamard")
+        self.probes = make_needle_suite(self.tokenizer, args.lengths, args.depths, args.kinds.split(","),
+                                        args.distractors, seed=args.seed)
+        self.answers = self._bf16_answers(args.out)
+        self.text = play_tokens(self.tokenizer, EVALUATION_PLAYS[0], args.ppl_tokens)
+        self.prefill = 512
+        with torch.no_grad():
+            self.reference = self.model(input_ids=self.text, use_cache=False).logits[0].float()
+        self.layers = self.model.config.num_hidden_layers
+        config = self.model.config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def _bf16_answers(self, out: str) -> list[tuple]:
+        path = os.path.join(out, "bf16_answers.json")
+        stored = json.load(open(path)) if os.path.exists(path) else {}
+        found = []
+        for probe in tqdm(self.probes, desc="BF16 answers"):
+            key = f"{probe.kind}:{probe.group}:{probe.depth}:{probe.distractors}:{probe.answer}"
+            if key not in stored:
+                stored[key] = greedy_through_cache(self.model, DynamicCache(config=self.model.config), 24,
+                                                   prompt=probe.input_ids)
+            targets = [i for i in copy_targets(self.tokenizer, stored[key], probe.answer) if i > 0]
+            if targets:
+                found.append((probe, stored[key], targets))
+        os.makedirs(out, exist_ok=True)
+        json.dump(stored, open(path, "w"))
+        return found
+
+    def plan(self, fmt: Format, prefill: int) -> SimulationPlan:
+        return SimulationPlan.from_cache(self.template, prefill=prefill, row_format=fmt.read_back)
+
+    def sensitive_layers(self, base: Format, count: int) -> set[int]:
+        probes = [p for p, _, _ in self.answers]
+        answers = [a for _, a, _ in self.answers]
+        trace = needle_attention(self.model, self.tokenizer, probes, answers, self.template, row_format=base.read_back)
+        mass = trace.tensor("mass_bf16").sum(-1)
+        lost = mass - trace.tensor("mass_quantized").sum(-1)
+        value = (trace.tensor("value_error") * trace.tensor("mass_bf16")).sum(-1)
+        score = lost / lost.abs().max().clamp_min(1e-12) + value / value.max().clamp_min(1e-12)
+        return {trace.layers[int(i)] for i in score.argsort(descending=True)[:count]}
+
+    @torch.no_grad()
+    def evaluate(self, fmt: Format) -> dict:
+        start = time.time()
+        copied = total = whole = 0
+        for probe, answer, targets in tqdm(self.answers, desc=fmt.name, leave=False):
+            ids = torch.cat([probe.input_ids, torch.tensor([answer])], dim=1)
+            logits = simulate_logits(self.model, ids, self.plan(fmt, probe.length))
+            queries = torch.tensor([probe.length + i - 1 for i in targets])
+            right = logits[0, queries].argmax(-1) == ids[0, queries + 1]
+            copied += int(right.sum())
+            total += len(targets)
+            whole += bool(right.all())
+        logits = simulate_logits(self.model, self.text, self.plan(fmt, self.prefill))[0].float()
+        scored = slice(self.prefill, self.text.shape[1] - 1)
+        targets = self.text[0, self.prefill + 1:]
+        logp = torch.log_softmax(logits[scored], -1)
+        ref = torch.log_softmax(self.reference[scored], -1)
+        nll = -logp.gather(1, targets[:, None]).mean().item()
+        kl = (ref.exp() * (ref - logp)).sum(-1).mean().item()
+        ref_nll = -ref.gather(1, targets[:, None]).mean().item()
+        bits = sum(fmt.bits(layer, side, self.head_dim) for layer in range(self.layers)
+                   for side in ("key", "value")) / (2 * self.layers)
+        return dict(format=fmt.name, bits=round(bits, 3), copy=copied / total, probes=f"{whole}/{len(self.answers)}",
+                    ppl=math.exp(nll), ppl_bf16=math.exp(ref_nll), ppl_delta=math.exp(nll - ref_nll) - 1, kl=kl,
+                    seconds=round(time.time() - start, 1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", default="u2c,u2,u2l,u3,u4")
+    p.add_argument("--rotations", default=None)
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048])
+    p.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.5, 0.8])
+    p.add_argument("--kinds", default="number,words,uuid")
+    p.add_argument("--distractors", type=lambda s: [int(x) for x in s.split(",")], default=[0, 3])
+    p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/levers")
+    args = p.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    study = Study(args)
+    print(f"{len(study.answers)} of {len(study.probes)} probes: BF16 answers with the fact")
+    path = os.path.join(args.out, "levers.jsonl")
+    for name in args.formats.split(","):
+        row = study.evaluate(parse(name, study))
+        row["rotations"] = args.rotations or "hadamard"
+        print(json.dumps(row), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
