@@ -17,7 +17,7 @@ folded into v_proj/o_proj (`OscarCache(..., fold_value_rotation=True)`): the mer
 
 "GB/s" counts the bytes that must be read once: OSCAR = codes + scale/zero of K and V for the history, plus the
 BF16 tiers; SDPA = BF16 K and V. "% copy" divides that by the device-to-device copy bandwidth measured in the same
-process (bytes read + written by `Tensor.copy_`). "INT2 %copy" is the history bytes alone over the OSCAR time.
+process (bytes read + written by `Tensor.copy_`). "INT2 %copy" is the history bytes alone over the OSCAR time. `--bits 2,4` also times 4-bit histories.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def error_vs_reference(case: Case, backend: TritonBackend, folded: bool = False)
 MAX_KERNEL_ERROR = 1.5e-2
 
 
-def run_cell(batch, context, dim, backend, copy_bw, with_dense):
-    case = Case(batch, context, dim, backend)
-    row = dict(batch=batch, context=context, dim=dim, history=case.history_len)
+def run_cell(batch, context, dim, backend, copy_bw, with_dense, bits=2):
+    case = Case(batch, context, dim, backend, bits)
+    row = dict(batch=batch, context=context, dim=dim, bits=bits, history=case.history_len)
     row["oscar_eager_ms"] = bench(lambda: case.oscar(backend))
     row["sdpa_eager_ms"] = bench(case.sdpa)
     row["oscar_ms"] = bench(graphed(lambda: case.oscar(backend)))
@@ -230,9 +230,12 @@ def best_config(rows) -> LaunchConfig:
     return LaunchConfig(**json.loads(min(complete, key=complete.get))) if complete else LaunchConfig()
 
 
+CUDA_HISTORY = True  # --no-cuda-history: the Triton history kernel for every call
+
+
 def usable_backend(launch: LaunchConfig | None) -> TritonBackend:
     """`launch` (None: the per-head_dim defaults), or the same without inline PTX if that does not compile here."""
-    backend = TritonBackend(launch=launch)
+    backend = TritonBackend(launch=launch, cuda_history=CUDA_HISTORY)
     try:
         case = Case(1, 4096, 128, backend)
         case.oscar(backend)
@@ -241,11 +244,12 @@ def usable_backend(launch: LaunchConfig | None) -> TritonBackend:
     except Exception as exc:
         print(f"launch config {launch} failed ({type(exc).__name__}: {str(exc)[:300]}); without inline PTX",
               flush=True)
-        return TritonBackend(launch=LaunchConfig(**{**(launch or LaunchConfig()).__dict__, "asm_unpack": False}))
+        return TritonBackend(launch=LaunchConfig(**{**(launch or LaunchConfig()).__dict__, "asm_unpack": False}),
+                             cuda_history=CUDA_HISTORY)
 
 
 def table(rows, copy_bw):
-    columns = ["d", "ctx", "bs", "OSCAR ms", "SDPA ms", "speedup", "folded ms", "folded speedup", "OSCAR GB/s",
+    columns = ["d", "bits", "ctx", "bs", "OSCAR ms", "SDPA ms", "speedup", "folded ms", "folded speedup", "OSCAR GB/s",
                "OSCAR %copy", "INT2 %copy", "SDPA GB/s", "SDPA %copy", "OSCAR eager ms", "SDPA eager ms",
                "eager speedup", "OSCAR host us", "SDPA host us", "dense Triton ms", "dense torch ms",
                "demote Mrows/s", "rel err vs SDPA", "rel err vs reference", "folded rel err vs reference"]
@@ -253,10 +257,10 @@ def table(rows, copy_bw):
              "| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['dim']} | {r['context']} | {r['batch']} | {r['error']} |")
+            lines.append(f"| {r['dim']} | {r.get('bits', 2)} | {r['context']} | {r['batch']} | {r['error']} |")
             continue
         lines.append(
-            f"| {r['dim']} | {r['context']} | {r['batch']} | {r['oscar_ms']:.3f} | {r['sdpa_ms']:.3f} | "
+            f"| {r['dim']} | {r.get('bits', 2)} | {r['context']} | {r['batch']} | {r['oscar_ms']:.3f} | {r['sdpa_ms']:.3f} | "
             f"{r['speedup']:.2f}x | {r['folded_ms']:.3f} | {r['folded_speedup']:.2f}x | {r['oscar_GBps']:.0f} | "
             f"{100 * r['oscar_copy_frac']:.0f}% | "
             f"{100 * r['int2_copy_frac']:.0f}% | {r['sdpa_GBps']:.0f} | {100 * r['sdpa_copy_frac']:.0f}% | "
@@ -275,6 +279,8 @@ def main():
     parser.add_argument("--sweep-splits", action="store_true", help="time the split minimums first (default launch)")
     parser.add_argument("--breakdown", action="store_true", help="kernel times per call (torch.profiler) first")
     parser.add_argument("--dims", default="128,64")
+    parser.add_argument("--bits", default="2", help="history code widths, comma-separated (2, 4)")
+    parser.add_argument("--no-cuda-history", action="store_true", help="Triton history kernel only")
     parser.add_argument("--launch-out", default=None, help="write the launch configs used (JSON) here")
     parser.add_argument("--launch", default=None,
                         help="LaunchConfig fields (JSON) over each head_dim's default, for the table without --sweep, "
@@ -282,6 +288,8 @@ def main():
     parser.add_argument("--contexts", default=None, help="table contexts (default: all)")
     parser.add_argument("--batches", default=None, help="table batches (default: all)")
     args = parser.parse_args()
+    global CUDA_HISTORY
+    CUDA_HISTORY = not args.no_cuda_history
     dims = [int(d) for d in args.dims.split(",")]
     LAUNCH_OVERRIDES.update(json.loads(args.launch or "{}"))
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else CONTEXTS
@@ -303,17 +311,16 @@ def main():
         with open(args.launch_out, "w") as f:
             json.dump(launches, f)
     rows = []
-    for dim in dims:
-        backend = backends[dim]
-        for context in contexts:
-            for batch in batches:
-                try:
-                    row = run_cell(batch, context, dim, backend, copy_bw, with_dense=dim == 128)
-                except Exception as exc:
-                    row = dict(batch=batch, context=context, dim=dim, error=f"{type(exc).__name__}: {exc}"[:200])
-                torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    cells = [(dim, bits, context, batch) for dim in dims for bits in (int(b) for b in args.bits.split(","))
+             for context in contexts for batch in batches]
+    for dim, bits, context, batch in cells:
+        try:
+            row = run_cell(batch, context, dim, backends[dim], copy_bw, with_dense=dim == 128 and bits == 2, bits=bits)
+        except Exception as exc:
+            row = dict(batch=batch, context=context, dim=dim, bits=bits, error=f"{type(exc).__name__}: {exc}"[:200])
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     text = table(rows, copy_bw)
     print(text)
     if args.out:

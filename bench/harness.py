@@ -247,9 +247,9 @@ def graphed(fn):
 
 class Case:
     """Random BF16 K/V of one decode layer and its OSCAR tiers: `SINK` + `RECENT` + 1 new token in BF16, the rest
-    demoted to a 2-bit history by `backend` (Hadamard rotations, the default clip ratios)."""
+    demoted to a `bits`-bit history by `backend` (Hadamard rotations, the default clip ratios)."""
 
-    def __init__(self, batch: int, context: int, dim: int, backend: Backend):
+    def __init__(self, batch: int, context: int, dim: int, backend: Backend, bits: int = 2):
         dev = torch.device(DEVICE)
         self.batch, self.context, self.dim = batch, context, dim
         self.query = torch.randn(batch, Q_HEADS, 1, dim, device=dev, dtype=torch.bfloat16)
@@ -261,10 +261,10 @@ class Case:
         idx = torch.cat([torch.arange(SINK), torch.arange(SINK + self.history_len, context)]).to(dev)
         self.dense_keys = self.keys.index_select(2, idx).contiguous()
         self.dense_values = self.values.index_select(2, idx).contiguous()
-        self.history = QuantizedHistory(batch, KV_HEADS, dim, dim, OscarConfig(), dev)
+        self.history = QuantizedHistory(batch, KV_HEADS, dim, dim, OscarConfig(bits=bits), dev)
         self.history._reserve(self.history_len)
         mid = slice(SINK, SINK + self.history_len)
-        self.demote_args = (self.keys[:, :, mid], self.values[:, :, mid], self.rotation, self.rotation, 0.96, 0.92, 2,
+        self.demote_args = (self.keys[:, :, mid], self.values[:, :, mid], self.rotation, self.rotation, 0.96, 0.92, bits,
                             self.history.key_codes[:, :, : self.history_len],
                             self.history.key_scale_zero[:, :, : self.history_len],
                             self.history.value_codes[:, :, : self.history_len],

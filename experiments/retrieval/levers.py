@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
+from oscar_hf.eval.assets import CALIBRATION_PLAYS, EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets, needle_attention
@@ -140,7 +140,11 @@ class Study:
                                    method="oscar" if args.rotations else "hadamard")
         self.probes = make_needle_suite(self.tokenizer, args.lengths, args.depths, args.kinds.split(","),
                                         args.distractors, seed=args.seed)
-        self.answers = self._bf16_answers(args.out)
+        self.answers = self._bf16_answers(self.probes, args.out)
+        # layer choices are fitted on probes from the calibration plays, never on the suite that scores them
+        self.fitting = self._bf16_answers(make_needle_suite(self.tokenizer, [1024, 2048], [0.35, 0.65],
+                                                            args.kinds.split(","), [0], seed=args.seed + 1,
+                                                            plays=CALIBRATION_PLAYS), args.out)
         self.text = play_tokens(self.tokenizer, EVALUATION_PLAYS[0], args.ppl_tokens)
         self.prefill = 512
         with torch.no_grad():
@@ -149,14 +153,14 @@ class Study:
         config = self.model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    def _bf16_answers(self, out: str) -> list[tuple]:
+    def _bf16_answers(self, probes, out: str) -> list[tuple]:
         path = os.path.join(out, "bf16_answers.json")
         stored = json.load(open(path)) if os.path.exists(path) else {}
         found = []
-        for probe in tqdm(self.probes, desc="BF16 answers"):
-            key = f"{probe.kind}:{probe.group}:{probe.depth}:{probe.distractors}:{probe.answer}"
+        for probe in tqdm(probes, desc="BF16 answers"):
+            key = f"{probe.kind}:{probe.group}:{probe.depth}:{probe.distractors}:{probe.answer}:{probe.length}"
             if key not in stored:
-                stored[key] = greedy_through_cache(self.model, DynamicCache(config=self.model.config), 24,
+                stored[key] = greedy_through_cache(self.model, DynamicCache(config=self.model.config), 40,
                                                    prompt=probe.input_ids)
             targets = [i for i in copy_targets(self.tokenizer, stored[key], probe.answer) if i > 0]
             if targets:
@@ -169,8 +173,8 @@ class Study:
         return SimulationPlan.from_cache(self.template, prefill=prefill, row_format=fmt.read_back)
 
     def sensitive_layers(self, base: Format, count: int) -> set[int]:
-        probes = [p for p, _, _ in self.answers]
-        answers = [a for _, a, _ in self.answers]
+        probes = [p for p, _, _ in self.fitting]
+        answers = [a for _, a, _ in self.fitting]
         trace = needle_attention(self.model, self.tokenizer, probes, answers, self.template, row_format=base.read_back)
         mass = trace.tensor("mass_bf16").sum(-1)
         lost = mass - trace.tensor("mass_quantized").sum(-1)

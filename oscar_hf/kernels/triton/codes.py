@@ -95,6 +95,43 @@ def unpack2_asm(packed, WITH_MAGIC: tl.constexpr = False):
     )
 
 
+# PTX of `unpack4_asm`: bytes spread to 16-bit lanes, the low nibble masked into the mantissa of 1024 (step 1), the
+# high nibble into that of 64 (step 1/16), then 1024 + 8 and 64 + 8 subtracted (codes centred on 8)
+_UNPACK4_CENTRED = tl.constexpr("""{
+        .reg .b32 lo, hi, m0, m1, k0, k1, c0, c1;
+        mov.b32 m0, 0x000F000F;
+        mov.b32 m1, 0x00F000F0;
+        mov.b32 k0, 0x64006400;
+        mov.b32 k1, 0x54005400;
+        mov.b32 c0, 0x64086408;
+        mov.b32 c1, 0x54805480;
+        prmt.b32 lo, $4, 0, 0x4140;
+        prmt.b32 hi, $4, 0, 0x4342;
+        lop3.b32 $0, lo, m0, k0, 0xEA;
+        lop3.b32 $1, hi, m0, k0, 0xEA;
+        lop3.b32 $2, lo, m1, k1, 0xEA;
+        lop3.b32 $3, hi, m1, k1, 0xEA;
+        sub.f16x2 $0, $0, c0;
+        sub.f16x2 $1, $1, c0;
+        sub.f16x2 $2, $2, c1;
+        sub.f16x2 $3, $3, c1;
+}""")
+
+
+@triton.jit
+def unpack4_asm(packed):
+    """The two 4-bit planes of uint8 codes (bits 0-3, bits 4-7) minus 8 as exact float16 values, 4 bytes per call,
+    by the mantissa trick of `unpack2_asm`: no shifts and no integer-to-float conversions."""
+    return tl.inline_asm_elementwise(
+        asm=_UNPACK4_CENTRED,
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
 @triton.jit
 def magic(c: tl.constexpr):
     """2^(10-2c): the float16 whose mantissa step puts 2-bit plane c in place (`unpack2_asm`)."""
@@ -140,7 +177,11 @@ def folded_key_offset(q0, q1, q2, q3, q_sum, AXIS: tl.constexpr = 1):
 
 @triton.jit
 def code_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr):
-    if ASM_UNPACK:
+    if ASM_UNPACK and BITS == 4:
+        q0, q2 = unpack4_asm(lo_bytes)
+        q1, q3 = unpack4_asm(hi_bytes)
+        return q0, q1, q2, q3
+    elif ASM_UNPACK:
         return unpack2_asm(lo_bytes)
     else:
         return (code_plane(lo_bytes, hi_bytes, 0, BITS, DT), code_plane(lo_bytes, hi_bytes, 1, BITS, DT),

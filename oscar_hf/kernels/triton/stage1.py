@@ -573,7 +573,7 @@ def attention_partials(
             HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS,
-            ASM_UNPACK=config.asm_unpack and bits == 2 and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
+            ASM_UNPACK=config.asm_unpack and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
             WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents, WAIT_AT_END=overlap_prior,
