@@ -79,11 +79,14 @@ class OscarCache(Cache):
             config = OscarConfig.from_method(method or _infer_method(rotations), **options)
         elif method is not None or options:
             raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
-        per_byte = 8 // config.bits
-        if config.quantize and shape.head_dim % per_byte:
-            raise UnsupportedModelError(
-                f"head_dim={shape.head_dim} is not a multiple of {per_byte}, the codes packed per byte at {config.bits} bits"
-            )
+        for bits in config.code_widths:
+            if config.quantize and shape.head_dim % (8 // bits):
+                raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
+                                            f"packed per byte at {bits} bits")
+        unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
+        if unknown:
+            raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
+                             f"are {shape.oscar_layer_ids}")
         resolved = _resolve_rotations(
             rotations if rotations is not None else config.default_rotation, shape,
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
@@ -95,7 +98,9 @@ class OscarCache(Cache):
             if kind == OSCAR_LAYER:
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
                 key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
-                layer_config = config if explicit_clip else _recorded_clip_config(config, resolved, i)
+                layer_config = config.for_layer(i)
+                if not explicit_clip and i not in config.high_precision_layers:
+                    layer_config = _recorded_clip_config(layer_config, resolved, i)
                 layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))

@@ -48,6 +48,9 @@ class OscarConfig:
         encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference)
             or "lloyd" (opt-in, experimental: Lloyd-Max iterations on the uniform grid, `quantize.lloyd_refine`).
             Same stored format and dequantizer; "lloyd" demotes through the PyTorch reference on every device.
+        high_precision_layers: layer indices whose history stores `high_precision_bits`-bit codes, unclipped,
+            instead of `bits` (the layers retrieval depends on most; `for_layer` gives each layer's settings).
+        high_precision_bits: code width of those layers, 2 or 4.
     """
 
     method: str = "hadamard"
@@ -61,6 +64,8 @@ class OscarConfig:
     quantize: bool = True
     history_chunk: int = 4096
     encoder: str = "minmax"
+    high_precision_layers: tuple[int, ...] = ()
+    high_precision_bits: int = 4
 
     def __post_init__(self):
         if isinstance(self.scale_dtype, str):
@@ -77,8 +82,13 @@ class OscarConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1")
-        if self.bits not in (2, 4):
-            raise ValueError(f"bits={self.bits!r}: OscarCache stores 2-bit or 4-bit codes")
+        for name in ("bits", "high_precision_bits"):
+            if getattr(self, name) not in (2, 4):
+                raise ValueError(f"{name}={getattr(self, name)!r}: OscarCache stores 2-bit or 4-bit codes")
+        layers = self.high_precision_layers
+        if isinstance(layers, int) or not all(isinstance(i, int) and i >= 0 for i in layers):
+            raise ValueError(f"high_precision_layers={layers!r}: expected layer indices (integers >= 0)")
+        object.__setattr__(self, "high_precision_layers", tuple(sorted(set(layers))))
         for name in ("key_clip_ratio", "value_clip_ratio"):
             ratio = getattr(self, name)
             if ratio is not None and not 0.0 < ratio <= 1.0:
@@ -99,6 +109,19 @@ class OscarConfig:
             raise TypeError(f"unknown OscarConfig option(s) {unknown}; valid options: {sorted(known)}")
         preset = {k: v for k, v in PRESETS[method].items() if k != "rotation"}
         return cls(method=method, **{**preset, **overrides})
+
+    def for_layer(self, layer_idx: int) -> "OscarConfig":
+        """The settings of one layer: these, or for a high-precision layer `high_precision_bits`-bit codes without
+        clipping (a clip that suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them)."""
+        if layer_idx not in self.high_precision_layers:
+            return self
+        return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
+                                   high_precision_layers=())
+
+    @property
+    def code_widths(self) -> tuple[int, ...]:
+        """The code widths some layer stores."""
+        return tuple(sorted({self.bits, self.high_precision_bits} if self.high_precision_layers else {self.bits}))
 
     @property
     def default_rotation(self) -> str:

@@ -60,7 +60,7 @@ class SimulationPlan:
     chunk: int = 1
     recorder: Callable | None = None
     propagate: bool = True
-    clip_ratios: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+    layer_configs: dict[int, OscarConfig] = field(default_factory=dict)  # per-layer settings (clips, code width)
     row_format: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None
     _history: dict = field(default_factory=dict, repr=False)
 
@@ -69,8 +69,8 @@ class SimulationPlan:
         """Settings and rotations of an (unused) `OscarCache`: `OscarCache(model.config, rotations, method, ...)`."""
         layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
         rotations = {layer.layer_idx: (layer.key_rotation, layer.value_rotation) for layer in layers}
-        clips = {layer.layer_idx: (layer.config.key_clip_ratio, layer.config.value_clip_ratio) for layer in layers}
-        return cls(cache.oscar_config, rotations, prefill=prefill, chunk=chunk, clip_ratios=clips, **kwargs)
+        configs = {layer.layer_idx: layer.config for layer in layers}
+        return cls(cache.oscar_config, rotations, prefill=prefill, chunk=chunk, layer_configs=configs, **kwargs)
 
     def history(self, batch: int, length: int, device) -> torch.Tensor:
         """`[batch, length]` history length seen by each query (cached per shape)."""
@@ -140,9 +140,9 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
     key_r = None if key_rotation is None else key_rotation.to(query.device, torch.float32)
     value_r = None if value_rotation is None else value_rotation.to(query.device, torch.float32)
     if plan.row_format is None:
-        key_clip, value_clip = plan.clip_ratios.get(layer_idx, (cfg.key_clip_ratio, cfg.value_clip_ratio))
-        k_hat = reconstruct(key, key_rotation, cfg, key_clip)
-        v_hat = reconstruct(value, value_rotation, cfg, value_clip)
+        layer_cfg = plan.layer_configs.get(layer_idx, cfg)
+        k_hat = reconstruct(key, key_rotation, layer_cfg, layer_cfg.key_clip_ratio)
+        v_hat = reconstruct(value, value_rotation, layer_cfg, layer_cfg.value_clip_ratio)
     else:
         k_hat = plan.row_format(rotate(key, key_r), layer_idx, "key")
         v_hat = plan.row_format(rotate(value, value_r), layer_idx, "value")

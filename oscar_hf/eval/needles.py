@@ -179,13 +179,14 @@ def _token_span(offsets: Sequence[tuple[int, int]], begin: int, end: int) -> tup
 
 def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float], kinds: Sequence[str] = KINDS,
                       distractors: Sequence[int] = (0,), seed: int = 0, sink: int | None = None,
-                      recent: int | None = None) -> list[Probe]:
-    """Every combination of length, depth, kind and distractor count. Each probe's play (one of the held-out
-    plays) follows from its own parameters and the seed, so a probe is the same in every suite that holds it."""
+                      recent: int | None = None, plays: Sequence[str] = EVALUATION_PLAYS) -> list[Probe]:
+    """Every combination of length, depth, kind and distractor count. Each probe's play (one of `plays`, by default
+    the held-out ones) follows from its own parameters and the seed, so a probe is the same in every suite that holds
+    it. Choices fitted on probes (which layers to keep at higher precision, say) take `assets.CALIBRATION_PLAYS`."""
     probes = []
     grid = ((k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths)
     for kind, count, length, depth in grid:
-        play = random.Random(f"{seed}:{kind}:{length}:{depth}:{count}").choice(EVALUATION_PLAYS)
+        play = random.Random(f"{seed}:{kind}:{length}:{depth}:{count}").choice(list(plays))
         probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent))
     return probes
 

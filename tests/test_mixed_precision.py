@@ -1,0 +1,66 @@
+"""Layers kept at higher precision (`OscarConfig.high_precision_layers`): what they store, what they cost, and that
+the decode-equivalent simulation and the real cache still agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache, Rotations
+from oscar_hf.config import OscarConfig
+from oscar_hf.eval.decode_equivalent import simulate_logits
+
+from conftest import forward, tiny_model
+
+LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
+
+
+def test_config_gives_each_layer_its_width_and_rejects_bad_layer_lists():
+    config = OscarConfig(high_precision_layers=[3, 1, 1])
+    assert config.high_precision_layers == (1, 3) and config.code_widths == (2, 4)
+    wide, plain = config.for_layer(3), config.for_layer(0)
+    assert (wide.bits, wide.key_clip_ratio, wide.value_clip_ratio) == (4, None, None)
+    assert plain is config and OscarConfig().code_widths == (2,)
+    for bad in (3, [-1], ["0"]):
+        with pytest.raises(ValueError, match="high_precision_layers"):
+            OscarConfig(high_precision_layers=bad)
+    with pytest.raises(ValueError, match="high_precision_bits=3"):
+        OscarConfig(high_precision_bits=3)
+    with pytest.raises(ValueError, match=r"high_precision_layers \[7\] are not full-attention layers"):
+        OscarCache(tiny_model("llama", seed=1), high_precision_layers=(7,))
+
+
+def test_a_high_precision_layer_stores_4_bit_rows_and_the_simulation_still_equals_decoding(tmp_path):
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(1, 96, (1, 40))
+    # a rotations file whose recorded 2-bit clips must not reach the 4-bit layer
+    rotations = Rotations.hadamard([0, 1], 16)
+    rotations.metadata.update(key_clip_ratio=json.dumps(0.5), value_clip_ratio=json.dumps(0.5))
+    mixed = OscarCache(model, rotations=rotations, high_precision_layers=(1,), **LAYOUT)
+    assert [(layer.config.bits, layer.config.key_clip_ratio) for layer in mixed.layers] == [(2, 0.5), (4, None)]
+    plain = OscarCache(model, rotations=rotations, **LAYOUT)
+    forward(model, ids[:, :30], mixed)
+    forward(model, ids[:, :30], plain)
+    history = mixed.layers[1].history
+    assert history.key_codes.shape[-1] == 8 and mixed.layers[0].history.key_codes.shape[-1] == 4  # d=16
+    assert mixed.nbytes() - plain.nbytes() == 2 * 2 * 18 * 4  # K and V, 2 heads, 18 rows, 4 more code bytes each
+
+    exact = DynamicCache(config=model.config)
+    forward(model, ids[:, :30], exact)
+
+    def key_error(cache):
+        return (cache.layers[1].dense_kv()[0] - exact.layers[1].keys).square().mean().item()
+
+    assert key_error(mixed) < key_error(plain) / 10  # 4-bit unclipped rows against 2-bit rows clipped at 0.5
+
+    simulated = simulate_logits(model, ids, OscarCache(model.config, rotations=rotations, high_precision_layers=(1,),
+                                                       **LAYOUT), prefill=20)
+    cache = OscarCache(model, rotations=rotations, high_precision_layers=(1,), **LAYOUT)
+    pieces = [forward(model, ids[:, :20], cache).logits]
+    pieces += [forward(model, ids[:, t:t + 1], cache).logits for t in range(20, ids.shape[1])]
+    assert (simulated - torch.cat(pieces, 1)).abs().max().item() < 1e-5
+    all_two = simulate_logits(model, ids, OscarCache(model.config, rotations=rotations, **LAYOUT), prefill=20)
+    assert (simulated - all_two).abs().max().item() > 1e-4
