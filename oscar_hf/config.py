@@ -13,12 +13,17 @@ from oscar_hf.kernels.reference.quantize import ENCODERS
 # passes none: "hadamard" (data-free), "identity" (no rotation) or "file" (calibrated, must be given).
 PRESETS: dict[str, dict] = {
     "oscar": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
+    # the 2-bit history, with the layers the rotations rank most retrieval-sensitive at 4 bits (`OscarCache`)
+    "oscar-hifi": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     "quarot": dict(rotation="hadamard", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
     "clip": dict(rotation="identity", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     "identity": dict(rotation="identity", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
     "none": dict(rotation="identity", quantize=False, key_clip_ratio=None, value_clip_ratio=None),
 }
+
+# share of the full-attention layers `oscar-hifi` keeps at 4 bits: the top of the rotations' retrieval ranking
+HIFI_LAYER_SHARE = 0.2
 
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -32,8 +37,9 @@ class OscarConfig:
     that exactly `recent_tokens` remain (a decode step demotes `demote_block` tokens at a time).
 
     Args:
-        method: name of the preset the settings came from (`oscar`, `hadamard`, `quarot`, `clip`, `identity`,
-            `none`); informational once the other fields are set.
+        method: name of the preset the settings came from (`oscar`, `oscar-hifi`, `hadamard`, `quarot`, `clip`,
+            `identity`, `none`); informational once the other fields are set, except that an `oscar-hifi` cache
+            without `high_precision_layers` takes them from its rotations' retrieval ranking.
         sink_tokens: leading tokens kept in BF16 (attention sinks). Left padding is added on top, so every row
             keeps `sink_tokens` real tokens.
         recent_tokens: most recent tokens kept in BF16.

@@ -4,6 +4,7 @@ the decode-equivalent simulation and the real cache still agree."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -64,3 +65,38 @@ def test_a_high_precision_layer_stores_4_bit_rows_and_the_simulation_still_equal
     assert (simulated - torch.cat(pieces, 1)).abs().max().item() < 1e-5
     all_two = simulate_logits(model, ids, OscarCache(model.config, rotations=rotations, **LAYOUT), prefill=20)
     assert (simulated - all_two).abs().max().item() > 1e-4
+
+
+def test_retrieval_ranking_is_recorded_and_oscar_hifi_keeps_its_top_layers_at_4_bits(tmp_path):
+    import transformers
+
+    from oscar_hf.calibrate.retrieval_layers import rank_retrieval_layers, record_retrieval_layers
+    from oscar_hf.config import HIFI_LAYER_SHARE
+
+    from conftest import char_tokenizer, tiny_llama
+
+    base = tiny_llama(layers=4)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base.config.to_dict() | {"vocab_size": 128}))
+    tokenizer = char_tokenizer()
+    rotations = Rotations.hadamard([0, 1, 2, 3], 32)
+    template = OscarCache(model.config, rotations=rotations, method="hadamard", **LAYOUT)
+    ranking = rank_retrieval_layers(model.eval(), tokenizer, template, lengths=[600], depths=[0.3, 0.7],
+                                    kinds=["number"], progress=False)
+    assert sorted(ranking) == [0, 1, 2, 3]
+    assert ranking == rank_retrieval_layers(model, tokenizer, template, lengths=[600], depths=[0.3, 0.7],
+                                            kinds=["number"], progress=False)
+    with pytest.raises(ValueError, match="record no ranking"):
+        OscarCache(model, rotations=rotations, method="oscar-hifi", **LAYOUT)
+    record_retrieval_layers(rotations, ranking)
+    rotations.save_pretrained(tmp_path)
+    loaded = Rotations.from_pretrained(tmp_path)
+    assert loaded.retrieval_layers() == ranking
+    hifi = OscarCache(model, rotations=str(tmp_path), method="oscar-hifi", **LAYOUT)
+    kept = ranking[:math.ceil(HIFI_LAYER_SHARE * 4)]
+    assert hifi.oscar_config.high_precision_layers == tuple(sorted(kept))
+    assert [layer.config.bits for layer in hifi.layers] == [4 if i in kept else 2 for i in range(4)]
+    explicit = OscarCache(model, rotations=loaded, method="oscar-hifi", high_precision_layers=(0, 3), **LAYOUT)
+    assert [layer.config.bits for layer in explicit.layers] == [4, 2, 2, 4]
+    loaded.metadata["retrieval_layers"] = "[0, 9]"
+    with pytest.raises(Exception, match="lack"):
+        OscarCache(model, rotations=loaded, method="oscar-hifi", **LAYOUT)

@@ -38,7 +38,7 @@ from oscar_hf import OscarCache
 from oscar_hf.eval.assets import CALIBRATION_PLAYS, EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache
-from oscar_hf.eval.diagnostics.needle_attention import copy_targets, needle_attention
+from oscar_hf.eval.diagnostics.needle_attention import copy_targets, layer_sensitivity, needle_attention
 from oscar_hf.eval.needles import make_needle_suite
 from oscar_hf.kernels.reference.quantize import fake_quantize
 
@@ -176,10 +176,7 @@ class Study:
         probes = [p for p, _, _ in self.fitting]
         answers = [a for _, a, _ in self.fitting]
         trace = needle_attention(self.model, self.tokenizer, probes, answers, self.template, row_format=base.read_back)
-        mass = trace.tensor("mass_bf16").sum(-1)
-        lost = mass - trace.tensor("mass_quantized").sum(-1)
-        value = (trace.tensor("value_error") * trace.tensor("mass_bf16")).sum(-1)
-        score = lost / lost.abs().max().clamp_min(1e-12) + value / value.max().clamp_min(1e-12)
+        score = layer_sensitivity(trace)
         return {trace.layers[int(i)] for i in score.argsort(descending=True)[:count]}
 
     @torch.no_grad()

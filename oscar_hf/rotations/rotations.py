@@ -22,6 +22,10 @@ from oscar_hf.rotations.math import hadamard_matrix, is_power_of_two, orthogonal
 ORTHOGONALITY_TOLERANCE = 1e-3
 
 
+DEFAULT_CLIP_BITS = 2
+RETRIEVAL_LAYERS_KEY = "retrieval_layers"  # metadata: JSON list of layer indices, most retrieval-sensitive first
+
+
 class Rotations:
     """Key and value rotations per global layer index, float32.
 
@@ -117,6 +121,20 @@ class Rotations:
             raise RotationFileError(f"the rotations' recorded clip ratios are unreadable for layer {layer_idx}: "
                                     f"{error!r}") from error
 
+    def retrieval_layers(self) -> list[int] | None:
+        """The layers ranked by retrieval sensitivity (`oscar_hf.calibrate.retrieval_layers`), most sensitive first,
+        or None when the metadata records no ranking."""
+        if RETRIEVAL_LAYERS_KEY not in self.metadata:
+            return None
+        try:
+            ranking = [int(i) for i in json.loads(self.metadata[RETRIEVAL_LAYERS_KEY])]
+        except (ValueError, TypeError) as error:
+            raise RotationFileError(f"the rotations' recorded {RETRIEVAL_LAYERS_KEY} are unreadable: {error!r}") from error
+        unknown = sorted(set(ranking) - set(self.key))
+        if unknown:
+            raise RotationFileError(f"the recorded {RETRIEVAL_LAYERS_KEY} name layers {unknown} these rotations lack")
+        return ranking
+
     def tables(self) -> RotationTables:
         """The rotations as plain tables (what `rotations.io` reads and writes)."""
         return {"key": self.key, "value": self.value, "key_eigenvalues": self.key_eigenvalues,
@@ -185,7 +203,6 @@ class Rotations:
         return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
 
 
-DEFAULT_CLIP_BITS = 2
 
 
 def recorded_clip_ratios(metadata: Mapping[str, str]):

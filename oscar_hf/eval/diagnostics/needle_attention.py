@@ -139,6 +139,16 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
     return NeedleAttention(layers, used, queries_total, copy_accuracy=hits / copied, **table)
 
 
+def layer_sensitivity(stats: NeedleAttention) -> torch.Tensor:
+    """`[layers]` how much each layer's quantized history costs retrieval: the fact's attention mass it loses (BF16
+    mass minus quantized, summed over heads) plus its value read-out error weighted by the BF16 mass, each scaled by
+    its largest layer value so both halves count alike. Higher means keep this layer at higher precision first."""
+    mass = stats.tensor("mass_bf16")
+    lost = (mass - stats.tensor("mass_quantized")).sum(-1)
+    misread = (stats.tensor("value_error") * mass).sum(-1)
+    return lost / lost.abs().max().clamp_min(1e-12) + misread / misread.abs().max().clamp_min(1e-12)
+
+
 def retrieval_heads(stats: NeedleAttention, top: int = 12) -> list[tuple[int, int]]:
     """(layer, query head) of the `top` heads that put the most BF16 attention on the fact."""
     mass = stats.tensor("mass_bf16")
