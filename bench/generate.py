@@ -142,6 +142,8 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, times nothing)")
     parser.add_argument("--launch-config", default=None, help="stage-1 LaunchConfig as JSON (python -m "
                         "bench.attention --launch-out writes the one it measured best)")
+    parser.add_argument("--hifi-layers", type=int, default=0,
+                        help="keep this many layers (spread evenly) at 4 bits, as oscar-hifi does for its ranked ones")
     args = parser.parse_args()
     if args.smoke:
         harness.DEVICE = "cpu"
@@ -154,6 +156,11 @@ def main():
         harness.OSCAR_BACKEND = TritonBackend(launch=launch)
         print(f"launch config: {launch}", flush=True)
     model = build_model(args.smoke)
+    if args.hifi_layers:
+        layers = model.config.num_hidden_layers
+        harness.OSCAR_OPTIONS["high_precision_layers"] = tuple(sorted({i * layers // args.hifi_layers
+                                                                       for i in range(args.hifi_layers)}))
+        print(f"4-bit layers: {harness.OSCAR_OPTIONS['high_precision_layers']}", flush=True)
     name = torch.cuda.get_device_name() if harness.DEVICE == "cuda" else "cpu"
     print(f"device {name}, weights {allocated() / GB:.1f} GB", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]

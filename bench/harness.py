@@ -72,6 +72,7 @@ def build_model(smoke=False):
 GB = 1e9
 DEVICE = "cuda"  # where the decode helpers put caches and inputs ("cpu" for --smoke)
 OSCAR_BACKEND: Backend | None = None  # the backend of every OscarCache layer; None: `kernels.select.backend_for`
+OSCAR_OPTIONS: dict = {}  # OscarConfig fields of every benchmarked OscarCache (e.g. high_precision_layers)
 
 
 def sync():
@@ -101,7 +102,7 @@ def empty_cache():
 def fill_oscar(model, batch, context, chunk=8192):
     """An OscarCache holding `context` random tokens per layer, filled through its own update and demotion path
     (the demotion kernel on CUDA), not a prefill forward."""
-    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND)
+    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **OSCAR_OPTIONS)
     cfg = model.config
     heads = cfg.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
     shape = (batch, heads, chunk, cfg.head_dim)

@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["none", "hadamard", "quarot", "clip", "identity"])
-    parser.add_argument("--rotations", default=None, help="calibrated rotations for method 'oscar'")
+    parser.add_argument("--rotations", default=None,
+                        help="rotations for the methods oscar and oscar-hifi (oscar-hifi needs a retrieval ranking)")
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=torch.float32)
@@ -36,7 +37,7 @@ def main() -> None:
 
     def factory(method):
         def make():
-            rotations = args.rotations if method == "oscar" else None
+            rotations = args.rotations if method in ("oscar", "oscar-hifi") else None
             caches[method] = OscarCache(model, rotations=rotations, method=method)
             return caches[method]
         return make

@@ -9,11 +9,19 @@ read-out (`layer_sensitivity`); the ranking, most sensitive first, is recorded i
 
     ranking = rank_retrieval_layers(model, tokenizer, OscarCache(model.config, rotations=rotations))
     record_retrieval_layers(rotations, ranking); rotations.save_pretrained(folder)
+
+From the command line, for an existing rotations folder (rewritten in place) or for the data-free Hadamard rotations
+(written to `--out`):
+
+    python -m oscar_hf.calibrate.retrieval_layers --model smollm2 --rotations rotations/smollm2-135m
+    python -m oscar_hf.calibrate.retrieval_layers --model smollm2 --rotations hadamard --out rotations/hadamard-ranked
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import time
 from collections.abc import Sequence
 
 import torch
@@ -30,14 +38,16 @@ DEFAULT_DEPTHS = (0.2, 0.5, 0.8)
 @torch.no_grad()
 def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,
                           depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 0,
-                          progress: bool = True) -> list[int]:
+                          progress: bool = True, row_format=None) -> list[int]:
     """The full-attention layers of `template` (an unused `OscarCache` with the settings to rank for), most
-    retrieval-sensitive first. Probes of `lengths` tokens must leave room for the cache's sink and recent window."""
+    retrieval-sensitive first. Probes of `lengths` tokens must leave room for the cache's sink and recent window.
+    `row_format` ranks for a history format the cache does not store (see `decode_equivalent.SimulationPlan`)."""
     config = template.oscar_config
     probes = make_needle_suite(tokenizer, lengths, depths, kinds, (0,), seed=seed, sink=config.sink_tokens,
                                recent=config.recent_tokens, plays=CALIBRATION_PLAYS)
     answers = [probe.input_ids[0, probe.span[0]:probe.span[1]].tolist() for probe in probes]
-    trace = needle_attention(model, tokenizer, probes, answers, template, progress=progress)
+    trace = needle_attention(model, tokenizer, probes, answers, template, row_format=row_format, progress=progress,
+                             with_copy_accuracy=False)
     score = layer_sensitivity(trace)
     return [trace.layers[int(i)] for i in score.argsort(descending=True)]
 
@@ -45,3 +55,42 @@ def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = D
 def record_retrieval_layers(rotations: Rotations, ranking: Sequence[int]) -> None:
     """Store `ranking` (layer indices, most sensitive first) in `rotations.metadata`."""
     rotations.metadata[RETRIEVAL_LAYERS_KEY] = json.dumps([int(i) for i in ranking])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m oscar_hf.calibrate.retrieval_layers",
+                                description="Rank a model's layers by retrieval sensitivity for method='oscar-hifi'.")
+    p.add_argument("--model", required=True, help='"smollm2" (offline SmolLM2-135M) or a path / Hub id')
+    p.add_argument("--rotations", required=True, help='a rotations folder (rewritten in place) or "hadamard"')
+    p.add_argument("--out", default=None, help="folder to write (required for hadamard; default: --rotations)")
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    if args.rotations == "hadamard" and not args.out:
+        p.error("--rotations hadamard needs --out")
+    from oscar_hf import OscarCache
+    from oscar_hf.eval.assets import load_model
+    from oscar_hf.model_support import attention_shape
+
+    start = time.time()
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    if args.rotations == "hadamard":
+        shape = attention_shape(model.config)
+        rotations = Rotations.hadamard(shape.oscar_layer_ids, shape.head_dim)
+        rotations.metadata.update(model=args.model, objective="hadamard")
+    else:
+        rotations = Rotations.from_pretrained(args.rotations)
+    template = OscarCache(model.config, rotations=rotations, method="hadamard" if args.rotations == "hadamard" else
+                          "oscar", sink_tokens=args.sink, recent_tokens=args.recent)
+    ranking = rank_retrieval_layers(model, tokenizer, template, [int(n) for n in args.lengths.split(",")])
+    record_retrieval_layers(rotations, ranking)
+    path = rotations.save_pretrained(args.out or args.rotations)
+    print(f"retrieval ranking (most sensitive first): {ranking}\n  wrote {path} in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -71,6 +71,16 @@ def test_generate_with_kernels_matches_reference_tokens_cpu():
     assert torch.equal(got, ref)
 
 
+def test_a_4_bit_layer_beside_a_2_bit_one_generates_the_reference_tokens():
+    model = _tiny_model(DEVICE, seed=1)
+    ids, mask = _left_padded_batch([44, 37], model.config.vocab_size, DEVICE)
+    options = dict(sink_tokens=4, recent_tokens=16, demote_block=4, high_precision_layers=(1,))
+    got, cache = _generate(model, ids, mask, TritonBackend(), 10, **options)
+    ref, _ = _generate(model, ids, mask, ReferenceBackend(), 10, **options)
+    assert [layer.history.config.bits for layer in cache.layers] == [2, 4] and cache.layers[1].history_length > 0
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_generate_32k_context_matches_reference_tokens_gpu():
     """Two left-padded rows at a 32k-token context: the kernels' tokens equal the reference backend's on the GPU."""

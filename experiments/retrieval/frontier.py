@@ -23,11 +23,12 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| rotation | format | bits/element | copy accuracy | probes fully copied | ppl vs BF16 | KL |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| rotation | format | bits/element | fact tokens copied | probes: fact copied (upper bound) | "
+             "probes: BF16's answer repeated through the fact (lower bound) | ppl vs BF16 | KL |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['rotations']} | `{r['format']}` | {r['bits']:.2f} | {r['copy']:.0%} | {r['probes']} | "
-                     f"{r['ppl_delta']:+.1%} | {r['kl']:.3f} |")
+                     f"{r.get('exact', '–')} | {r['ppl_delta']:+.1%} | {r['kl']:.3f} |")
     return "\n".join(lines)
 
 

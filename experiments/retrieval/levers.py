@@ -7,7 +7,8 @@ Per format:
 - `copy`: teacher-forced copy accuracy on the needle suite: the BF16 answer is fed after the prompt (prefill = the
   prompt, then token by token) and we count the fact's answer tokens the simulated model predicts (argmax), errors
   propagated through the layers; `probes`: probes where every fact token is predicted (a greedy hit, given the
-  answer's prefix);
+  answer's prefix: an upper bound on greedy hits); `exact`: probes where every answer token up to the fact's last is
+  predicted, so greedy decoding would repeat BF16's answer through the fact (a lower bound on greedy hits);
 - `ppl`/`KL`: decode-equivalent perplexity and next-token KL vs BF16 on held-out text (prefill 512, then decoding);
 - `bits`: stored bits per history element, (scale, zero) or (mean, std) pairs in fp16 counted.
 
@@ -16,8 +17,9 @@ Per format:
 
 Format names: `u<k>[/<v>][g<group>][c][l]` uniform min-max rows (`c`: clip 0.96/0.92; `l`: least-squares
 encoder), `n<k>[/<v>]` Gaussian Lloyd-Max codebook on the standardized row, `salient<pct>:<base>` the tokens with
-the largest key norms per head kept in BF16, `mix<bits>:<layers>:<base>` layers at higher uniform precision
-(`auto<n>`: the n layers that lose the most fact mass in the needle-attention trace of the base format).
+the largest key norms per head kept in BF16, `mix<bits>:<layers>:<base>` layers (`0-5+29`) at higher uniform precision
+(`auto<n>`: the top n of `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes
+from the calibration plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.eval.assets import CALIBRATION_PLAYS, EVALUATION_PLAYS, load_model, play_tokens
+from oscar_hf.calibrate.retrieval_layers import rank_retrieval_layers
+from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache
-from oscar_hf.eval.diagnostics.needle_attention import copy_targets, layer_sensitivity, needle_attention
+from oscar_hf.eval.diagnostics.needle_attention import copy_targets
 from oscar_hf.eval.needles import make_needle_suite
 from oscar_hf.kernels.reference.quantize import fake_quantize
 
@@ -124,13 +127,21 @@ def parse(name: str, context) -> Format:
     m = re.fullmatch(r"salient([\d.]+):(.+)", name)
     if m:
         return Format(name, *salient(float(m[1]) / 100, parse(m[2], context)))
-    m = re.fullmatch(r"mix(\d):([\w,]+):(.+)", name)
+    m = re.fullmatch(r"mix(\d):([\w+-]+):(.+)", name)
     if m:
         base = parse(m[3], context)
-        layers = context.sensitive_layers(base, int(m[2][4:])) if m[2].startswith("auto") else {
-            int(x) for x in m[2].split(",")}
+        layers = context.sensitive_layers(base, int(m[2][4:])) if m[2].startswith("auto") else _layer_list(m[2])
         return Format(f"{name} {sorted(layers)}", *mixed(layers, parse(f"u{m[1]}", context), base))
     raise SystemExit(f"unknown format {name!r}")
+
+
+def _layer_list(text: str) -> set[int]:
+    """"0-5+29" -> {0, 1, 2, 3, 4, 5, 29}."""
+    layers = set()
+    for part in text.split("+"):
+        first, _, last = part.partition("-")
+        layers.update(range(int(first), int(last or first) + 1))
+    return layers
 
 
 class Study:
@@ -141,10 +152,6 @@ class Study:
         self.probes = make_needle_suite(self.tokenizer, args.lengths, args.depths, args.kinds.split(","),
                                         args.distractors, seed=args.seed)
         self.answers = self._bf16_answers(self.probes, args.out)
-        # layer choices are fitted on probes from the calibration plays, never on the suite that scores them
-        self.fitting = self._bf16_answers(make_needle_suite(self.tokenizer, [1024, 2048], [0.35, 0.65],
-                                                            args.kinds.split(","), [0], seed=args.seed + 1,
-                                                            plays=CALIBRATION_PLAYS), args.out)
         self.text = play_tokens(self.tokenizer, EVALUATION_PLAYS[0], args.ppl_tokens)
         self.prefill = 512
         with torch.no_grad():
@@ -173,24 +180,23 @@ class Study:
         return SimulationPlan.from_cache(self.template, prefill=prefill, row_format=fmt.read_back)
 
     def sensitive_layers(self, base: Format, count: int) -> set[int]:
-        probes = [p for p, _, _ in self.fitting]
-        answers = [a for _, a, _ in self.fitting]
-        trace = needle_attention(self.model, self.tokenizer, probes, answers, self.template, row_format=base.read_back)
-        score = layer_sensitivity(trace)
-        return {trace.layers[int(i)] for i in score.argsort(descending=True)[:count]}
+        """The shipped ranking (`calibrate.retrieval_layers`: calibration-play probes), for the base format."""
+        ranking = rank_retrieval_layers(self.model, self.tokenizer, self.template, row_format=base.read_back)
+        return set(ranking[:count])
 
     @torch.no_grad()
     def evaluate(self, fmt: Format) -> dict:
         start = time.time()
-        copied = total = whole = 0
+        copied = total = whole = exact = 0
         for probe, answer, targets in tqdm(self.answers, desc=fmt.name, leave=False):
             ids = torch.cat([probe.input_ids, torch.tensor([answer])], dim=1)
             logits = simulate_logits(self.model, ids, self.plan(fmt, probe.length))
-            queries = torch.tensor([probe.length + i - 1 for i in targets])
-            right = logits[0, queries].argmax(-1) == ids[0, queries + 1]
+            predicted = logits[0, probe.length - 1:-1].argmax(-1) == ids[0, probe.length:]
+            right = predicted[targets]
             copied += int(right.sum())
             total += len(targets)
             whole += bool(right.all())
+            exact += bool(predicted[: max(targets) + 1].all())  # greedy decoding would repeat BF16 up to the fact
         logits = simulate_logits(self.model, self.text, self.plan(fmt, self.prefill))[0].float()
         scored = slice(self.prefill, self.text.shape[1] - 1)
         targets = self.text[0, self.prefill + 1:]
@@ -202,6 +208,7 @@ class Study:
         bits = sum(fmt.bits(layer, side, self.head_dim) for layer in range(self.layers)
                    for side in ("key", "value")) / (2 * self.layers)
         return dict(format=fmt.name, bits=round(bits, 3), copy=copied / total, probes=f"{whole}/{len(self.answers)}",
+                    exact=f"{exact}/{len(self.answers)}",
                     ppl=math.exp(nll), ppl_bf16=math.exp(ref_nll), ppl_delta=math.exp(nll - ref_nll) - 1, kl=kl,
                     seconds=round(time.time() - start, 1))
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from oscar_hf.config import OscarConfig
 from oscar_hf.eval.assets import load_model
 from oscar_hf.eval.diagnostics.generation import full_precision_prefill, greedy_through_cache
 from oscar_hf.eval.diagnostics.methods import DEFAULT_METHODS, Method, builtin_methods
@@ -143,6 +144,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
     parser.add_argument("--rotations", default=None,
                         help="calibrated rotations for the oscar rows (folder/file/Hub id)")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    parser.add_argument("--oscar-options", type=json.loads, default={},
+                        help='OscarConfig fields for every OSCAR row, as JSON (e.g. \'{"recent_tokens": 128}\')')
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--no-shared-prefill", action="store_true", help="plain generate (one prefill per method)")
@@ -153,12 +156,21 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
 
 
 def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
-    """The `--methods` of the parsed arguments (unknown names exit with the known ones)."""
-    available = builtin_methods(args.rotations, **oscar_options)
+    """The `--methods` of the parsed arguments (unknown names, or `--oscar-options` that are not OscarConfig fields,
+    exit with what is known)."""
+    options = {**getattr(args, "oscar_options", {}), **oscar_options}
+    try:
+        OscarConfig.from_method("hadamard", **options)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"--oscar-options: {error}") from error
+    available = builtin_methods(args.rotations, **options)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     unknown = [n for n in names if n not in available]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(available)}")
+    if "oscar-hifi" in names and args.rotations is None:
+        raise SystemExit("the oscar-hifi method needs --rotations that record a retrieval ranking (python -m "
+                         "oscar_hf.calibrate.retrieval_layers --rotations <folder or hadamard> ...)")
     return [available[n] for n in names]
 
 

@@ -129,7 +129,8 @@ class Rotations:
         try:
             ranking = [int(i) for i in json.loads(self.metadata[RETRIEVAL_LAYERS_KEY])]
         except (ValueError, TypeError) as error:
-            raise RotationFileError(f"the rotations' recorded {RETRIEVAL_LAYERS_KEY} are unreadable: {error!r}") from error
+            raise RotationFileError(f"the rotations' recorded {RETRIEVAL_LAYERS_KEY} are unreadable: "
+                                    f"{error!r}") from error
         unknown = sorted(set(ranking) - set(self.key))
         if unknown:
             raise RotationFileError(f"the recorded {RETRIEVAL_LAYERS_KEY} name layers {unknown} these rotations lack")

@@ -73,8 +73,9 @@ def _oscar(method: str, rotations=None, **options) -> Callable:
 def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, Method]:
     """Every method of the side-by-side table, keyed by name.
 
-    `rotations`: calibrated rotations (folder, file or Hub id) for the `oscar` and `oscar4` rows; without them
-    those rows use the data-free Hadamard rotation (the `hadamard` preset). `oscar_options` (e.g.
+    `rotations`: calibrated rotations (folder, file or Hub id) for the `oscar`, `oscar-hifi` and `oscar4` rows;
+    without them the `oscar` and `oscar4` rows use the data-free Hadamard rotation (the `hadamard` preset), and
+    `oscar-hifi`, which needs the retrieval ranking a rotations file records, cannot be built. `oscar_options` (e.g.
     `recent_tokens=128`) apply to every OSCAR-layout row.
     """
     calibrated = rotations is not None
@@ -89,6 +90,10 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
         Method("quarot", "Hadamard only (QuaRot-style)", _oscar("quarot", **oscar_options), oscar=True),
         Method("clip", "clip only", _oscar("clip", **oscar_options), oscar=True),
         Method("oscar", oscar_label, _oscar(oscar_method, rotations, **oscar_options), oscar=True),
+        Method("oscar-hifi", oscar_label.replace("OSCAR", "OSCAR-hifi (2-bit, the top fifth of the layers by retrieval "
+                                                 "ranking at 4 bits)", 1),
+               _oscar("oscar-hifi", rotations, **oscar_options), oscar=True,
+               note="needs rotations that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers)"),
         Method("oscar4", oscar_label.replace("OSCAR", "OSCAR 4-bit", 1),
                _oscar(oscar_method, rotations, **{**oscar_options, "bits": 4}), oscar=True),
         Method("kivi2", "KIVI-style 2-bit (quanto, per-channel K / per-token V, g32, R128)", _quantized("quanto", **kivi),

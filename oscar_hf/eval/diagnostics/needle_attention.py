@@ -19,6 +19,7 @@ answer is teacher-forced with the errors propagating through the layers, the way
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -102,12 +103,13 @@ class _Recorder:
 
 @torch.no_grad()
 def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Sequence[int]],
-                     template, row_format=None, progress: bool = True) -> NeedleAttention:
+                     template, row_format=None, progress: bool = True,
+                     with_copy_accuracy: bool = True) -> NeedleAttention:
     """Needle statistics of `template`'s cache settings (an unused `OscarCache`) over `probes` (`retrieval.Probe`s
     with a `value_span`), each with the answer
     tokens BF16 gave for it. Probes whose answer does not contain the fact, or whose fact's first token is predicted
     by the prefill alone, are skipped; at least one must remain. `row_format` replaces the cache's quantizer (see
-    `SimulationPlan`)."""
+    `SimulationPlan`). `with_copy_accuracy=False` skips the propagated forward (`copy_accuracy` is then NaN)."""
     device = next(model.parameters()).device
     sums: dict[int, dict[str, torch.Tensor]] = {}
     queries_total, used, hits, copied = 0, 0, 0, 0
@@ -126,9 +128,10 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
             into = sums.setdefault(layer, {k: torch.zeros_like(v) for k, v in stats.items()})
             for k, v in stats.items():
                 into[k] += v
-        logits = simulate_logits(model, ids, SimulationPlan.from_cache(template, prefill=prompt, row_format=row_format))
-        predicted = logits[0, queries.to(device)].argmax(-1).cpu()
-        hits += int((predicted == ids[0, queries + 1].cpu()).sum())
+        if with_copy_accuracy:
+            plan = SimulationPlan.from_cache(template, prefill=prompt, row_format=row_format)
+            predicted = simulate_logits(model, ids, plan)[0, queries.to(device)].argmax(-1).cpu()
+            hits += int((predicted == ids[0, queries + 1].cpu()).sum())
         copied += len(targets)
         queries_total += len(targets)
         used += 1
@@ -136,7 +139,8 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
         raise ValueError("no probe has a BF16 answer that contains its fact after the first answer token")
     layers = sorted(sums)
     table = {m: [(sums[layer][m] / queries_total).tolist() for layer in layers] for m in METRICS}
-    return NeedleAttention(layers, used, queries_total, copy_accuracy=hits / copied, **table)
+    accuracy = hits / copied if with_copy_accuracy else math.nan
+    return NeedleAttention(layers, used, queries_total, copy_accuracy=accuracy, **table)
 
 
 def layer_sensitivity(stats: NeedleAttention) -> torch.Tensor:
