@@ -46,7 +46,8 @@ class OscarConfig:
         demote_block: demotion granularity in tokens during decode.
         bits: code width of the history, 2 (4 codes per byte) or 4 (2 codes per byte).
         key_clip_ratio / value_clip_ratio: per-row symmetric clip at the order statistic
-            `sort(|x|)[int(ratio * head_dim)]`; `None` disables clipping.
+            `sort(|x|)[int(ratio * head_dim)]`; `None` disables clipping. The presets clip only at 2 bits
+            (`from_method` with `bits=4` gives None unless the ratios are passed too).
         scale_dtype: storage dtype of the per-row (scale, zero) pair: float16 (2.25 bits/element at 2 bits and
             head_dim 128), bfloat16 or float32.
         quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
@@ -114,6 +115,10 @@ class OscarConfig:
         if unknown:
             raise TypeError(f"unknown OscarConfig option(s) {unknown}; valid options: {sorted(known)}")
         preset = {k: v for k, v in PRESETS[method].items() if k != "rotation"}
+        if overrides.get("bits", cls.bits) != cls.bits:
+            # the presets' clip ratios are a 2-bit trade (range for resolution): wider codes resolve the tails the
+            # clip cuts, and retrieval reads them, so other widths do not clip unless asked to
+            preset.update(key_clip_ratio=None, value_clip_ratio=None)
         return cls(method=method, **{**preset, **overrides})
 
     def for_layer(self, layer_idx: int) -> "OscarConfig":

@@ -150,7 +150,7 @@ def test_recorded_clip_ratios_apply_only_at_the_code_width_they_were_searched_fo
     loaded = _rotations_with_clips(tmp_path, {0: 0.5, 1: None}, {0: 0.92, 1: 0.5})  # no clip_bits: a 2-bit search
     assert loaded.clip_ratios(0, bits=2) == (0.5, 0.92) and loaded.clip_ratios(0, bits=4) is None
     four = OscarCache(model, rotations=loaded, bits=4, sink_tokens=4, recent_tokens=8)
-    assert [(layer.config.key_clip_ratio, layer.config.value_clip_ratio) for layer in four.layers] == [(0.96, 0.92)] * 2
+    assert [(layer.config.key_clip_ratio, layer.config.value_clip_ratio) for layer in four.layers] == [(None, None)] * 2
     loaded.metadata["clip_bits"] = "4"
     assert loaded.clip_ratios(1, bits=4) == (None, 0.5) and loaded.clip_ratios(1, bits=2) is None
     two = OscarCache(model, rotations=loaded, sink_tokens=4, recent_tokens=8)

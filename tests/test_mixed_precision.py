@@ -34,6 +34,14 @@ def test_config_gives_each_layer_its_width_and_rejects_bad_layer_lists():
         OscarCache(tiny_model("llama", seed=1), high_precision_layers=(7,))
 
 
+def test_presets_clip_only_2_bit_rows():
+    assert (OscarConfig.from_method("hadamard").key_clip_ratio, OscarConfig.from_method("hadamard").bits) == (0.96, 2)
+    four = OscarConfig.from_method("hadamard", bits=4)
+    assert (four.key_clip_ratio, four.value_clip_ratio) == (None, None)
+    asked = OscarConfig.from_method("oscar", bits=4, key_clip_ratio=0.9)
+    assert (asked.key_clip_ratio, asked.value_clip_ratio) == (0.9, None)
+
+
 def test_a_high_precision_layer_stores_4_bit_rows_and_the_simulation_still_equals_decoding(tmp_path):
     model = tiny_model("llama", seed=3)
     ids = torch.randint(1, 96, (1, 40))

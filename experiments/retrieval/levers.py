@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/levers")
     args = p.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
     study = Study(args)
     print(f"{len(study.answers)} of {len(study.probes)} probes: BF16 answers with the fact")
     path = os.path.join(args.out, "levers.jsonl")
