@@ -52,9 +52,11 @@ class OscarConfig:
             head_dim 128), bfloat16 or float32.
         quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
         history_chunk: tokens of history dequantized at a time by the PyTorch reference attention.
-        encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference)
-            or "lloyd" (opt-in, experimental: Lloyd-Max iterations on the uniform grid, `quantize.lloyd_refine`).
-            Same stored format and dequantizer; "lloyd" demotes through the PyTorch reference on every device.
+        encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference),
+            "lloyd" (opt-in: Lloyd-Max iterations on the uniform grid, `quantize.lloyd_refine`) or "sigma" (opt-in:
+            the Gaussian-optimal uniform grid around the row's mean, from its standard deviation; ignores the clip
+            ratios). Same stored format and dequantizer; the opt-in encoders demote through the PyTorch reference
+            on every device.
         high_precision_layers: layer indices whose history stores `high_precision_bits`-bit codes, unclipped,
             instead of `bits` (the layers retrieval depends on most; `for_layer` gives each layer's settings).
         high_precision_bits: code width of those layers, 2 or 4.

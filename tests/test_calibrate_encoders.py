@@ -63,3 +63,18 @@ def test_cache_with_lloyd_encoder_stores_the_refined_codes():
     packed, pairs = quantize_pack(rotate(keys, layer.key_rotation), 2, 0.96, torch.float16, "lloyd")
     assert torch.equal(layer.history.key_codes[:, :, :28], packed)
     assert torch.equal(layer.history.key_scale_zero[:, :, :28], pairs)
+
+
+def test_sigma_grid_is_the_gaussian_optimal_uniform_quantizer_in_the_stored_format():
+    from oscar_hf.kernels.reference.quantize import dequantize_rows, quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(4096, 64) * 0.7 + 0.3
+    codes, scale_zero = quantize_rows(x, 2, 0.5, torch.float16, "sigma")  # the clip ratio does not apply
+    again, _ = quantize_rows(x, 2, None, torch.float16, "sigma")
+    assert torch.equal(codes, again) and codes.max() == 3 and codes.min() == 0
+    error = (dequantize_rows(codes, scale_zero) - x).square().mean() / x.var()
+    plain = (dequantize_rows(*quantize_rows(x, 2, None, torch.float16)) - x).square().mean() / x.var()
+    assert 0.11 < error < 0.125 < plain  # Max's Gaussian optimum is 0.1188 of the variance
+    steps = scale_zero[:, 0].float() / x.std(-1, unbiased=False)
+    assert torch.allclose(steps, torch.full_like(steps, 0.9957), rtol=2e-3)

@@ -16,7 +16,8 @@ Per format:
   python -m experiments.retrieval.levers --formats u2,u3,mix4:auto8 --rotations rotations/smollm2-135m
 
 Format names: `u<k>[/<v>][g<group>][c][l]` uniform min-max rows (`c`: clip 0.96/0.92; `l`: least-squares
-encoder), `n<k>[/<v>]` Gaussian Lloyd-Max codebook on the standardized row, `salient<pct>:<base>` the tokens with
+encoder), `n<k>[/<v>]` Gaussian Lloyd-Max codebook on the standardized row, `s<k>[/<v>]` the uniform format with a
+Gaussian-optimal grid around the row's mean (scale from the standard deviation, not the range), `salient<pct>:<base>` the tokens with
 the largest key norms per head kept in BF16, `mix<bits>:<layers>:<base>` layers (`0-5+29`) at higher uniform precision
 (`auto<n>`: the top n of `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes
 from the calibration plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
@@ -91,6 +92,27 @@ def gaussian(key_bits: int, value_bits: int) -> tuple:
     return read_back, lambda layer, side, d: widths[side] + PAIR_BITS / d
 
 
+# the step of the mean-squared-error-optimal uniform quantizer of a Gaussian, in standard deviations
+GAUSSIAN_UNIFORM_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352}
+
+
+def sigma_scaled(key_bits: int, value_bits: int) -> tuple:
+    """The stored format and dequantizer of `u<k>` ((scale, zero) per row, codes `floor(x / scale + zero + 0.5)`), but
+    the grid is the Gaussian-optimal uniform one around the row's mean instead of spanning its min and max:
+    scale = step(bits) * std, zero = (2^bits - 1) / 2 - mean / scale."""
+    widths = {"key": key_bits, "value": value_bits}
+
+    def read_back(rows, layer, side):
+        bits = widths[side]
+        levels = float(2**bits - 1)
+        scale = (GAUSSIAN_UNIFORM_STEP[bits] * rows.std(-1, keepdim=True)).clamp_min(1e-8).to(SCALE).float()
+        zero = (levels / 2 - rows.mean(-1, keepdim=True) / scale).to(SCALE).float()
+        codes = torch.floor(rows / scale + zero + 0.5).clamp(0, levels)
+        return (codes - zero) * scale
+
+    return read_back, lambda layer, side, d: widths[side] + PAIR_BITS / d
+
+
 def salient(fraction: float, base: Format) -> tuple:
     """The `fraction` of tokens with the largest key norm, per (row, KV head), kept exact on both sides; a key's
     norm is the same in any orthogonal basis, so the value side selects by the same tokens."""
@@ -124,6 +146,9 @@ def parse(name: str, context) -> Format:
     m = re.fullmatch(r"n(\d)(?:/(\d))?", name)
     if m:
         return Format(name, *gaussian(int(m[1]), int(m[2] or m[1])))
+    m = re.fullmatch(r"s(\d)(?:/(\d))?", name)
+    if m:
+        return Format(name, *sigma_scaled(int(m[1]), int(m[2] or m[1])))
     m = re.fullmatch(r"salient([\d.]+):(.+)", name)
     if m:
         return Format(name, *salient(float(m[1]) / 100, parse(m[2], context)))

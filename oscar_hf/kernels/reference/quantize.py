@@ -8,6 +8,9 @@ Per row (one token of one KV head, the whole head_dim; rows are already rotated)
 4. the (scale, zero) pair is stored in `scale_dtype`; `dequantize` computes `(q - zero) * scale` in float32.
 5. opt-in (`encoder="lloyd"`, `OscarConfig.encoder`): Lloyd-Max iterations on the uniform grid refine the min-max
    (codes, scale, zero) to the row's least-squares uniform quantizer; same format, same dequantizer.
+6. opt-in (`encoder="sigma"`): the grid is the mean-squared-error-optimal uniform quantizer of a Gaussian with the
+   row's mean m and standard deviation s (rotated rows are close to Gaussian): `scale = STEP[bits] * s`,
+   `zero = L / 2 - m / scale`, codes as in 3 (values beyond the outer levels saturate, so no clip is applied).
 
 `floor` is 1e-8, raised for float16 storage so that |zero| stays below `ZERO_LIMIT_FP16` (only degenerate,
 near-constant rows are affected: without it their zero point would overflow float16).
@@ -23,8 +26,10 @@ import torch
 
 SCALE_FLOOR = 1e-8
 ZERO_LIMIT_FP16 = 32768.0
-ENCODERS = ("minmax", "lloyd")
+ENCODERS = ("minmax", "lloyd", "sigma")
 LLOYD_ITERATIONS = 6
+# step of the MSE-optimal uniform quantizer of a unit Gaussian with 2**bits levels (Max 1960)
+GAUSSIAN_UNIFORM_STEP = {2: 0.9957, 4: 0.3352}
 
 
 def clip_index(ratio: float | None, head_dim: int) -> int | None:
@@ -59,6 +64,8 @@ def quantize_rows(
     """
     if encoder not in ENCODERS:
         raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+    if encoder == "sigma":
+        return _sigma_rows(x, bits, scale_dtype)
     codes, scale_zero = _minmax_rows(x, bits, clip_ratio, scale_dtype)
     if encoder == "lloyd":
         return lloyd_refine(x, codes, scale_zero, bits, scale_dtype)
@@ -77,6 +84,20 @@ def _minmax_rows(x, bits, clip_ratio, scale_dtype):
     zero = -lo / scale
     codes = torch.floor(x / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).to(torch.uint8)
     scale_zero = torch.stack([scale, zero], dim=-1).to(scale_dtype)
+    return codes, scale_zero
+
+
+def _sigma_rows(x, bits, scale_dtype):
+    x = x.float()
+    levels = float(2**bits - 1)
+    mean = x.mean(dim=-1)
+    std = (x - mean[..., None]).square().mean(dim=-1).sqrt()
+    scale = torch.clamp(std * GAUSSIAN_UNIFORM_STEP[bits], min=SCALE_FLOOR)
+    zero = torch.full_like(mean, levels / 2) - mean / scale
+    # the stored pair is what the dequantizer reads: choose the codes for it
+    scale_zero = torch.stack([scale, zero], dim=-1).to(scale_dtype)
+    stored = scale_zero.float()
+    codes = torch.floor(x / stored[..., :1] + stored[..., 1:] + 0.5).clamp_(0, levels).to(torch.uint8)
     return codes, scale_zero
 
 
