@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["none", "hadamard", "quarot", "clip", "identity"])
     parser.add_argument("--rotations", default=None,
                         help="rotations for the methods oscar and oscar-hifi (oscar-hifi needs a retrieval ranking)")
+    parser.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=torch.float32)
@@ -38,7 +39,8 @@ def main() -> None:
     def factory(method):
         def make():
             rotations = args.rotations if method in ("oscar", "oscar-hifi") else None
-            caches[method] = OscarCache(model, rotations=rotations, method=method)
+            options = {} if args.encoder == "minmax" else {"encoder": args.encoder}
+            caches[method] = OscarCache(model, rotations=rotations, method=method, **options)
             return caches[method]
         return make
 

@@ -94,6 +94,14 @@ def test_cli_clip_search_records_ratios(model_folder, text_file, tmp_path):
     assert metadata["clip_search_tokens"] == "200" and metadata["clip_bits"] == "2"
 
 
+def test_cli_retrieval_ranking_needs_a_tokenizer_that_spells_the_needles(model_folder, text_file, tmp_path):
+    # a word-level tokenizer turns every needle value into [UNK]: the ranking says so instead of ranking noise
+    with pytest.raises(ValueError, match="does not decode back"):
+        run_cli("--model", model_folder, "--data", text_file, "--tokens", 200, "--context", 200, "--out",
+                tmp_path / "ranked", "--sink", 4, "--recent", 8, "--no-progress", "--rank-retrieval-layers",
+                "--rank-lengths", 300)
+
+
 def test_push_to_hub_uploads_folder_with_provenance_card(tmp_path):
     calls = []
 

@@ -136,7 +136,8 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
         queries_total += len(targets)
         used += 1
     if not used:
-        raise ValueError("no probe has a BF16 answer that contains its fact after the first answer token")
+        raise ValueError("no probe has an answer that spells its fact after the first answer token (the answers miss "
+                         "every fact, or the tokenizer does not decode back to the text it encoded)")
     layers = sorted(sums)
     table = {m: [(sums[layer][m] / queries_total).tolist() for layer in layers] for m in METRICS}
     accuracy = hits / copied if with_copy_accuracy else math.nan
