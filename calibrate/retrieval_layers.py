@@ -1,10 +1,12 @@
 """Which layers retrieval depends on, ranked for `OscarConfig.high_precision_layers` (the `oscar-hifi` preset).
 
-Needle probes are built from the calibration plays (`assets.CALIBRATION_PLAYS`, never the evaluation ones), and each
-probe's own needle sentence is teacher-forced as its answer, so no generation is needed and a weak model ranks as
-well as a strong one. The needle-attention trace (`eval.diagnostics.needle_attention`) of the cache's 2-bit
-settings then scores every layer by the fact's attention mass its history loses and the error of its value
-read-out (`layer_sensitivity`); the ranking, most sensitive first, is recorded in the rotations' metadata
+Needle probes are built from the calibration plays (`assets.CALIBRATION_PLAYS`, never the evaluation ones) and the
+model answers them greedily in full precision; the probes whose answer spells the fact are traced with that answer
+(`eval.diagnostics.needle_attention`) under the cache's 2-bit settings, and every layer is scored by the fact's
+attention mass its history loses and the error of its value read-out (`layer_sensitivity`). The model's own
+answers matter: teacher-forcing the needle sentence instead ranked SmolLM2's Hadamard layers worse (8 of 36 greedy
+hits for the resulting `oscar-hifi` against 14; docs/retrieval.md). A model that answers none of the probes is
+ranked on the needle sentences. The ranking, most sensitive first, is recorded in the rotations' metadata
 (`retrieval_layers`), where `OscarCache(..., method="oscar-hifi")` finds it.
 
     ranking = rank_retrieval_layers(model, tokenizer, OscarCache(model.config, rotations=rotations))
@@ -25,19 +27,23 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from oscar_hf.eval.assets import CALIBRATION_PLAYS
-from oscar_hf.eval.diagnostics.needle_attention import layer_sensitivity, needle_attention
+from oscar_hf.eval.diagnostics.generation import greedy_through_cache
+from oscar_hf.eval.diagnostics.needle_attention import copy_targets, layer_sensitivity, needle_attention
 from oscar_hf.eval.needles import KINDS, make_needle_suite
 from oscar_hf.rotations.rotations import RETRIEVAL_LAYERS_KEY, Rotations
 
 DEFAULT_LENGTHS = (1024, 2048)
-DEFAULT_DEPTHS = (0.2, 0.5, 0.8)
+DEFAULT_DEPTHS = (0.35, 0.65)
+ANSWER_TOKENS = 40
 
 
 @torch.no_grad()
 def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,
-                          depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 0,
+                          depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 1,
                           progress: bool = True, row_format=None) -> list[int]:
     """The full-attention layers of `template` (an unused `OscarCache` with the settings to rank for), most
     retrieval-sensitive first. Probes of `lengths` tokens must leave room for the cache's sink and recent window.
@@ -45,11 +51,20 @@ def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = D
     config = template.oscar_config
     probes = make_needle_suite(tokenizer, lengths, depths, kinds, (0,), seed=seed, sink=config.sink_tokens,
                                recent=config.recent_tokens, plays=CALIBRATION_PLAYS)
-    answers = [probe.input_ids[0, probe.span[0]:probe.span[1]].tolist() for probe in probes]
+    answers = _full_precision_answers(model, tokenizer, probes, progress)
+    if not any(copy_targets(tokenizer, a, p.answer) for p, a in zip(probes, answers)):
+        answers = [probe.input_ids[0, probe.span[0]:probe.span[1]].tolist() for probe in probes]
     trace = needle_attention(model, tokenizer, probes, answers, template, row_format=row_format, progress=progress,
                              with_copy_accuracy=False)
     score = layer_sensitivity(trace)
     return [trace.layers[int(i)] for i in score.argsort(descending=True)]
+
+
+def _full_precision_answers(model, tokenizer, probes, progress: bool) -> list[list[int]]:
+    device = next(model.parameters()).device
+    return [greedy_through_cache(model, DynamicCache(config=model.config), ANSWER_TOKENS,
+                                 prompt=probe.input_ids.to(device))
+            for probe in tqdm(probes, desc="full-precision answers", disable=not progress, leave=False)]
 
 
 def record_retrieval_layers(rotations: Rotations, ranking: Sequence[int]) -> None:

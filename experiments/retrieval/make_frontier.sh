@@ -1,0 +1,15 @@
+
+# The README and docs/retrieval.md frontier: simulated levers (out/levers/levers.jsonl) and the greedy needle runs.
+cd "$(dirname "$0")/../.."
+R=docs/results
+python -m experiments.retrieval.frontier out/levers/levers.jsonl --out docs/results/levers --needles \
+  "2-bit Hadamard=2.5=$R/needles-cpu-hadamard/needles.json=oscar" \
+  "2-bit calibrated=2.5=$R/needles-cpu-calibrated/needles.json=oscar" \
+  "Hadamard only=2.5=$R/needles-cpu-hadamard/needles.json=quarot" \
+  "hifi calibrated=2.9=$R/needles-cpu-hifi-calibrated/needles.json=oscar-hifi" \
+  "hifi Hadamard=2.9=$R/needles-cpu-hifi-hadamard-generated-ranking/needles.json=oscar-hifi" \
+  "hifi Hadamard, sentence ranking=2.9=$R/needles-cpu-hifi-hadamard/needles.json=oscar-hifi" \
+  "sentence ranking, 10 layers=3.17=$R/needles-cpu-hifi10-hadamard/needles.json=oscar-hifi" \
+  "4-bit Hadamard, clipped=4.5=$R/needles-cpu-hadamard/needles.json=oscar4" \
+  "4-bit Hadamard=4.5=$R/needles-cpu-4bit-noclip/needles.json=oscar4" \
+  "4-bit calibrated=4.5=$R/needles-cpu-hifi-calibrated/needles.json=oscar4" $EXTRA
