@@ -1,8 +1,8 @@
 
-# The README and docs/retrieval.md frontier: simulated levers (out/levers/levers.jsonl) and the greedy needle runs.
+# The README and docs/retrieval.md frontier: simulated levers (docs/results/levers/levers.jsonl, appended to by experiments.retrieval.levers --out) and the greedy needle runs.
 cd "$(dirname "$0")/../.."
 R=docs/results
-python -m experiments.retrieval.frontier out/levers/levers.jsonl --out docs/results/levers --needles \
+python -m experiments.retrieval.frontier docs/results/levers/levers.jsonl --out docs/results/levers --needles \
   "2-bit Hadamard=2.5=$R/needles-cpu-hadamard/needles.json=oscar" \
   "2-bit calibrated=2.5=$R/needles-cpu-calibrated/needles.json=oscar" \
   "Hadamard only=2.5=$R/needles-cpu-hadamard/needles.json=quarot" \

@@ -184,8 +184,8 @@ def report_table(results: dict[str, NeedleAttention], top: int = 12) -> str:
 
 
 def plot(results: dict[str, NeedleAttention], path: str) -> str | None:
-    """Heatmaps (layers × query heads) per method: BF16 fact mass, quantized/BF16 mass, value error. Returns the
-    path, or None without matplotlib."""
+    """Heatmaps (layers × query heads) per method: BF16 fact mass, mass lost to the quantized keys, value error.
+    Returns the path, or None without matplotlib."""
     try:
         import matplotlib
 
@@ -198,8 +198,10 @@ def plot(results: dict[str, NeedleAttention], path: str) -> str | None:
     for row, name in enumerate(names):
         stats = results[name]
         mass = stats.tensor("mass_bf16")
+        lost = mass - stats.tensor("mass_quantized")
+        reach = float(lost.abs().max().clamp_min(1e-6))
         panels = (("fact mass, BF16 keys", mass, "viridis", None),
-                  ("quantized / BF16 fact mass", stats.tensor("mass_quantized") / mass.clamp_min(1e-6), "RdBu", (0, 2)),
+                  ("fact mass lost to the quantized keys", lost, "RdBu_r", (-reach, reach)),
                   ("fact value read-out error", stats.tensor("value_error"), "magma", None))
         for col, (title, data, cmap, limits) in enumerate(panels):
             ax = axes[row][col]
