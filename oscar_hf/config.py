@@ -55,8 +55,8 @@ class OscarConfig:
         encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference),
             "lloyd" (opt-in: Lloyd-Max iterations on the uniform grid, `quantize.lloyd_refine`) or "sigma" (opt-in:
             the Gaussian-optimal uniform grid around the row's mean, from its standard deviation; ignores the clip
-            ratios). Same stored format and dequantizer; the opt-in encoders demote through the PyTorch reference
-            on every device.
+            ratios). Same stored format and dequantizer; "lloyd" demotes through the PyTorch reference on every
+            device, "sigma" through the Triton demotion kernel on CUDA.
         high_precision_layers: layer indices whose history stores `high_precision_bits`-bit codes, unclipped,
             instead of `bits` (the layers retrieval depends on most; `for_layer` gives each layer's settings).
         high_precision_bits: code width of those layers, 2 or 4.

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
-from oscar_hf.kernels.reference.quantize import quantize_pack, quantize_rows, unpack_codes  # noqa: E402
+from oscar_hf.kernels.reference.quantize import quantize_pack, quantize_rows, unpack_codes, unpack_dequantize  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 from oscar_hf.rotations.math import hadamard_matrix, rotate  # noqa: E402
 
@@ -141,3 +141,28 @@ def test_opt_in_encoder_demotes_through_the_reference():
     lloyd = quantize_pack(keys.float(), bits, cfg.key_clip_ratio, cfg.scale_dtype, "lloyd")[0]
     minmax = quantize_pack(keys.float(), bits, cfg.key_clip_ratio, cfg.scale_dtype)[0]
     assert torch.equal(stored.key_codes[:, :, :TOKENS], lloyd) and not torch.equal(lloyd, minmax)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sigma_encoder_in_the_kernel_gives_the_reference_codes(dim, bits, scale_dtype):
+    x = _rows(BATCH, HEADS, TOKENS, dim, torch.float32) * 0.8 + 0.2
+    x[0, 0, 3] = 0.0  # constant rows: the scale floor keeps them finite
+    x[0, 1, 5] = 7.0
+    codes, scale_zero = _poisoned(BATCH, HEADS, TOKENS, dim, bits, scale_dtype)
+    demote_rows([(x, None, 0.5, codes, scale_zero)], bits, encoder="sigma")  # sigma takes no clip
+    ref_codes, ref_scale_zero = quantize_pack(x.float(), bits, None, scale_dtype, "sigma")
+    # a constant row sits exactly between the two middle levels of an even grid: its mean, summed in another order
+    # than torch's, picks either side (both read back within the floor scale of the row)
+    spread = x.amax(-1) - x.amin(-1)
+    varied = spread > 1e-4 * (1 + x.abs().amax(-1))
+    assert torch.equal(codes[varied], ref_codes[varied]) and not varied.all()
+    # the row sums run in another order than torch's: float32 pairs may differ in the last bits
+    assert torch.allclose(scale_zero.float()[varied], ref_scale_zero.float()[varied], rtol=1e-5, atol=1e-7)
+    read = unpack_dequantize(codes, scale_zero, bits)
+    assert torch.isfinite(read).all()
+    flat = ~varied
+    assert ((read - x)[flat].abs().amax(-1) <= scale_zero.float()[flat][:, 0] + 1e-2 * x[flat].abs().amax(-1)).all()
+    with pytest.raises(ValueError, match="encodes"):
+        demote_rows([(x, None, None, codes, scale_zero)], bits, encoder="lloyd")

@@ -92,13 +92,11 @@ def _sigma_rows(x, bits, scale_dtype):
     levels = float(2**bits - 1)
     mean = x.mean(dim=-1)
     std = (x - mean[..., None]).square().mean(dim=-1).sqrt()
-    scale = torch.clamp(std * GAUSSIAN_UNIFORM_STEP[bits], min=SCALE_FLOOR)
+    floor = torch.clamp(mean.abs() * (levels / zero_limit(scale_dtype)), min=SCALE_FLOOR)
+    scale = torch.maximum(std * GAUSSIAN_UNIFORM_STEP[bits], floor)
     zero = torch.full_like(mean, levels / 2) - mean / scale
-    # the stored pair is what the dequantizer reads: choose the codes for it
-    scale_zero = torch.stack([scale, zero], dim=-1).to(scale_dtype)
-    stored = scale_zero.float()
-    codes = torch.floor(x / stored[..., :1] + stored[..., 1:] + 0.5).clamp_(0, levels).to(torch.uint8)
-    return codes, scale_zero
+    codes = torch.floor(x / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).to(torch.uint8)
+    return codes, torch.stack([scale, zero], dim=-1).to(scale_dtype)
 
 
 def lloyd_refine(

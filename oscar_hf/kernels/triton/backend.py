@@ -23,7 +23,7 @@ from oscar_hf.kernels.cuda import history as cuda_history
 from oscar_hf.kernels.interface import HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
-from oscar_hf.kernels.triton.demote import demote_rows
+from oscar_hf.kernels.triton.demote import KERNEL_ENCODERS, demote_rows
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
 from oscar_hf.kernels.triton.merge import merge_splits
 from oscar_hf.kernels.triton.query_rotation import rotate_query
@@ -66,7 +66,7 @@ class TritonBackend(ReferenceBackend):
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None:
-        if encoder != "minmax":
+        if encoder not in KERNEL_ENCODERS:
             return f"encoder {encoder!r} demotes through the PyTorch reference"
         if key_dim != value_dim or not kernel_head_dim(key_dim):
             return "the kernels do not take its head sizes (powers of two from 64 to 256, keys and values alike)"
@@ -74,18 +74,19 @@ class TritonBackend(ReferenceBackend):
 
     # ------------------------------------------------------------------------------------------ demotion
     def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
-        if encoder != "minmax" or not kernel_head_dim(x.shape[-1]):  # opt-in encoders: the reference only
+        if encoder not in KERNEL_ENCODERS or not kernel_head_dim(x.shape[-1]):  # lloyd: the reference only
             return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder)
-        demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits)
+        demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits, encoder=encoder)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
-        if encoder != "minmax" or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1]):
+        if encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1]):
             return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
                                      bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
                                      encoder)
         demote_rows([(keys, key_rotation, key_clip_ratio, key_codes_out, key_scale_zero_out),
-                     (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits)
+                     (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits,
+                    encoder=encoder)
 
     # ------------------------------------------------------------------------------------------ attention
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):

@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from oscar_hf.kernels.interface import kernel_head_dim
-from oscar_hf.kernels.reference.quantize import SCALE_FLOOR, clip_index, zero_limit
+from oscar_hf.kernels.reference.quantize import GAUSSIAN_UNIFORM_STEP, SCALE_FLOOR, clip_index, zero_limit
 from oscar_hf.kernels.triton.common import launch_device, round_to
 
 _BISECT_STEPS = tl.constexpr(31)  # the bit patterns of |x| lie in [0, 0x7F800000]: 31 halvings isolate one
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
+KERNEL_ENCODERS = ("minmax", "sigma")  # `lloyd` demotes through the reference
 
 
 @triton.jit
@@ -36,6 +37,7 @@ def _demote_tensor(
     z_ptr, szb, szh, szt,
     b, h, t0, n, clip_idx, floor_ratio,
     D: tl.constexpr, BITS: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SIGMA: tl.constexpr, STEP: tl.constexpr,
 ):
     offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D)
@@ -53,26 +55,33 @@ def _demote_tensor(
         x = tl.load(x_base + offs_t[:, None] * sxt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         x = x.to(tl.float32)
 
-    if clip_idx >= 0:
-        # thr = sort(|x|)[clip_idx]: the smallest bit pattern v with #{|x| <= v} > clip_idx.
-        bits_abs = tl.abs(x).to(tl.int32, bitcast=True)
-        lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
-        hi = tl.full((BLOCK_T,), 0x7F800000, dtype=tl.int32)
-        for _ in range(_BISECT_STEPS):
-            mid = lo + (hi - lo) // 2
-            count = tl.sum((bits_abs <= mid[:, None]).to(tl.int32), axis=1)
-            above = count > clip_idx
-            hi = tl.where(above, mid, hi)
-            lo = tl.where(above, lo, mid + 1)
-        thr = lo.to(tl.float32, bitcast=True)[:, None]
-        x = tl.maximum(tl.minimum(x, thr), -thr)
-
     levels: tl.constexpr = 2**BITS - 1
-    x_min = tl.min(x, axis=1)
-    x_max = tl.max(x, axis=1)
-    floor = tl.maximum(tl.abs(x_min) * floor_ratio, _SCALE_FLOOR)
-    scale = tl.math.div_rn(tl.maximum(x_max - x_min, floor), tl.full((BLOCK_T,), levels, tl.float32))
-    zero = tl.math.div_rn(-x_min, scale)
+    if SIGMA:
+        # the Gaussian-optimal uniform grid around the row's mean (`quantize._sigma_rows`)
+        mean = tl.sum(x, axis=1) / D
+        centered = x - mean[:, None]
+        std = tl.sqrt_rn(tl.sum(centered * centered, axis=1) / D)
+        scale = tl.maximum(std * STEP, tl.maximum(tl.abs(mean) * floor_ratio, _SCALE_FLOOR))
+        zero = levels / 2 - tl.math.div_rn(mean, scale)
+    else:
+        if clip_idx >= 0:
+            # thr = sort(|x|)[clip_idx]: the smallest bit pattern v with #{|x| <= v} > clip_idx.
+            bits_abs = tl.abs(x).to(tl.int32, bitcast=True)
+            lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+            hi = tl.full((BLOCK_T,), 0x7F800000, dtype=tl.int32)
+            for _ in range(_BISECT_STEPS):
+                mid = lo + (hi - lo) // 2
+                count = tl.sum((bits_abs <= mid[:, None]).to(tl.int32), axis=1)
+                above = count > clip_idx
+                hi = tl.where(above, mid, hi)
+                lo = tl.where(above, lo, mid + 1)
+            thr = lo.to(tl.float32, bitcast=True)[:, None]
+            x = tl.maximum(tl.minimum(x, thr), -thr)
+        x_min = tl.min(x, axis=1)
+        x_max = tl.max(x, axis=1)
+        floor = tl.maximum(tl.abs(x_min) * floor_ratio, _SCALE_FLOOR)
+        scale = tl.math.div_rn(tl.maximum(x_max - x_min, floor), tl.full((BLOCK_T,), levels, tl.float32))
+        zero = tl.math.div_rn(-x_min, scale)
     q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
 
@@ -95,7 +104,7 @@ def _demote_kernel(
     vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor,
     n,
     D: tl.constexpr, BITS: tl.constexpr, K_ROT: tl.constexpr, V_ROT: tl.constexpr, NUM_TENSORS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SIGMA: tl.constexpr, STEP: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BLOCK_T
     h = tl.program_id(1)
@@ -103,10 +112,10 @@ def _demote_kernel(
     which = tl.program_id(2) % NUM_TENSORS
     if which == 0:
         _demote_tensor(kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt,
-                       b, h, t0, n, k_clip, k_floor, D, BITS, K_ROT, BLOCK_T, BLOCK_K)
+                       b, h, t0, n, k_clip, k_floor, D, BITS, K_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
     else:
         _demote_tensor(vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt,
-                       b, h, t0, n, v_clip, v_floor, D, BITS, V_ROT, BLOCK_T, BLOCK_K)
+                       b, h, t0, n, v_clip, v_floor, D, BITS, V_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
 
 
 def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
@@ -128,8 +137,8 @@ def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
             scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio)
 
 
-def demote_rows(pairs, bits: int, block_tokens: int = 16) -> None:
-    """Quantize one or two tensors in one launch.
+def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax") -> None:
+    """Quantize one or two tensors in one launch, with the `minmax` or the `sigma` encoder (`quantize`).
 
     `pairs`: a list of one or two tuples `(x, rotation, clip_ratio, codes_out, scale_zero_out)` with `x`
     `[B, H, n, d]` (the same shape for both), `codes_out` `[B, H, n, d * bits // 8]` uint8 and `scale_zero_out`
@@ -146,6 +155,8 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16) -> None:
             raise ValueError(f"codes_out must be uint8 {(batch, heads, n, d * bits // 8)}, got {codes.dtype} {tuple(codes.shape)}")
         if sz.shape != (batch, heads, n, 2):
             raise ValueError(f"scale_zero_out must be {(batch, heads, n, 2)}, got {tuple(sz.shape)}")
+    if encoder not in KERNEL_ENCODERS:
+        raise ValueError(f"encoder={encoder!r}: the demotion kernel encodes {KERNEL_ENCODERS}")
     if n == 0:
         return
     if not kernel_head_dim(d):
@@ -158,5 +169,6 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16) -> None:
         _demote_kernel[grid](
             *args[0], *args[1], n,
             D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,
-            NUM_TENSORS=len(pairs), BLOCK_T=block_tokens, BLOCK_K=min(d, 32), num_warps=4,
+            NUM_TENSORS=len(pairs), BLOCK_T=block_tokens, BLOCK_K=min(d, 32), SIGMA=encoder == "sigma",
+            STEP=GAUSSIAN_UNIFORM_STEP[bits] if encoder == "sigma" else 1.0, num_warps=4,
         )
