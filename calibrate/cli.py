@@ -15,6 +15,7 @@ import time
 import torch
 
 from oscar_hf.eval.assets import SMOLLM2_ALIASES, SMOLLM2_PROVENANCE, load_model
+from oscar_hf.rotations.rotations import DEFAULT_CLIP_BITS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         rotations.metadata["clip_search_tokens"] = str(sum(s.shape[-1] for s in search))
     else:
         rotations.metadata.update({"key_clip_ratio": json.dumps(args.key_clip_ratio),
-                                   "value_clip_ratio": json.dumps(args.value_clip_ratio), "clip_bits": "2"})
+                                   "value_clip_ratio": json.dumps(args.value_clip_ratio),
+                                   "clip_bits": str(DEFAULT_CLIP_BITS)})
     rotations.metadata["encoder"] = args.encoder
     if args.rank_retrieval_layers:
         from oscar_hf import OscarCache

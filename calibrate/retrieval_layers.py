@@ -51,7 +51,7 @@ def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = D
     config = template.oscar_config
     probes = make_needle_suite(tokenizer, lengths, depths, kinds, (0,), seed=seed, sink=config.sink_tokens,
                                recent=config.recent_tokens, plays=CALIBRATION_PLAYS)
-    answers = _full_precision_answers(model, tokenizer, probes, progress)
+    answers = full_precision_answers(model, probes, progress)
     if not any(copy_targets(tokenizer, a, p.answer) for p, a in zip(probes, answers)):
         answers = [probe.input_ids[0, probe.span[0]:probe.span[1]].tolist() for probe in probes]
     trace = needle_attention(model, tokenizer, probes, answers, template, row_format=row_format, progress=progress,
@@ -60,7 +60,8 @@ def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = D
     return [trace.layers[int(i)] for i in score.argsort(descending=True)]
 
 
-def _full_precision_answers(model, tokenizer, probes, progress: bool) -> list[list[int]]:
+def full_precision_answers(model, probes, progress: bool = True) -> list[list[int]]:
+    """Each probe's greedy answer (`ANSWER_TOKENS` token ids) through a full-precision `DynamicCache`."""
     device = next(model.parameters()).device
     return [greedy_through_cache(model, DynamicCache(config=model.config), ANSWER_TOKENS,
                                  prompt=probe.input_ids.to(device))

@@ -12,15 +12,19 @@ Per format:
 - `ppl`/`KL`: decode-equivalent perplexity and next-token KL vs BF16 on held-out text (prefill 512, then decoding);
 - `bits`: stored bits per history element, (scale, zero) or (mean, std) pairs in fp16 counted.
 
-  python -m experiments.retrieval.levers --formats all --out out/levers
-  python -m experiments.retrieval.levers --formats u2,u3,mix4:auto8 --rotations rotations/smollm2-135m
+  python -m experiments.retrieval.levers --formats u2c,u2,u2l,s2,n2,u3,u4 --out out/levers
+  python -m experiments.retrieval.levers --formats u2,u3,mix4:auto8:u2c --rotations rotations/smollm2-135m
 
-Format names: `u<k>[/<v>][g<group>][c][l]` uniform min-max rows (`c`: clip 0.96/0.92; `l`: least-squares
-encoder), `n<k>[/<v>]` Gaussian Lloyd-Max codebook on the standardized row, `s<k>[/<v>]` the uniform format with a
-Gaussian-optimal grid around the row's mean (scale from the standard deviation, not the range), `salient<pct>:<base>` the tokens with
-the largest key norms per head kept in BF16, `mix<bits>:<layers>:<base>` layers (`0-5+29`) at higher uniform precision
-(`auto<n>`: the top n of `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes
-from the calibration plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
+Format names:
+- `u<k>[/<v>][g<group>][c][l]`: uniform min-max rows (`c`: clip 0.96/0.92; `l`: least-squares encoder);
+- `n<k>[/<v>]`: a Gaussian Lloyd-Max codebook on the standardized row;
+- `s<k>[/<v>]`: the uniform format with a Gaussian-optimal grid around the row's mean (scale from the standard
+  deviation, not the range; the variant measured in docs/retrieval.md, which the package's `encoder="sigma"`
+  follows with the population deviation);
+- `salient<pct>:<base>`: the tokens with the largest key norms per head kept in BF16;
+- `mix<bits>:<layers>:<base>`: layers (`0-5+29`) at higher uniform precision (`auto<n>`: the top n of
+  `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes from the calibration
+  plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
 """
 
 from __future__ import annotations
@@ -35,13 +39,11 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from oscar_hf import OscarCache
-from oscar_hf.calibrate.retrieval_layers import rank_retrieval_layers
+from oscar_hf.calibrate.retrieval_layers import full_precision_answers, rank_retrieval_layers
 from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
-from oscar_hf.eval.diagnostics.generation import greedy_through_cache
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets
 from oscar_hf.eval.needles import make_needle_suite
 from oscar_hf.kernels.reference.quantize import fake_quantize
@@ -192,8 +194,7 @@ class Study:
         for probe in tqdm(probes, desc="BF16 answers"):
             key = f"{probe.kind}:{probe.group}:{probe.depth}:{probe.distractors}:{probe.answer}:{probe.length}"
             if key not in stored:
-                stored[key] = greedy_through_cache(self.model, DynamicCache(config=self.model.config), 40,
-                                                   prompt=probe.input_ids)
+                stored[key] = full_precision_answers(self.model, [probe], progress=False)[0]
             targets = [i for i in copy_targets(self.tokenizer, stored[key], probe.answer) if i > 0]
             if targets:
                 found.append((probe, stored[key], targets))

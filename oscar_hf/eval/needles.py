@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     def trace(model, tokenizer, probes, results, methods, command):
         from oscar_hf.eval.diagnostics.needle_attention import needle_attention, write_report
 
-        answers = [r.tokens for r in results if r.method == "bf16"]
-        found = [(p, a) for p, a, r in zip(probes, answers, [r for r in results if r.method == "bf16"]) if r.hit]
+        bf16 = [r for r in results if r.method == "bf16"]  # in probe order
+        found = [(p, r.tokens) for p, r in zip(probes, bf16) if r.hit]
         if not found:
             print("--attention: BF16 answers no probe; nothing to trace")
             return

@@ -177,8 +177,8 @@ def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
 AfterRun = Callable[[object, object, list[Probe], list[ProbeResult], list[Method], str], None]
 
 
-def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: Callable[[object], list[Probe]], title: str,
-            basename: str, after: AfterRun | None = None) -> int:
+def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: Callable[[object], list[Probe]],
+            title: str, basename: str, after: AfterRun | None = None) -> int:
     """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary, then
     call `after(model, tokenizer, probes, results, methods, command)` when given."""
     methods = selected_methods(args)

@@ -204,8 +204,6 @@ class Rotations:
         return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
 
 
-
-
 def recorded_clip_ratios(metadata: Mapping[str, str]):
     """(key, value) clip ratios a clip search recorded in rotations metadata, or None when there are none.
 

@@ -112,7 +112,7 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
     `SimulationPlan`). `with_copy_accuracy=False` skips the propagated forward (`copy_accuracy` is then NaN)."""
     device = next(model.parameters()).device
     sums: dict[int, dict[str, torch.Tensor]] = {}
-    queries_total, used, hits, copied = 0, 0, 0, 0
+    queries_total, used, hits = 0, 0, 0
     for probe, answer in tqdm(list(zip(probes, answers)), desc="needle attention", disable=not progress, leave=False):
         targets = [i for i in copy_targets(tokenizer, answer, probe.answer) if i > 0]
         if not targets or probe.value_span[0] < 0:
@@ -132,7 +132,6 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
             plan = SimulationPlan.from_cache(template, prefill=prompt, row_format=row_format)
             predicted = simulate_logits(model, ids, plan)[0, queries.to(device)].argmax(-1).cpu()
             hits += int((predicted == ids[0, queries + 1].cpu()).sum())
-        copied += len(targets)
         queries_total += len(targets)
         used += 1
     if not used:
@@ -140,7 +139,7 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
                          "every fact, or the tokenizer does not decode back to the text it encoded)")
     layers = sorted(sums)
     table = {m: [(sums[layer][m] / queries_total).tolist() for layer in layers] for m in METRICS}
-    accuracy = hits / copied if with_copy_accuracy else math.nan
+    accuracy = hits / queries_total if with_copy_accuracy else math.nan
     return NeedleAttention(layers, used, queries_total, copy_accuracy=accuracy, **table)
 
 
@@ -175,11 +174,10 @@ def report_table(results: dict[str, NeedleAttention], top: int = 12) -> str:
             lines.append(f"| {layer} | {head} | " + " | ".join(f"{c:.3f}" if i in (0, 1, 4, 5) else f"{c:.1f}"
                                                                  for i, c in enumerate(cells)) + " |")
         layer_mass = stats.tensor("mass_bf16").sum(-1)
-        ratio = stats.tensor("mass_quantized").sum(-1) / layer_mass.clamp_min(1e-12)
-        worst = sorted(range(len(stats.layers)), key=lambda i: float(layer_mass[i] * (1 - ratio[i])), reverse=True)
-        lines += ["", "Layers losing the most fact mass (BF16 mass summed over heads × share lost): " + ", ".join(
-            f"{stats.layers[i]} ({float(layer_mass[i]):.2f} → {float(layer_mass[i] * ratio[i]):.2f})"
-            for i in worst[:6]), ""]
+        kept = stats.tensor("mass_quantized").sum(-1)
+        worst = (layer_mass - kept).argsort(descending=True)[:6].tolist()
+        lines += ["", "Layers losing the most fact mass (BF16 mass summed over heads → quantized): " + ", ".join(
+            f"{stats.layers[i]} ({float(layer_mass[i]):.2f} → {float(kept[i]):.2f})" for i in worst), ""]
     return "\n".join(lines)
 
 
