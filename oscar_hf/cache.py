@@ -46,6 +46,10 @@ class OscarCache(Cache):
             is produced already rotated and the attention output needs no un-rotation (`rotations/folding.py`):
             the merge then skips its R_Vᵀ product, which dominates small decode calls. The folded model computes
             the same function with any cache, up to rounding the rotated weights.
+        max_cache_len: tokens the cache will hold at most (prompt and generated), as for `StaticCache`: decode
+            steps run with fixed buffers (`counted_decode`), and a history sized for this many tokens lets every
+            step of a compiled `generate` replay one graph. Default: room for `counted_decode.DECODE_RESERVE`
+            more history tokens than the prompt left (eager steps grow it; compiled steps cannot).
         backend: the kernel backend of every layer (`kernels.interface.Backend`, e.g.
             `oscar_hf.kernels.reference.backend.ReferenceBackend()`); default: `kernels.select.backend_for` of each
             layer's device, on first use.
@@ -65,6 +69,7 @@ class OscarCache(Cache):
         *,
         config: OscarConfig | None = None,
         fold_value_rotation: bool = False,
+        max_cache_len: int | None = None,
         backend: Backend | None = None,
         subfolder: str | None = None,
         revision: str | None = None,
@@ -73,6 +78,8 @@ class OscarCache(Cache):
         **options,
     ):
         register()
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len={max_cache_len}: expected a positive number of tokens (or None)")
         model_config = getattr(model, "config", model)
         shape = attention_shape(model_config)
         explicit_clip = config is not None or "key_clip_ratio" in options or "value_clip_ratio" in options
@@ -104,7 +111,8 @@ class OscarCache(Cache):
                 layer_config = config.for_layer(i)
                 if not explicit_clip and i not in config.high_precision_layers:
                     layer_config = _recorded_clip_config(layer_config, resolved, i)
-                layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend))
+                layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend,
+                                         max_cache_len=max_cache_len))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
         super().__init__(layers=layers)

@@ -44,9 +44,14 @@ class HistorySegment:
     on_close: Callable[[torch.Tensor | None], None]
     mask_free_decode: bool = False
     dense_start: torch.Tensor | None = None
+    # counted decode (`counted_decode`): `history` spans the buffers' capacity with its length on the device
+    # (`length_ptr`), the key/value tensors are the whole BF16 buffer of which `dense_length` rows are in use
+    counted: bool = False
+    dense_length: torch.Tensor | None = None
 
     @property
     def history_length(self) -> int:
+        """Host-known history tokens (a counted segment's count lives on the device: see `history.length_ptr`)."""
         return self.history.length if self.history is not None else 0
 
     def close(self, attention_mask: torch.Tensor | None) -> None:

@@ -73,14 +73,32 @@ class _History:
             self._staging[n] = staging
         return staging
 
-    def _commit(self, n: int, targets: dict[str, torch.Tensor]) -> None:
-        """Make the `n` rows written into `targets` part of the history."""
+    def _commit(self, n: int, targets: dict[str, torch.Tensor], advance: torch.Tensor | None = None) -> None:
+        """Make the `n` rows written into `targets` part of the history. `advance` (int32 `[1]`, pinned histories):
+        write the rows after the device length, but count only `advance` of them (0 or n, decided on the device;
+        the host length is then the caller's to refresh)."""
         if self.device_length is not None:
             rows = targets["_offsets"] + self.device_length
+            if advance is not None:  # a full history drops the block rather than write out of bounds
+                rows = rows.clamp(max=self.capacity - 1)
             for name in self._names:
                 getattr(self, name).index_copy_(2, rows, targets[name])
-            self.device_length += n
-        self.length += n
+            self.device_length += n if advance is None else advance
+        if advance is None:
+            self.length += n
+
+    def prepare_staging(self, n: int) -> None:
+        """Allocate the staging block of `n`-row appends now (a compiled step must not allocate it)."""
+        self._targets(n)
+
+    def kernel_buffers(self) -> tuple:
+        """(keys, values, key scale-zero, value scale-zero) as `HistoryTensors` takes them, whatever the length."""
+        raise NotImplementedError
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The buffers and staging blocks a compiled step reads and writes in place."""
+        staged = [t for block in self._staging.values() for t in block.values()]
+        return [getattr(self, name) for name in self._names] + staged
 
     def _reserve(self, extra: int) -> None:
         for name, (tail, dtype) in self._layout().items():
@@ -139,14 +157,19 @@ class QuantizedHistory(_History):
         cfg = self.config
         return row_bytes(self.key_dim, cfg.bits, cfg.scale_dtype) + row_bytes(self.value_dim, cfg.bits, cfg.scale_dtype)
 
+    def kernel_buffers(self) -> tuple:
+        return self.key_codes, self.value_codes, self.key_scale_zero, self.value_scale_zero
+
     def kernel_view(self) -> HistoryTensors | None:
         if not self.length:
             return None
         return HistoryTensors(self.key_codes, self.value_codes, self.key_scale_zero, self.value_scale_zero,
                               self.length, self.config.bits, self.device_length)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend) -> None:
-        """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend,
+               advance: torch.Tensor | None = None) -> None:
+        """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end (`advance`:
+        see `_commit`)."""
         n = keys.shape[2]
         if n == 0:
             return
@@ -155,7 +178,7 @@ class QuantizedHistory(_History):
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
                           cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
                           out["value_scale_zero"], cfg.encoder)
-        self._commit(n, out)
+        self._commit(n, out, advance)
 
 
 
@@ -173,19 +196,23 @@ class FullPrecisionHistory(_History):
     def token_bytes(self) -> int:
         return (self.key_dim + self.value_dim) * self.dtype.itemsize
 
+    def kernel_buffers(self) -> tuple:
+        return self.keys, self.values, None, None
+
     def kernel_view(self) -> HistoryTensors | None:
         if not self.length:
             return None
         return HistoryTensors(self.keys, self.values, None, None, self.length, length_ptr=self.device_length)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend=None) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend=None,
+               advance: torch.Tensor | None = None) -> None:
         n = keys.shape[2]
         if n == 0:
             return
         out = self._targets(n)
         out["keys"].copy_(rotate(keys, key_rotation))
         out["values"].copy_(rotate(values, value_rotation))
-        self._commit(n, out)
+        self._commit(n, out, advance)
 
 
 def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,

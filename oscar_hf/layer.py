@@ -28,31 +28,41 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.config import OscarConfig
+from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode
 from oscar_hf.demotion import tokens_to_demote
 from oscar_hf.handoff import HistorySegment
 from oscar_hf.history import make_history
-from oscar_hf.kernels.interface import Backend
+from oscar_hf.kernels.interface import Backend, HistoryTensors
+from oscar_hf.kernels.ops import OpBackend
 from oscar_hf.kernels.select import backend_for
 from oscar_hf.rotations.math import rotate
 
 
-def leading_padding(mask: torch.Tensor | None) -> int:
-    """Largest number of leading masked-out key columns over the batch, read from the last query row."""
+def row_leading_padding(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Leading masked-out key columns of each row (int32 `[B or 1]`, on the mask's device), read from the last
+    query row; None without a mask."""
     if mask is None:
-        return 0
+        return None
     last_row = mask[:, 0, -1, :]
     allowed = last_row if last_row.dtype == torch.bool else last_row == 0
-    return int((allowed.int().cumsum(dim=-1) == 0).sum(dim=-1).max().item())
+    return (allowed.int().cumsum(dim=-1) == 0).sum(dim=-1).to(torch.int32)
+
+
+def leading_padding(mask: torch.Tensor | None) -> int:
+    """Largest number of leading masked-out key columns over the batch, read from the last query row."""
+    pads = row_leading_padding(mask)
+    return 0 if pads is None else int(pads.max().item())
 
 
 class OscarLayer(CacheLayerMixin):
     is_sliding = False
-    is_compileable = False
+    is_compileable = True  # decode steps run device-counted (`counted_decode`); prefill runs eagerly
     is_croppable = True
     supports_early_init = False
 
     def __init__(self, layer_idx: int, config: OscarConfig, key_rotation: torch.Tensor | None,
-                 value_rotation: torch.Tensor | None, backend: Backend | None = None):
+                 value_rotation: torch.Tensor | None, backend: Backend | None = None,
+                 max_cache_len: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
@@ -64,6 +74,10 @@ class OscarLayer(CacheLayerMixin):
         self.mask_free_decode = False
         self.row_padding: torch.Tensor | None = None  # int32 [B]: leading pad columns per row
         self.max_row_padding = 0
+        # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
+        # (`counted_decode`); graph decode turns it off for its own captured steps
+        self.allow_counted_decode = True
+        self.max_cache_len = max_cache_len
         self._clear()
 
     def _clear(self) -> None:
@@ -74,6 +88,8 @@ class OscarLayer(CacheLayerMixin):
         self.sink_size: int | None = None  # fixed at the first demotion
         self.unsettled = 0  # tokens appended by forwards not settled yet
         self.segment_open = False
+        self.counted: CountedDecode | None = None
+        self.counted_padding: torch.Tensor | None = None  # int32 [B]: leading pads per row, for counted decode
         self.is_initialized = False
 
     # ------------------------------------------------------------------------------------------ storage
@@ -98,6 +114,7 @@ class OscarLayer(CacheLayerMixin):
         self.values_buffer = value_states.new_empty((batch, heads, self._steady_capacity(), value_dim))
         if self.backend is None:
             self.backend = backend_for(self.device, self.config.history_chunk)
+        self.op_backend = OpBackend(self.backend)
         self.is_initialized = True
 
     def _steady_capacity(self) -> int:
@@ -118,6 +135,8 @@ class OscarLayer(CacheLayerMixin):
 
     @property
     def history_length(self) -> int:
+        if self.counted is not None and not torch.compiler.is_compiling():
+            self._refresh_host_counts()
         return self.history.length if self.history is not None else 0
 
     @property
@@ -127,7 +146,12 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `[B, Hkv, q, d]` states; return the BF16 tiers (sink + recent + new) as views, model basis."""
+        """Append `[B, Hkv, q, d]` states; return the BF16 tiers (sink + recent + new) as views, model basis
+        (in counted decode: the whole BF16 buffer, of which the segment's `dense_length` rows are in use)."""
+        if self.counted is not None:
+            if key_states.shape[-2] == 1 and key_states.shape[0] == self.batch_size and not self.segment_open:
+                return self.counted.update(self, key_states, value_states)
+            self.stop_counted_decode()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.batch_size:
@@ -156,14 +180,58 @@ class OscarLayer(CacheLayerMixin):
     def open_segment(self) -> HistorySegment:
         """Hand the attention function the history layout of the current forward; closing it settles."""
         self.segment_open = True
+        if self.counted is not None:
+            h = self.history
+            history = HistoryTensors(*h.kernel_buffers(), h.capacity, self.config.bits, h.device_length)
+            return HistorySegment(self.layer_idx, self.op_backend, history, self.counted.sink, self.key_rotation,
+                                  self.value_rotation, on_close=self._close_counted, counted=True,
+                                  dense_start=self.counted_padding, dense_length=self.counted.rows)
         return HistorySegment(
             self.layer_idx, self.backend, self.history.kernel_view(),
-            self.sink_length, self.key_rotation, self.value_rotation, on_close=self.settle,
+            self.sink_length, self.key_rotation, self.value_rotation, on_close=self._close_segment,
             mask_free_decode=self.mask_free_decode, dense_start=self.row_padding if self.mask_free_decode else None,
         )
 
+    def _close_segment(self, attention_mask: torch.Tensor | None) -> None:
+        forward_tokens = self.unsettled
+        self.settle(attention_mask)
+        if (forward_tokens > 1 and self.allow_counted_decode and not self.mask_free_decode
+                and not torch.compiler.is_compiling()):
+            self.start_counted_decode(attention_mask)
+
+    def _close_counted(self, attention_mask: torch.Tensor | None) -> None:
+        self.segment_open = False
+        self.counted.settle(self, self.op_backend)
+
+    # ------------------------------------------------------------------------------------------ counted decode
+    def start_counted_decode(self, attention_mask: torch.Tensor | None = None) -> None:
+        """From the next single-token forward on, decode with the counts on the device (`counted_decode`); the
+        sink size is fixed now (as at the first demotion: `sink_tokens` plus the batch's largest left padding,
+        read from the prefill's `attention_mask`)."""
+        pads = row_leading_padding(attention_mask)
+        if pads is not None and pads.shape[0] != self.batch_size:
+            pads = pads.expand(self.batch_size).contiguous()
+        if self.sink_size is None:
+            self.sink_size = self.config.sink_tokens + (0 if pads is None else int(pads.max()))
+        self.counted_padding = pads.contiguous() if pads is not None and bool(pads.any()) else None
+        reserve = DECODE_RESERVE if self.max_cache_len is None else max(self.max_cache_len - self.length, 1)
+        self.counted = CountedDecode(self, reserve)
+
+    def stop_counted_decode(self) -> None:
+        """Back to host-counted storage (before a multi-token forward, a batch operation, a crop, ...)."""
+        if self.counted is None:
+            return
+        self._refresh_host_counts()
+        self.counted = None
+        self.counted_padding = None
+
+    def _refresh_host_counts(self) -> None:
+        self.length, self.bf16_length, self.history.length = self.counted.host_counts(self)
+
     def settle(self, attention_mask: torch.Tensor | None = None) -> None:
         """Demote the oldest recent tokens once the window overflows (see module docstring)."""
+        if self.counted is not None:
+            self.stop_counted_decode()
         self.segment_open = False
         if not self.unsettled:
             return
@@ -206,6 +274,7 @@ class OscarLayer(CacheLayerMixin):
         `row_padding[b]` (int `[B]`, left padding; None: no padding) and ignore the mask they are given: what graph
         decode needs, since a mask captured in a CUDA graph keeps its width. The sink grows to hold the largest
         padding, as it does from a mask."""
+        self.stop_counted_decode()
         self.mask_free_decode = enabled
         self.row_padding = None if row_padding is None else row_padding.to(torch.int32).contiguous()
         self.max_row_padding = 0 if row_padding is None else int(row_padding.max())
@@ -228,6 +297,7 @@ class OscarLayer(CacheLayerMixin):
 
         The slow but exact fallback for attention implementations other than 'oscar'.
         """
+        self.stop_counted_decode()
         keys, values = self.keys_buffer[:, :, : self.bf16_length], self.values_buffer[:, :, : self.bf16_length]
         if not self.history_length:
             return keys, values
@@ -239,9 +309,17 @@ class OscarLayer(CacheLayerMixin):
                 torch.cat([values[:, :, :s], hist_v, values[:, :, s:]], dim=2))
 
     def get_seq_length(self) -> int:
+        """Tokens cached; in counted decode a 0-d device tensor (as `StaticLayer` gives), so that reading it
+        neither synchronizes nor changes a compiled step."""
+        if self.counted is not None:
+            return self.counted.tokens
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.counted is not None:
+            if query_length == 1:  # a counted step reads no mask: any fixed width serves
+                return self.counted.capacity, 0
+            self._refresh_host_counts()  # a multi-token forward is coming: it will leave counted decode
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -251,6 +329,7 @@ class OscarLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        self.stop_counted_decode()
         self.keys_buffer = fn(self.keys_buffer)
         self.values_buffer = fn(self.values_buffer)
         self.history.map_batch(fn)
@@ -271,6 +350,7 @@ class OscarLayer(CacheLayerMixin):
 
         A negative value removes that many tokens; a positive value (legacy) keeps that many.
         """
+        self.stop_counted_decode()
         remove = self.length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if remove <= 0:
             return
@@ -300,6 +380,8 @@ class OscarLayer(CacheLayerMixin):
         store under a BF16 model)."""
         if not self.is_initialized:
             return 0
+        if self.counted is not None:
+            self._refresh_host_counts()
         batch, heads, _, key_dim = self.keys_buffer.shape
         element = (tier_dtype or self.keys_buffer.dtype).itemsize
         per_token = batch * heads * (key_dim + self.values_buffer.shape[3]) * element
@@ -309,6 +391,8 @@ class OscarLayer(CacheLayerMixin):
         """K and V elements of the logical tokens (what a dense cache would store)."""
         if not self.is_initialized:
             return 0
+        if self.counted is not None:
+            self._refresh_host_counts()
         b, h, _, dk = self.keys_buffer.shape
         return self.length * b * h * (dk + self.values_buffer.shape[3])
 
@@ -319,5 +403,7 @@ class OscarLayer(CacheLayerMixin):
         return sum(b.numel() * b.element_size() for b in buffers) + self.history.allocated_nbytes()
 
     def __repr__(self) -> str:
+        if self.counted is not None:
+            self._refresh_host_counts()
         return (f"OscarLayer(idx={self.layer_idx}, tokens={self.length}, sink={self.sink_length}, "
                 f"history={self.history_length}, bf16={self.bf16_length})")

@@ -59,6 +59,11 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def stored(layer, name: str) -> torch.Tensor:
+    """The rows a layer's history holds of buffer `name` (`key_codes`, `value_codes`, ...), not its spare capacity."""
+    return getattr(layer.history, name)[:, :, : layer.history_length]
+
+
 def forward(model, ids, cache, **kwargs):
     """One forward through `cache` under whichever argument name this transformers release uses."""
     return model(input_ids=ids, use_cache=True, **{cache_argument_name(model): cache}, **kwargs)

@@ -9,7 +9,7 @@ from oscar_hf.calibrate.capture import feed
 from oscar_hf.calibrate.clip_search import apply_clip_ratios, clip_grid, clip_ratios_from_metadata, search_clip_ratios
 from oscar_hf.kernels.reference.quantize import clip_index, fake_quantize
 
-from conftest import forward, tiny_model
+from conftest import forward, stored, tiny_model
 
 
 def test_clip_grid_covers_distinct_order_statistics():
@@ -110,8 +110,8 @@ def test_apply_clip_ratios_changes_what_each_layer_stores():
     assert clipped.layers[0].config.key_clip_ratio == 0.5 and clipped.layers[1].config.value_clip_ratio == 0.5
     forward(model, ids, plain)
     forward(model, ids, clipped)
-    assert torch.equal(plain.layers[1].history.key_codes, clipped.layers[1].history.key_codes)  # same 0.96
-    assert not torch.equal(plain.layers[0].history.key_codes, clipped.layers[0].history.key_codes)
+    assert torch.equal(stored(plain.layers[1], "key_codes"), stored(clipped.layers[1], "key_codes"))  # same 0.96
+    assert not torch.equal(stored(plain.layers[0], "key_codes"), stored(clipped.layers[0], "key_codes"))
     with pytest.raises(ValueError, match="fresh cache"):
         apply_clip_ratios(clipped, 0.9, 0.9)
 
@@ -140,9 +140,10 @@ def test_cache_applies_the_clip_ratios_its_rotations_record(tmp_path):
     for cache in (automatic, by_hand, explicit):
         forward(model, ids, cache)
     for i in (0, 1):
-        assert torch.equal(automatic.layers[i].history.key_codes, by_hand.layers[i].history.key_codes)
-        assert torch.equal(automatic.layers[i].history.value_codes, by_hand.layers[i].history.value_codes)
-    assert not torch.equal(automatic.layers[0].history.key_codes, explicit.layers[0].history.key_codes)  # 0.5 vs 0.96
+        assert torch.equal(stored(automatic.layers[i], "key_codes"), stored(by_hand.layers[i], "key_codes"))
+        assert torch.equal(stored(automatic.layers[i], "value_codes"), stored(by_hand.layers[i], "value_codes"))
+    # 0.5 vs 0.96
+    assert not torch.equal(stored(automatic.layers[0], "key_codes"), stored(explicit.layers[0], "key_codes"))
 
 
 def test_recorded_clip_ratios_apply_only_at_the_code_width_they_were_searched_for(tmp_path):

@@ -41,7 +41,7 @@ def test_cache_with_lloyd_encoder_stores_the_refined_codes():
     from oscar_hf.kernels.reference.quantize import quantize_pack
     from oscar_hf.rotations.math import rotate
 
-    from conftest import forward, tiny_model
+    from conftest import forward, stored, tiny_model
 
     model = tiny_model("llama", seed=7)
     ids = torch.randint(1, 96, (1, 40))
@@ -52,7 +52,7 @@ def test_cache_with_lloyd_encoder_stores_the_refined_codes():
     forward(model, ids, minmax_cache)
     layer, reference = lloyd_cache.layers[0], minmax_cache.layers[0]
     assert layer.history_length == 28
-    assert not torch.equal(layer.history.key_codes, reference.history.key_codes)
+    assert not torch.equal(stored(layer, "key_codes"), stored(reference, "key_codes"))
     # Re-encode the demoted keys (sink 4 .. 32) from the min-max cache's exact copy: a DynamicCache-free check that
     # the lloyd cache stored exactly quantize_pack(..., "lloyd") of the rotated rows.
     from transformers import DynamicCache
@@ -61,7 +61,7 @@ def test_cache_with_lloyd_encoder_stores_the_refined_codes():
     forward(model, ids, dense)
     keys = dense.layers[0].keys[:, :, 4:32]
     packed, pairs = quantize_pack(rotate(keys, layer.key_rotation), 2, 0.96, torch.float16, "lloyd")
-    assert torch.equal(layer.history.key_codes[:, :, :28], packed)
+    assert torch.equal(stored(layer, "key_codes")[:, :, :28], packed)
     assert torch.equal(layer.history.key_scale_zero[:, :, :28], pairs)
 
 

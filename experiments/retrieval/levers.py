@@ -22,7 +22,10 @@ Format names:
   deviation, not the range; the variant measured in docs/retrieval.md, which the package's `encoder="sigma"`
   follows with the population deviation);
 - `salient<pct>:<base>`: the tokens with the largest key norms per head kept in BF16;
-- `mix<bits>:<layers>:<base>`: layers (`0-5+29`) at higher uniform precision (`auto<n>`: the top n of
+- a trailing `q` on `u`/`s` formats (`u2cq`, `s2q`) stores each row's pair in 16 bits instead of 32: the scale
+  rounded up to a power of 2^(1/16) (an 8-bit exponent code against a per-head base) and the zero point as 8-bit
+  fixed point (`compact_pair`); at head_dim 64 that frees 0.25 bits per element for layers at higher precision;
+- `mix<bits>[q]:<layers>:<base>`: layers (`0-5+29`) at higher uniform precision (`auto<n>`: the top n of
   `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes from the calibration
   plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
 """
@@ -46,7 +49,7 @@ from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets
 from oscar_hf.eval.needles import make_needle_suite
-from oscar_hf.kernels.reference.quantize import fake_quantize
+from oscar_hf.kernels.reference.quantize import clip_rows, fake_quantize, quantize_rows
 
 SCALE = torch.float16
 PAIR_BITS = 32  # one fp16 pair per group
@@ -68,16 +71,45 @@ def _grouped(fn, rows: torch.Tensor, group: int) -> torch.Tensor:
     return fn(rows.reshape(*shape[:-1], shape[-1] // group, group)).reshape(shape)
 
 
+COMPACT_PAIR_BITS = 16  # 8-bit log-scale code + 8-bit fixed-point zero
+LOG_SCALE_STEPS = 16  # scale codes per octave
+
+
+def compact_pair(rows: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Rows read back with (scale, zero) stored in 16 bits: the scale rounded *up* to the next power of 2^(1/16)
+    (so the grid still spans what the encoder asked for, at most 4.4% coarser), codes recomputed for it, and the
+    zero point (in code units, within [-1, L + 1] for rows that span 0) rounded to 8-bit fixed point."""
+    levels = float(2**bits - 1)
+    steps = torch.ceil(torch.log2(scale.clamp_min(1e-30)) * LOG_SCALE_STEPS)
+    stored_scale = torch.exp2(steps / LOG_SCALE_STEPS)
+    # keep the grid's centre where the encoder put it: centre = (L/2 - zero) * scale
+    centre = (levels / 2 - zero) * scale
+    span = levels + 2
+    zero = levels / 2 - centre / stored_scale
+    zero = (torch.round((zero + 1) / span * 255).clamp(0, 255) * span / 255 - 1)
+    codes = torch.floor(rows / stored_scale + zero + 0.5).clamp(0, levels)
+    return (codes - zero) * stored_scale
+
+
+def _compact_read_back(rows: torch.Tensor, bits: int, ratio: float | None, encoder: str) -> torch.Tensor:
+    """The encoder's (scale, zero) in float32, then stored as `compact_pair` stores it (codes of the clipped rows)."""
+    _, scale_zero = quantize_rows(rows, bits, ratio, torch.float32, encoder)
+    return compact_pair(clip_rows(rows, ratio), bits, scale_zero[..., :1], scale_zero[..., 1:])
+
+
 def uniform(key_bits: int, value_bits: int, group: int | None = None, clip: bool = False,
-            encoder: str = "minmax") -> tuple:
+            encoder: str = "minmax", compact: bool = False) -> tuple:
     widths = {"key": key_bits, "value": value_bits}
+    pair_bits = COMPACT_PAIR_BITS if compact else PAIR_BITS
 
     def read_back(rows, layer, side):
         g = group or rows.shape[-1]
         ratio = CLIPS[side] if clip else None
+        if compact:
+            return _grouped(lambda x: _compact_read_back(x, widths[side], ratio, encoder), rows, g)
         return _grouped(lambda x: fake_quantize(x, widths[side], ratio, SCALE, encoder), rows, g)
 
-    return read_back, lambda layer, side, d: widths[side] + PAIR_BITS / (group or d)
+    return read_back, lambda layer, side, d: widths[side] + pair_bits / (group or d)
 
 
 def gaussian(key_bits: int, value_bits: int) -> tuple:
@@ -98,7 +130,7 @@ def gaussian(key_bits: int, value_bits: int) -> tuple:
 GAUSSIAN_UNIFORM_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352}
 
 
-def sigma_scaled(key_bits: int, value_bits: int) -> tuple:
+def sigma_scaled(key_bits: int, value_bits: int, compact: bool = False) -> tuple:
     """The stored format and dequantizer of `u<k>` ((scale, zero) per row, codes `floor(x / scale + zero + 0.5)`), but
     the grid is the Gaussian-optimal uniform one around the row's mean instead of spanning its min and max:
     scale = step(bits) * std, zero = (2^bits - 1) / 2 - mean / scale."""
@@ -109,10 +141,12 @@ def sigma_scaled(key_bits: int, value_bits: int) -> tuple:
         levels = float(2**bits - 1)
         scale = (GAUSSIAN_UNIFORM_STEP[bits] * rows.std(-1, keepdim=True)).clamp_min(1e-8).to(SCALE).float()
         zero = (levels / 2 - rows.mean(-1, keepdim=True) / scale).to(SCALE).float()
+        if compact:
+            return compact_pair(rows, bits, scale, zero)
         codes = torch.floor(rows / scale + zero + 0.5).clamp(0, levels)
         return (codes - zero) * scale
 
-    return read_back, lambda layer, side, d: widths[side] + PAIR_BITS / d
+    return read_back, lambda layer, side, d: widths[side] + (COMPACT_PAIR_BITS if compact else PAIR_BITS) / d
 
 
 def salient(fraction: float, base: Format) -> tuple:
@@ -140,25 +174,25 @@ def mixed(layers: set[int], high: Format, base: Format) -> tuple:
 
 
 def parse(name: str, context) -> Format:
-    m = re.fullmatch(r"u(\d)(?:/(\d))?(?:g(\d+))?(c)?(l)?", name)
+    m = re.fullmatch(r"u(\d)(?:/(\d))?(?:g(\d+))?(c)?(l)?(q)?", name)
     if m:
         k = int(m[1])
         return Format(name, *uniform(k, int(m[2] or k), int(m[3]) if m[3] else None, bool(m[4]),
-                                     "lloyd" if m[5] else "minmax"))
+                                     "lloyd" if m[5] else "minmax", bool(m[6])))
     m = re.fullmatch(r"n(\d)(?:/(\d))?", name)
     if m:
         return Format(name, *gaussian(int(m[1]), int(m[2] or m[1])))
-    m = re.fullmatch(r"s(\d)(?:/(\d))?", name)
+    m = re.fullmatch(r"s(\d)(?:/(\d))?(q)?", name)
     if m:
-        return Format(name, *sigma_scaled(int(m[1]), int(m[2] or m[1])))
+        return Format(name, *sigma_scaled(int(m[1]), int(m[2] or m[1]), bool(m[3])))
     m = re.fullmatch(r"salient([\d.]+):(.+)", name)
     if m:
         return Format(name, *salient(float(m[1]) / 100, parse(m[2], context)))
-    m = re.fullmatch(r"mix(\d):([\w+-]+):(.+)", name)
+    m = re.fullmatch(r"mix(\d)(q)?:([\w+-]+):(.+)", name)
     if m:
-        base = parse(m[3], context)
-        layers = context.sensitive_layers(base, int(m[2][4:])) if m[2].startswith("auto") else _layer_list(m[2])
-        return Format(f"{name} {sorted(layers)}", *mixed(layers, parse(f"u{m[1]}", context), base))
+        base = parse(m[4], context)
+        layers = context.sensitive_layers(base, int(m[3][4:])) if m[3].startswith("auto") else _layer_list(m[3])
+        return Format(f"{name} {sorted(layers)}", *mixed(layers, parse(f"u{m[1]}{m[2] or ''}", context), base))
     raise SystemExit(f"unknown format {name!r}")
 
 

@@ -11,6 +11,11 @@ and then called through these operations only:
   history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
   `sink_length + history.length`; `dense_start` (int32 `[B]` or None): leading dense keys of each row to ignore
   (left padding);
+- `decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
+  scaling, softcap) -> [B, 1, Hq, D]`: a single-token step over the first `dense_length` rows of `keys`/`values`
+  (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows of the
+  history, every one of them visible (no mask): what a compiled or graph-captured decode step runs
+  (`kernels.ops`);
 - `graph_capture_problem(key_dim, value_dim, encoder) -> str | None`: why a decode step of a layer of these sizes
   cannot be captured in a CUDA graph, or None when it can.
 
@@ -84,5 +89,11 @@ class Backend(Protocol):
                          mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
                          key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,
                          softcap: float | None = None, dense_start: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         dense_length: torch.Tensor, dense_start: torch.Tensor | None,
+                         history: HistoryTensors | None, key_rotation: torch.Tensor | None,
+                         value_rotation: torch.Tensor | None, scaling: float,
+                         softcap: float | None = None) -> torch.Tensor: ...
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None: ...

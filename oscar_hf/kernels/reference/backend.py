@@ -3,6 +3,7 @@ anywhere."""
 
 from __future__ import annotations
 
+from oscar_hf.kernels.interface import HistoryTensors
 from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials, tiered_reference
 from oscar_hf.kernels.reference.quantize import quantize_pack
 from oscar_hf.rotations.math import rotate
@@ -47,6 +48,18 @@ class ReferenceBackend:
                          softcap=None, dense_start=None):
         return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
                                 scaling, softcap, dense_start)
+
+    def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
+                         scaling, softcap=None):
+        """One query per row over the first `dense_length` rows of `keys`/`values` (row b from `dense_start[b]`)
+        and the first `history.length_ptr` history rows (`kernels.interface`); reads the lengths on the host."""
+        dense = int(dense_length)
+        if history is not None:
+            length = int(history.length_ptr)
+            history = HistoryTensors(history.keys, history.values, history.key_scale_zero, history.value_scale_zero,
+                                     length, history.bits) if length else None
+        return tiered_reference(self, query, keys[:, :, :dense], values[:, :, :dense], None, history, 0,
+                                key_rotation, value_rotation, scaling, softcap, dense_start)
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None:
         return "the PyTorch reference backend runs no kernels to capture (the kernels run on CUDA devices)"

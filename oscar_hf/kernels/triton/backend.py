@@ -132,6 +132,20 @@ class TritonBackend(ReferenceBackend):
                   kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start)
         return out
 
+    def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
+                         value_rotation, scaling, softcap=None):
+        """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
+        for the buffers' capacities and the kernels read the lengths, so nothing synchronizes the host."""
+        if not self._supported(query, keys, values, None, history):
+            return super().decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
+                                            value_rotation, scaling, softcap)
+        batch, q_heads, q_len, dim = query.shape
+        out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
+        self._run(query, keys, values, history, key_rotation, value_rotation if history is not None else None, None,
+                  scaling, softcap, causal=False, gap_start=0, hist_col0=0, kv_heads=keys.shape[1], out=out,
+                  out_layout="blhd", lse_out=None, dense_start=dense_start, dense_length=dense_length)
+        return out
+
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor `tiered_attention` writes every element of (uninitialized)."""
         return torch.empty(shape, dtype=dtype, device=device)
@@ -147,7 +161,7 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
-             gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None):
+             gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None, dense_length=None):
         batch, q_heads, q_len, dim = query.shape
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.plan_length if tensors is not None else 0
@@ -175,7 +189,8 @@ class TritonBackend(ReferenceBackend):
                 if plan.dense_splits:
                     attention_partials(query, key, value, None, None, None, plan, scaling, softcap, causal,
                                        gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
-                                       dense_only=True, launch_dependents=dependent, overlap_prior=dependent)
+                                       dense_only=True, launch_dependents=dependent, overlap_prior=dependent,
+                                       dense_length=dense_length)
 
             if not dependent:
                 dense_tiers()
@@ -192,7 +207,8 @@ class TritonBackend(ReferenceBackend):
                 rotate_query(query, key_rotation, history_query, launch_dependents=dependent)
             attention_partials(query, key, value, tensors, history_query, mask, plan, scaling, softcap, causal,
                                gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
-                               launch_dependents=dependent, wait_for_rotation=dependent and rotating)
+                               launch_dependents=dependent, wait_for_rotation=dependent and rotating,
+                               dense_length=dense_length)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
 

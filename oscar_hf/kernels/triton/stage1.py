@@ -385,12 +385,12 @@ def _attention_partials_kernel(
     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
-    o_ptr, lse_ptr, n_ptr, ds_ptr,
+    o_ptr, lse_ptr, n_ptr, ds_ptr, ld_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
     HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    BLOCK_N: tl.constexpr, LD_FROM_PTR: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
     FOLD_K: tl.constexpr, WAIT_ROTATION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
@@ -412,6 +412,8 @@ def _attention_partials_kernel(
     if N_FROM_PTR:
         N = tl.load(n_ptr)
         hist_split_len = tl.cdiv(tl.cdiv(N, total_splits - dense_splits), BLOCK_NQ) * BLOCK_NQ
+    if LD_FROM_PTR:  # the dense rows in use, of a buffer of `Ld` (a compiled decode step's BF16 tier)
+        Ld = tl.load(ld_ptr)
     if split < dense_splits:
         lo = split * dense_split_len
         hi = tl.minimum(lo + dense_split_len, Ld)
@@ -496,6 +498,7 @@ def attention_partials(
     wait_for_rotation: bool = False,
     dense_only: bool = False,
     overlap_prior: bool = False,
+    dense_length: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
@@ -510,7 +513,8 @@ def attention_partials(
     `cuda_history.history_partials`, writes the history splits of the same buffers). `overlap_prior` (with
     `dense_only`): launch as a programmatic dependent of the kernel queued just before, which writes none of this
     call's inputs (the CUDA history kernel): the dense programs run beside its tail, then wait for it to finish, so
-    that a dependent merge queued after them sees both kernels' partials."""
+    that a dependent merge queued after them sees both kernels' partials. `dense_length` (int32 `[1]`, optional):
+    only the first `dense_length` dense rows are keys (read on the device; the splits are cut for all of them)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -566,11 +570,12 @@ def attention_partials(
             hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
             m, *m_strides,
             partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
-            q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
+            partial_lse if dense_length is None else dense_length, q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
             scaling, 1.0 if softcap is None else softcap,
             D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
             HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
+            LD_FROM_PTR=dense_length is not None,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS,
             ASM_UNPACK=config.asm_unpack and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,

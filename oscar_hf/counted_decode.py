@@ -1,0 +1,92 @@
+"""Device-counted decode: one layer's single-token steps with every count that changes on the device.
+
+After a prefill, a layer's single-token forwards run here. The BF16 buffer has a fixed capacity
+C = S + R + b (sink, recent window, demotion block) and the history a fixed capacity; the counts that change from
+step to step (BF16 rows in use, history rows, tokens) are device tensors. A step
+1. writes the new token's K/V at BF16 row `rows` (an `index_copy_` at a device position);
+2. attends through `kernels.ops.decode_attention`, which reads both counts on the device;
+3. settles: the b oldest recent rows are quantized into history rows `[history, history + b)` every step, and
+   the counts advance only when the window is full (the decode rule of `demotion.tokens_to_demote`, decided on the
+   device). Otherwise it is a no-op: history rows beyond the count are never read. The window shifts down by b
+   the same way (an `index_select` whose source moves by b only when demoting).
+So the host state is the same before every step, and one compiled graph, or one captured CUDA graph, serves every
+phase of the demotion cycle.
+
+The history holds `reserve` more tokens than it had when decoding started (`OscarCache(max_cache_len=...)` sets
+it); eager steps grow it when it is about to fill, compiled steps cannot (growing changes the buffers' shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
+
+
+def _static(*tensors: torch.Tensor) -> None:
+    """Tell dynamo these tensors keep their address (cudagraphs then neither copy them nor re-record)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
+
+
+class CountedDecode:
+    """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`)."""
+
+    def __init__(self, layer, reserve: int):
+        cfg = layer.config
+        self.sink, self.recent, self.block = layer.sink_size, cfg.recent_tokens, cfg.demote_block
+        self.capacity = self.sink + self.recent + self.block
+        device = layer.keys_buffer.device
+        for name in ("keys_buffer", "values_buffer"):
+            old = getattr(layer, name)
+            fresh = old.new_zeros((old.shape[0], old.shape[1], self.capacity, old.shape[3]))
+            fresh[:, :, : layer.bf16_length] = old[:, :, : layer.bf16_length]
+            setattr(layer, name, fresh)
+        self.rows = torch.tensor([layer.bf16_length], dtype=torch.int32, device=device)
+        self.tokens = torch.tensor(layer.length, dtype=torch.int64, device=device)
+        self.history_start = layer.history_length
+        self.reserve = reserve
+        self.eager_steps = 0
+        layer.history.pin(self.history_start + reserve + self.block)
+        self.offsets = torch.arange(self.block, device=device)
+        self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
+        layer.history.prepare_staging(self.block)
+        _static(layer.keys_buffer, layer.values_buffer, self.rows, self.tokens, self.window,
+                layer.history.device_length, layer.key_rotation, layer.value_rotation, layer.row_padding,
+                *layer.history.static_tensors())
+
+    def update(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
+        if not torch.compiler.is_compiling():
+            self.eager_steps += 1
+            if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
+                self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
+                layer.history.length = int(layer.history.device_length)
+                layer.history.pin(self.history_start + self.reserve + self.block)
+                _static(*layer.history.static_tensors())
+        position = self.rows.long()
+        layer.keys_buffer.index_copy_(2, position, key_states)
+        layer.values_buffer.index_copy_(2, position, value_states)
+        self.rows.add_(1)
+        self.tokens.add_(1)
+        return layer.keys_buffer, layer.values_buffer
+
+    def settle(self, layer, backend) -> None:
+        """Demote the window's oldest `block` rows once it holds R + b (see the module docstring)."""
+        full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)
+        advance = full * self.block
+        first = slice(self.sink, self.sink + self.block)
+        layer.history.append(layer.keys_buffer[:, :, first], layer.values_buffer[:, :, first], layer.key_rotation,
+                             layer.value_rotation, backend, advance=advance)
+        source = self.window + advance.long()
+        window = slice(self.sink, self.sink + self.recent)
+        for buffer in (layer.keys_buffer, layer.values_buffer):
+            buffer[:, :, window] = buffer.index_select(2, source)
+        self.rows.sub_(advance)
+
+    def host_counts(self, layer) -> tuple[int, int, int]:
+        """(tokens, BF16 rows, history rows), read from the device."""
+        counts = torch.stack([self.tokens, self.rows[0].long(), layer.history.device_length[0].long()]).tolist()
+        return counts[0], counts[1], counts[2]

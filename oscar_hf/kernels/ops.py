@@ -1,0 +1,103 @@
+"""The kernel interface as torch custom ops, so that `torch.compile` treats a decode step's kernels as opaque calls.
+
+Two operations cross the boundary (`torch.library.custom_op`, each with a fake implementation that only gives
+shapes):
+- `oscar_hf::decode_attention`: one layer's single-token attention over its BF16 rows (the first `dense_length`
+  of `keys`/`values`, minus each row's `dense_start` leading pads) and its history (the first `history_length`
+  rows). Both lengths are int32 `[1]` device tensors, so one compiled graph, or one captured CUDA graph, serves
+  every step of a demotion cycle;
+- `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them).
+
+A backend instance is not a tensor, so an op names it: `register_backend` gives each backend a key, and the op
+looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.kernels.interface import Backend, HistoryTensors
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> str:
+    """The key the ops use for `backend` (registered once; the registry keeps it alive)."""
+    key = f"{backend.name}:{id(backend)}"
+    _REGISTRY.setdefault(key, backend)
+    return key
+
+
+def _backend(key: str) -> Backend:
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(f"no kernel backend registered under {key!r} (register_backend)") from None
+
+
+@torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dense_length: torch.Tensor,
+    dense_start: torch.Tensor | None, history_keys: torch.Tensor | None, history_key_scale_zero: torch.Tensor | None,
+    history_values: torch.Tensor | None, history_value_scale_zero: torch.Tensor | None,
+    history_length: torch.Tensor | None, bits: int, key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None, scaling: float, softcap: float | None, backend: str,
+) -> torch.Tensor:
+    """`[B, 1, Hq, D]` in the query dtype (see the module docstring)."""
+    history = None
+    if history_keys is not None:
+        history = HistoryTensors(history_keys, history_values, history_key_scale_zero, history_value_scale_zero,
+                                 history_keys.shape[2], bits, history_length)
+    return _backend(backend).decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
+                                              value_rotation, scaling, softcap)
+
+
+@decode_attention.register_fake
+def _(query, keys, values, dense_length, dense_start, history_keys, history_key_scale_zero, history_values,
+      history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap, backend):
+    batch, heads, q_len, dim = query.shape
+    return query.new_empty((batch, q_len, heads, dim))
+
+
+@torch.library.custom_op("oscar_hf::demote_kv",
+                         mutates_args=("key_codes", "key_scale_zero", "value_codes", "value_scale_zero"))
+def demote_kv(
+    keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None,
+    key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
+    key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, encoder: str,
+    backend: str,
+) -> None:
+    _backend(backend).demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                                key_codes, key_scale_zero, value_codes, value_scale_zero, encoder)
+
+
+@demote_kv.register_fake
+def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes, key_scale_zero,
+      value_codes, value_scale_zero, encoder, backend):
+    return None
+
+
+class OpBackend:
+    """`backend`'s demotion and decode attention through the custom ops (what a compiled step calls)."""
+
+    def __init__(self, backend: Backend):
+        self.inner = backend
+        self.name = backend.name
+        self.key = register_backend(backend)
+
+    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+        torch.ops.oscar_hf.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                                     key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
+                                     encoder, self.key)
+
+    def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
+                         key_rotation, value_rotation, scaling, softcap=None) -> torch.Tensor:
+        h = history
+        return torch.ops.oscar_hf.decode_attention(
+            query, keys, values, dense_length, dense_start,
+            None if h is None else h.keys, None if h is None else h.key_scale_zero,
+            None if h is None else h.values, None if h is None else h.value_scale_zero,
+            None if h is None else h.length_ptr, 2 if h is None else h.bits, key_rotation, value_rotation,
+            float(scaling), None if softcap is None else float(softcap), self.key,
+        )
