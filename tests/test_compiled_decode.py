@@ -1,0 +1,94 @@
+"""Counted decode and the compiled front door: after a prefill, decode steps keep their counts on the device, so
+`torch.compile` (and transformers' own compile in `generate`) traces one graph for every phase of the demotion
+cycle and replays it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cache_argument_name, forward, tiny_model
+from transformers import CompileConfig
+
+from oscar_hf import OscarCache
+
+OPTIONS = dict(sink_tokens=4, recent_tokens=8, demote_block=8)  # a cycle of 8 steps: 48 steps are 6 cycles
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@torch.no_grad()
+def _decode(model, ids, cache, steps, step_forward):
+    """Prefill eagerly, then `steps` greedy single-token forwards through `step_forward`; stacked last logits."""
+    out = forward(model, ids, cache)
+    logits = [out.logits[:, -1].float()]
+    token = out.logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        out = step_forward(token, cache)
+        logits.append(out.logits[:, -1].float())
+        token = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits)
+
+
+def _eager(model):
+    return lambda token, cache: forward(model, token, cache)
+
+
+@pytest.mark.parametrize("method", ["hadamard", "none"])
+def test_counted_steps_equal_host_counted_steps_bit_for_bit(method):
+    model = tiny_model("qwen3", seed=3)
+    ids = torch.randint(1, 96, (2, 30))
+    counted = OscarCache(model, method=method, **OPTIONS)
+    reference = OscarCache(model, method=method, **OPTIONS)
+    for layer in reference.layers:
+        layer.allow_counted_decode = False
+    a = _decode(model, ids, counted, 20, _eager(model))
+    b = _decode(model, ids, reference, 20, _eager(model))
+    assert counted.layers[0].counted is not None and reference.layers[0].counted is None
+    assert torch.equal(a, b)
+    # the same tiers: 50 tokens = 4 sink + 40 history (demoted in blocks of 8) + 6 recent
+    assert int(counted.get_seq_length()) == 50
+    assert [repr(x) for x in counted.layers] == [repr(x) for x in reference.layers]
+    assert counted.nbytes() == reference.nbytes()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1).to(device)
+    ids = torch.randint(1, 96, (2, 40), device=device)
+    eager = _decode(model, ids, OscarCache(model, method="hadamard", **OPTIONS), 48, _eager(model))
+    compiled_forward = torch.compile(model.forward, fullgraph=True)
+    name = cache_argument_name(model)
+    cache = OscarCache(model, method="hadamard", **OPTIONS)
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = _decode(model, ids, cache, 48,
+                       lambda token, c: compiled_forward(input_ids=token, use_cache=True, **{name: c}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before == 1  # no recompilation
+    assert cache.layers[0].history_length == (40 - 4 - 8) + 48  # six demotions of 8 replayed by the graph
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=False),
+                                     dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9),
+                                     dict(do_sample=True, min_p=0.05, repetition_penalty=1.3)])
+def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(1, 96, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    name = cache_argument_name(model)
+
+    def run(compile_config):
+        torch.manual_seed(0)
+        cache = OscarCache(model, method="hadamard", **OPTIONS)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, compile_config=compile_config,
+                             **{name: cache}, **options)
+        return out, cache
+
+    eager, _ = run(None)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    compiled, cache = run(config)
+    assert cache.layers[0].counted is not None  # decoded device-counted
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled, eager)
