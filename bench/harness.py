@@ -25,6 +25,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 from oscar_hf import OscarCache, use_oscar_attention
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.config import OscarConfig
+from oscar_hf.counted_decode import DECODE_RESERVE
 from oscar_hf.history import QuantizedHistory
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.reference.backend import ReferenceBackend
@@ -113,8 +114,8 @@ def fill_oscar(model, batch, context, chunk=8192):
         while done < context:
             n = min(chunk, context - done)
             layer.update(k[:, :, :n], v[:, :, :n])
-            if done == 0:  # one exact allocation, as a one-shot prefill makes; room for the timed steps' demotions
-                layer.history._reserve(context + 64)
+            if done == 0:  # one allocation, as a one-shot prefill makes, with the decode reserve
+                layer.history.reserve(context + DECODE_RESERVE + 64)
             layer.settle(None)
             done += n
     return cache
@@ -141,11 +142,23 @@ def fill_quanto(model, batch, context):
     return _fill_every_layer(cache, model, batch, context)
 
 
-FILLERS = {"oscar": fill_oscar, "graphs": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto}
+def fill_static(model, batch, context):
+    """A StaticCache with room for `context` tokens and the benchmark's decode steps, holding `context` of them."""
+    from transformers import StaticCache
+
+    return _fill_every_layer(StaticCache(config=model.config, max_cache_len=context + 64), model, batch, context)
+
+
+FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar, "graphs": fill_oscar,
+           "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static}
+# how each kind decodes through `generate`: sampling options, and whether generate may compile the step itself
+# (it does for caches that say they are compileable, on CUDA: StaticCache, OscarCache)
+GENERATE_OPTIONS = {"oscar-topp": dict(do_sample=True, top_p=0.9, temperature=1.0),
+                    "oscar-eager": dict(disable_compile=True)}
 
 
 def set_attention(model, kind):
-    if kind in ("oscar", "graphs"):
+    if kind.startswith("oscar") or kind == "graphs":
         use_oscar_attention(model)
     else:
         model.set_attn_implementation("sdpa")
@@ -164,26 +177,33 @@ class StepTimer:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def decode_step(model, cache, batch, context, warmup=6, steps=16):
-    """((median, mean) ms per decode step, peak bytes) over `steps` timed steps of one `generate` call that
-    continues `cache`, after a `warmup`-token call (kernel compilation, allocator growth)."""
+def decode_step(model, cache, batch, context, warmup=6, steps=16, options=None):
+    """((median, mean) ms per decode step, peak bytes, first call's seconds) over `steps` timed steps of one
+    `generate` call that continues `cache`, after a `warmup`-token call (kernel compilation, allocator growth, and
+    where `generate` compiles the step, the compilation and CUDA-graph recording: its time is the third value).
+    `options`: more `generate` arguments (sampling)."""
     from transformers import StoppingCriteriaList
 
     name = cache_argument_name(model)
     reset_peak()
-    result = None
+    result = first_call = None
     for n, timed in ((warmup, False), (steps + 1, True)):
-        start_len = cache.get_seq_length()
+        start_len = int(cache.get_seq_length())
         ids = torch.randint(10, 1000, (batch, start_len + 1), device=DEVICE)
         timer = StepTimer()
         sync()
+        began = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, stopping_criteria=StoppingCriteriaList([timer]), **{name: cache})
+                       **({"do_sample": False} | (options or {})), stopping_criteria=StoppingCriteriaList([timer]),
+                       **{name: cache})
+        sync()
         if timed:
             deltas = sorted(b - a for a, b in zip(timer.times, timer.times[1:]))
             result = (1e3 * deltas[len(deltas) // 2], 1e3 * sum(deltas) / len(deltas))
+        else:
+            first_call = time.perf_counter() - began
         del ids
-    return result, peak()
+    return result, peak(), first_call
 
 
 def graph_decode_step(model, cache, batch, context, steps=40):
@@ -197,12 +217,14 @@ def graph_decode_step(model, cache, batch, context, steps=40):
     graphed_generate(model, ids, cache, max_new_tokens=1 + 2 * period + steps, stats=stats,
                      use_graphs=DEVICE == "cuda")
     ms = 1e3 * stats["graph_seconds"] / stats["graph_steps"] if stats["graph_steps"] else math.nan
-    return (ms, ms), peak()
+    return (ms, ms), peak(), None
 
 
 def measure(model, kind, batch, context):
     """One row: a `kind` cache (a key of `FILLERS`) filled to `context` tokens at `batch`, then its decode steps."""
     set_attention(model, kind)
+    torch._dynamo.reset()  # every row compiles afresh, as in a process of its own
+    model.__dict__.pop("_compiled_call", None)
     empty_cache()
     base = allocated()
     t0 = time.perf_counter()
@@ -210,10 +232,14 @@ def measure(model, kind, batch, context):
     sync()
     fill_s = time.perf_counter() - t0
     held = allocated() - base
-    timing = graph_decode_step if kind == "graphs" else decode_step
-    (step_ms, mean_ms), peak_bytes = timing(model, cache, batch, context)
+    if kind == "graphs":
+        (step_ms, mean_ms), peak_bytes, first_s = graph_decode_step(model, cache, batch, context)
+    else:
+        (step_ms, mean_ms), peak_bytes, first_s = decode_step(model, cache, batch, context,
+                                                              options=GENERATE_OPTIONS.get(kind))
     row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
-               tokens_per_s=batch / step_ms * 1e3, peak_GB=peak_bytes / GB, cache_GB=held / GB, fill_s=fill_s)
+               tokens_per_s=batch / step_ms * 1e3, peak_GB=peak_bytes / GB, cache_GB=held / GB, fill_s=fill_s,
+               first_call_s=first_s)
     del cache
     empty_cache()
     return row

@@ -50,12 +50,12 @@ class CountedDecode:
         self.history_start = layer.history_length
         self.reserve = reserve
         self.eager_steps = 0
-        layer.history.pin(self.history_start + reserve + self.block)
+        layer.history.pin(self.history_start + reserve + 2 * self.block)
         self.offsets = torch.arange(self.block, device=device)
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         layer.history.prepare_staging(self.block)
         _static(layer.keys_buffer, layer.values_buffer, self.rows, self.tokens, self.window,
-                layer.history.device_length, layer.key_rotation, layer.value_rotation, layer.row_padding,
+                layer.history.device_length, layer.key_rotation, layer.value_rotation, layer.counted_padding,
                 *layer.history.static_tensors())
 
     def update(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -64,7 +64,7 @@ class CountedDecode:
             if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
                 self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
                 layer.history.length = int(layer.history.device_length)
-                layer.history.pin(self.history_start + self.reserve + self.block)
+                layer.history.pin(self.history_start + self.reserve + 2 * self.block)
                 _static(*layer.history.static_tensors())
         position = self.rows.long()
         layer.keys_buffer.index_copy_(2, position, key_states)

@@ -100,6 +100,10 @@ class _History:
         staged = [t for block in self._staging.values() for t in block.values()]
         return [getattr(self, name) for name in self._names] + staged
 
+    def reserve(self, extra: int) -> None:
+        """Make room for `extra` more tokens now (one allocation instead of a growth later)."""
+        self._reserve(extra)
+
     def _reserve(self, extra: int) -> None:
         for name, (tail, dtype) in self._layout().items():
             setattr(self, name, _grown(getattr(self, name), self.length, self.length + extra, tail, dtype,

@@ -193,11 +193,16 @@ class OscarLayer(CacheLayerMixin):
         )
 
     def _close_segment(self, attention_mask: torch.Tensor | None) -> None:
-        forward_tokens = self.unsettled
         self.settle(attention_mask)
-        if (forward_tokens > 1 and self.allow_counted_decode and not self.mask_free_decode
-                and not torch.compiler.is_compiling()):
+        if self._counts_decode() and not torch.compiler.is_compiling():
             self.start_counted_decode(attention_mask)
+
+    def _counts_decode(self) -> bool:
+        return self.allow_counted_decode and not self.mask_free_decode
+
+    def _decode_reserve(self) -> int:
+        """History tokens counted decode makes room for beyond the current ones (see `OscarCache(max_cache_len)`)."""
+        return DECODE_RESERVE if self.max_cache_len is None else max(self.max_cache_len - self.length, 1)
 
     def _close_counted(self, attention_mask: torch.Tensor | None) -> None:
         self.segment_open = False
@@ -214,8 +219,7 @@ class OscarLayer(CacheLayerMixin):
         if self.sink_size is None:
             self.sink_size = self.config.sink_tokens + (0 if pads is None else int(pads.max()))
         self.counted_padding = pads.contiguous() if pads is not None and bool(pads.any()) else None
-        reserve = DECODE_RESERVE if self.max_cache_len is None else max(self.max_cache_len - self.length, 1)
-        self.counted = CountedDecode(self, reserve)
+        self.counted = CountedDecode(self, self._decode_reserve())
 
     def stop_counted_decode(self) -> None:
         """Back to host-counted storage (before a multi-token forward, a batch operation, a crop, ...)."""
@@ -251,6 +255,8 @@ class OscarLayer(CacheLayerMixin):
             return
         sink = self.sink_size
         keep = slice(sink + demote, self.bf16_length)
+        if self._counts_decode():  # one allocation for the prompt's history and the decode steps after it
+            self.history.reserve(demote + self._decode_reserve() + 2 * cfg.demote_block)
         self.history.append(
             self.keys_buffer[:, :, sink : sink + demote], self.values_buffer[:, :, sink : sink + demote],
             self.key_rotation, self.value_rotation, self.backend,

@@ -92,3 +92,60 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
     assert cache.layers[0].counted is not None  # decoded device-counted
     assert hasattr(model, "_compiled_call")
     assert torch.equal(compiled, eager)
+
+
+def _kernel_qwen3(device, seed=0):
+    """A 2-layer Qwen3 whose head_dim (64) the kernels take, with decisive greedy choices."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=65536,
+                         tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.generation_config.pad_token_id = 0
+    return model.to(device)
+
+
+@pytest.mark.parametrize("method", ["hadamard", "none"])
+def test_kernels_decode_counted_steps_like_the_reference(method):
+    """Triton's interpreter on CPU (a plan cut for the buffers' capacities, many splits), the GPU otherwise: the
+    kernels read the BF16 and history counts from the device; a left-padded row."""
+    pytest.importorskip("triton")
+    from oscar_hf.kernels.reference.backend import ReferenceBackend
+    from oscar_hf.kernels.triton.backend import TritonBackend
+    from oscar_hf.kernels.triton.interpreter import kernel_device
+
+    device = kernel_device()
+    model = _kernel_qwen3(device).float()
+    ids = torch.randint(3, 256, (2, 37), device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    name = cache_argument_name(model)
+    tokens = {}
+    for label, backend in (("kernels", TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16)),
+                           ("reference", ReferenceBackend())):
+        cache = OscarCache(model, method=method, backend=backend, **OPTIONS)
+        tokens[label] = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                                       do_sample=False, disable_compile=True, **{name: cache})
+        assert cache.layers[0].counted is not None
+    assert torch.equal(tokens["kernels"], tokens["reference"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers compiles generate's step on CUDA")
+@pytest.mark.parametrize("context", [4000, 32768])
+def test_generate_compiles_on_cuda_by_itself_and_keeps_the_eager_tokens(context):
+    """Plain `generate` with an OscarCache compiles the decode step on CUDA (CUDA graphs, `reduce-overhead`)."""
+    torch._dynamo.reset()
+    model = _kernel_qwen3("cuda").to(torch.bfloat16)
+    ids = torch.randint(3, 256, (2, context), device="cuda")
+    name = cache_argument_name(model)
+    runs = {}
+    for label, options in (("eager", dict(disable_compile=True)), ("compiled", {})):
+        cache = OscarCache(model, method="hadamard")
+        runs[label] = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **options,
+                                     **{name: cache})
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(runs["compiled"], runs["eager"])
