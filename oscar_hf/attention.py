@@ -84,7 +84,7 @@ def _eager_attention_forward(module, query, key, value, attention_mask, dropout,
     if out is None:
         out = _attend(module, query, key, value, attention_mask, dropout, scaling, softcap, segment, kwargs)
     if segment is not None:
-        segment.close(None if segment.mask_free_decode and query.shape[2] == 1 else attention_mask)
+        segment.close(None if segment.mask_free_decode and query.shape[2] == 1 else attention_mask, query)
     return out, None
 
 

@@ -41,7 +41,7 @@ class HistorySegment:
     sink_length: int
     key_rotation: torch.Tensor | None
     value_rotation: torch.Tensor | None
-    on_close: Callable[[torch.Tensor | None], None]
+    on_close: Callable[[torch.Tensor | None, torch.Tensor | None], None]
     mask_free_decode: bool = False
     dense_start: torch.Tensor | None = None
     # counted decode (`counted_decode`): `history` spans the buffers' capacity with its length on the device
@@ -54,10 +54,10 @@ class HistorySegment:
         """Host-known history tokens (a counted segment's count lives on the device: see `history.length_ptr`)."""
         return self.history.length if self.history is not None else 0
 
-    def close(self, attention_mask: torch.Tensor | None) -> None:
+    def close(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         """The attention is done with this forward's tiers: the cache may demote (it reads the leading padding of
-        `attention_mask` once, to size the sink)."""
-        self.on_close(attention_mask)
+        `attention_mask` once, to size the sink; `query` tells it the attention's query heads)."""
+        self.on_close(attention_mask, query)
 
 
 def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: HistorySegment) -> None:

@@ -192,10 +192,22 @@ class OscarLayer(CacheLayerMixin):
             mask_free_decode=self.mask_free_decode, dense_start=self.row_padding if self.mask_free_decode else None,
         )
 
-    def _close_segment(self, attention_mask: torch.Tensor | None) -> None:
+    def _close_segment(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         self.settle(attention_mask)
         if self._counts_decode() and not torch.compiler.is_compiling():
             self.start_counted_decode(attention_mask)
+            if query is not None and query.is_cuda:
+                self._warm_counted_step(query)
+
+    def _warm_counted_step(self, query: torch.Tensor) -> None:
+        """One counted attention on a zero query, now: the kernels compile and their scratch grows for the decode
+        shapes here, not inside a compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
+        step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
+        segment = self.open_segment()
+        self.backend.decode_attention(step, self.keys_buffer, self.values_buffer, segment.dense_length,
+                                      segment.dense_start, segment.history, self.key_rotation, self.value_rotation,
+                                      1.0, None)
+        self.segment_open = False
 
     def _counts_decode(self) -> bool:
         return self.allow_counted_decode and not self.mask_free_decode
@@ -204,7 +216,7 @@ class OscarLayer(CacheLayerMixin):
         """History tokens counted decode makes room for beyond the current ones (see `OscarCache(max_cache_len)`)."""
         return DECODE_RESERVE if self.max_cache_len is None else max(self.max_cache_len - self.length, 1)
 
-    def _close_counted(self, attention_mask: torch.Tensor | None) -> None:
+    def _close_counted(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         self.segment_open = False
         self.counted.settle(self, self.op_backend)
 
