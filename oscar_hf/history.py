@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+import oscar_hf.kernels.ops  # noqa: F401  (registers torch.ops.oscar_hf)
 from oscar_hf.config import OscarConfig
 from oscar_hf.kernels.interface import HistoryTensors
 from oscar_hf.kernels.reference.attention import history_rows
@@ -77,15 +78,16 @@ class _History:
         """Make the `n` rows written into `targets` part of the history. `advance` (int32 `[1]`, pinned histories):
         write the rows after the device length, but count only `advance` of them (0 or n, decided on the device;
         the host length is then the caller's to refresh)."""
+        if advance is not None:  # counted decode: one in-place op (`kernels.ops.write_rows`)
+            torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
+                                          [targets[name] for name in self._names], self.device_length, advance)
+            return
         if self.device_length is not None:
             rows = targets["_offsets"] + self.device_length
-            if advance is not None:  # a full history drops the block rather than write out of bounds
-                rows = rows.clamp(max=self.capacity - 1)
             for name in self._names:
                 getattr(self, name).index_copy_(2, rows, targets[name])
-            self.device_length += n if advance is None else advance
-        if advance is None:
-            self.length += n
+            self.device_length += n
+        self.length += n
 
     def prepare_staging(self, n: int) -> None:
         """Allocate the staging block of `n`-row appends now (a compiled step must not allocate it)."""

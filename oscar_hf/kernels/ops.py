@@ -77,6 +77,25 @@ def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_rat
     return None
 
 
+@torch.library.custom_op("oscar_hf::write_rows", mutates_args=("buffers", "length"))
+def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor,
+               advance: torch.Tensor) -> None:
+    """Write `rows[i]` `[B, H, n, ...]` into `buffers[i]` at rows `[length, length + n)` (clamped to the buffer,
+    so a full one drops the block rather than write out of bounds), then add `advance` (int32 `[1]`) to `length`.
+    One opaque op, so that a compiled step updates the buffers in place instead of copying them (inductor's
+    functionalized `index_copy_` of a graph input rewrites the whole buffer)."""
+    n = rows[0].shape[2]
+    positions = (torch.arange(n, device=length.device) + length).clamp_(max=buffers[0].shape[2] - 1)
+    for buffer, block in zip(buffers, rows):
+        buffer.index_copy_(2, positions, block)
+    length.add_(advance)
+
+
+@write_rows.register_fake
+def _(buffers, rows, length, advance):
+    return None
+
+
 class OpBackend:
     """`backend`'s demotion and decode attention through the custom ops (what a compiled step calls)."""
 
