@@ -67,7 +67,7 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
         out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
                                                segment.history, segment.key_rotation, segment.value_rotation,
                                                scaling, kwargs.get("softcap"))
-        segment.close(None)
+        segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
     return _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, segment, kwargs)
 

@@ -73,13 +73,14 @@ class CountedDecode:
         self.tokens.add_(1)
         return layer.keys_buffer, layer.values_buffer
 
-    def settle(self, layer, backend) -> None:
-        """Demote the window's oldest `block` rows once it holds R + b (see the module docstring)."""
+    def settle(self, layer, backend, after: torch.Tensor | None = None) -> None:
+        """Demote the window's oldest `block` rows once it holds R + b (see the module docstring); `after`: the
+        step's attention output, which the history write must follow (`kernels.ops.write_rows`)."""
         full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)
         advance = full * self.block
         first = slice(self.sink, self.sink + self.block)
         layer.history.append(layer.keys_buffer[:, :, first], layer.values_buffer[:, :, first], layer.key_rotation,
-                             layer.value_rotation, backend, advance=advance)
+                             layer.value_rotation, backend, advance=advance, after=after)
         source = self.window + advance.long()
         window = slice(self.sink, self.sink + self.recent)
         for buffer in (layer.keys_buffer, layer.values_buffer):

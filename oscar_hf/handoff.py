@@ -56,7 +56,8 @@ class HistorySegment:
 
     def close(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         """The attention is done with this forward's tiers: the cache may demote (it reads the leading padding of
-        `attention_mask` once, to size the sink; `query` tells it the attention's query heads)."""
+        `attention_mask` once, to size the sink; `query` tells it the attention's query heads; a counted step passes
+        its output instead, which its demotion waits for)."""
         self.on_close(attention_mask, query)
 
 

@@ -74,13 +74,16 @@ class _History:
             self._staging[n] = staging
         return staging
 
-    def _commit(self, n: int, targets: dict[str, torch.Tensor], advance: torch.Tensor | None = None) -> None:
+    def _commit(self, n: int, targets: dict[str, torch.Tensor], advance: torch.Tensor | None = None,
+                after: torch.Tensor | None = None) -> None:
         """Make the `n` rows written into `targets` part of the history. `advance` (int32 `[1]`, pinned histories):
         write the rows after the device length, but count only `advance` of them (0 or n, decided on the device;
-        the host length is then the caller's to refresh)."""
+        the host length is then the caller's to refresh; `after`: a tensor the write must wait for, see
+        `kernels.ops.write_rows`)."""
         if advance is not None:  # counted decode: one in-place op (`kernels.ops.write_rows`)
             torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
-                                          [targets[name] for name in self._names], self.device_length, advance)
+                                          [targets[name] for name in self._names], self.device_length, advance,
+                                          after if after is not None else advance)
             return
         if self.device_length is not None:
             rows = targets["_offsets"] + self.device_length
@@ -173,7 +176,7 @@ class QuantizedHistory(_History):
                               self.length, self.config.bits, self.device_length)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend,
-               advance: torch.Tensor | None = None) -> None:
+               advance: torch.Tensor | None = None, after: torch.Tensor | None = None) -> None:
         """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end (`advance`:
         see `_commit`)."""
         n = keys.shape[2]
@@ -184,7 +187,7 @@ class QuantizedHistory(_History):
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
                           cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
                           out["value_scale_zero"], cfg.encoder)
-        self._commit(n, out, advance)
+        self._commit(n, out, advance, after)
 
 
 
@@ -211,14 +214,14 @@ class FullPrecisionHistory(_History):
         return HistoryTensors(self.keys, self.values, None, None, self.length, length_ptr=self.device_length)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend=None,
-               advance: torch.Tensor | None = None) -> None:
+               advance: torch.Tensor | None = None, after: torch.Tensor | None = None) -> None:
         n = keys.shape[2]
         if n == 0:
             return
         out = self._targets(n)
         out["keys"].copy_(rotate(keys, key_rotation))
         out["values"].copy_(rotate(values, value_rotation))
-        self._commit(n, out, advance)
+        self._commit(n, out, advance, after)
 
 
 def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,

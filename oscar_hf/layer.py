@@ -216,9 +216,9 @@ class OscarLayer(CacheLayerMixin):
         """History tokens counted decode makes room for beyond the current ones (see `OscarCache(max_cache_len)`)."""
         return DECODE_RESERVE if self.max_cache_len is None else max(self.max_cache_len - self.length, 1)
 
-    def _close_counted(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
+    def _close_counted(self, attention_mask: torch.Tensor | None, after: torch.Tensor | None = None) -> None:
         self.segment_open = False
-        self.counted.settle(self, self.op_backend)
+        self.counted.settle(self, self.op_backend, after)
 
     # ------------------------------------------------------------------------------------------ counted decode
     def start_counted_decode(self, attention_mask: torch.Tensor | None = None) -> None:

@@ -77,13 +77,16 @@ def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_rat
     return None
 
 
-@torch.library.custom_op("oscar_hf::write_rows", mutates_args=("buffers", "length"))
-def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor,
-               advance: torch.Tensor) -> None:
+@torch.library.custom_op("oscar_hf::write_rows", mutates_args=("length",))
+def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor, advance: torch.Tensor,
+               after: torch.Tensor) -> None:
     """Write `rows[i]` `[B, H, n, ...]` into `buffers[i]` at rows `[length, length + n)` (clamped to the buffer,
     so a full one drops the block rather than write out of bounds), then add `advance` (int32 `[1]`) to `length`.
-    One opaque op, so that a compiled step updates the buffers in place instead of copying them (inductor's
-    functionalized `index_copy_` of a graph input rewrites the whole buffer)."""
+
+    The buffers are written in place but not declared mutated: inductor clones a declared-mutated graph input it
+    cannot prove free (here: a whole history, twice per layer and step). What the declaration would guarantee is
+    kept by hand: `after` (the attention output that read the buffers) orders the write after that read, and the
+    rows written lie beyond `length` until it advances, so no other op of the step reads them."""
     n = rows[0].shape[2]
     positions = (torch.arange(n, device=length.device) + length).clamp_(max=buffers[0].shape[2] - 1)
     for buffer, block in zip(buffers, rows):
@@ -92,7 +95,7 @@ def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: to
 
 
 @write_rows.register_fake
-def _(buffers, rows, length, advance):
+def _(buffers, rows, length, advance, after):
     return None
 
 
