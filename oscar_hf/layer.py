@@ -355,6 +355,15 @@ class OscarLayer(CacheLayerMixin):
             self.row_padding = fn(self.row_padding)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.counted is not None and beam_idx.shape[0] == self.batch_size:
+            # in place: counted decode's buffers keep their addresses (a compiled step keeps its graph)
+            index = beam_idx.to(self.keys_buffer.device)
+            tensors = [self.keys_buffer, self.values_buffer, self.counted_padding,
+                       *(getattr(self.history, name) for name in self.history._names)]
+            for t in tensors:
+                if t is not None:
+                    t.copy_(t.index_select(0, index))
+            return
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cache_argument_name, forward, tiny_model
 from transformers import CompileConfig
 
 from oscar_hf import OscarCache
+
+from conftest import cache_argument_name, forward, tiny_model
 
 OPTIONS = dict(sink_tokens=4, recent_tokens=8, demote_block=8)  # a cycle of 8 steps: 48 steps are 6 cycles
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -151,3 +152,61 @@ def test_generate_compiles_on_cuda_by_itself_and_keeps_the_eager_tokens(context)
                                      **{name: cache})
     assert hasattr(model, "_compiled_call")
     assert torch.equal(runs["compiled"], runs["eager"])
+
+
+def _front_door(model, ids, options, compiled, counted=True, seed=0, **cache_options):
+    """`generate` through an OscarCache, eager or compiled by transformers itself (`_compile_all_devices` lets
+    it compile on CPU), optionally with counted decode turned off (the host-counted reference)."""
+    torch.manual_seed(seed)
+    cache = OscarCache(model, method="hadamard", **(cache_options or OPTIONS))
+    for layer in cache.layers:
+        layer.allow_counted_decode = counted
+    config = None
+    if compiled:
+        config = CompileConfig()
+        config._compile_all_devices = True
+    out = model.generate(ids, compile_config=config, disable_compile=not compiled, **options,
+                         **{cache_argument_name(model): cache})
+    return out, cache
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_beam_search_and_several_return_sequences_match_host_counted_decode(compiled):
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(1, 96, (2, 30))
+    for options in (dict(num_beams=3, max_new_tokens=20, min_new_tokens=20, do_sample=False),
+                    dict(num_return_sequences=3, max_new_tokens=20, min_new_tokens=20, do_sample=True, top_k=10)):
+        got, cache = _front_door(model, ids, options, compiled)
+        want, _ = _front_door(model, ids, options, False, counted=False)
+        assert torch.equal(got, want), options
+        assert cache.layers[0].counted is not None
+
+
+def test_streamers_and_stop_strings_see_the_counted_steps():
+    from transformers.generation.streamers import BaseStreamer
+
+    from conftest import char_tokenizer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.chunks.append("end")
+
+    tokenizer = char_tokenizer()
+    model = tiny_model("llama", seed=6)
+    ids = torch.randint(2, 96, (1, 30))
+    options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    plain, _ = _front_door(model, ids, options, False, counted=False)
+    pieces = tokenizer.convert_ids_to_tokens(plain[0].tolist())
+    stop = next(p for p in pieces[40:] if p.isalnum())  # a character the greedy continuation produces
+    streamer = Collect()
+    got, _ = _front_door(model, ids, dict(options, streamer=streamer, stop_strings=stop, tokenizer=tokenizer), False)
+    first = next(i for i in range(30, plain.shape[1]) if pieces[i] == stop)
+    assert torch.equal(got[0], plain[0, : first + 1])
+    assert sum(streamer.chunks[:-1], []) == got[0].tolist() and streamer.chunks[-1] == "end"
