@@ -82,8 +82,8 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
     def run(compile_config):
         torch.manual_seed(0)
         cache = OscarCache(model, method="hadamard", **OPTIONS)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, compile_config=compile_config,
-                             **{name: cache}, **options)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
+                             compile_config=compile_config, **{name: cache}, **options)
         return out, cache
 
     eager, _ = run(None)
