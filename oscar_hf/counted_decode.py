@@ -18,7 +18,11 @@ it); eager steps grow it when it is about to fill, compiled steps cannot (growin
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
 
@@ -50,6 +54,7 @@ class CountedDecode:
         self.history_start = layer.history_length
         self.reserve = reserve
         self.eager_steps = 0
+        self.warned_dropped = False
         layer.history.pin(self.history_start + reserve + 2 * self.block)
         self.offsets = torch.arange(self.block, device=device)
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
@@ -88,6 +93,14 @@ class CountedDecode:
         self.rows.sub_(advance)
 
     def host_counts(self, layer) -> tuple[int, int, int]:
-        """(tokens, BF16 rows, history rows), read from the device."""
-        counts = torch.stack([self.tokens, self.rows[0].long(), layer.history.device_length[0].long()]).tolist()
+        """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
+        demoted tokens (compiled steps cannot grow it)."""
+        history = layer.history
+        counts = torch.stack([self.tokens, self.rows[0].long(), history.device_length[0].long(),
+                              history.dropped[0].long()]).tolist()
+        if counts[3] and not self.warned_dropped:
+            self.warned_dropped = True
+            logger.warning(
+                "layer %d: the history was full and %d demoted tokens were dropped (compiled decode steps cannot "
+                "grow it); pass OscarCache(..., max_cache_len=<prompt + new tokens>)", layer.layer_idx, counts[3])
         return counts[0], counts[1], counts[2]

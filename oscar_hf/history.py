@@ -46,6 +46,7 @@ class _History:
         self.batch, self.num_heads, self.device = batch, num_heads, device
         self.length = 0
         self.device_length: torch.Tensor | None = None  # set by `pin`
+        self.dropped: torch.Tensor | None = None  # int32 [1]: demoted tokens a full pinned history had no room for
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         for name in self._names:
             setattr(self, name, None)
@@ -60,6 +61,8 @@ class _History:
         self._reserve(max(capacity - self.length, 0))
         if self.device_length is None:
             self.device_length = torch.tensor([self.length], dtype=torch.int32, device=self.device)
+        if self.dropped is None:
+            self.dropped = torch.zeros_like(self.device_length)
 
     def _targets(self, n: int) -> dict[str, torch.Tensor]:
         """Where an append of `n` tokens writes: the buffers' next rows, or a staging block once pinned."""
@@ -81,9 +84,11 @@ class _History:
         the host length is then the caller's to refresh; `after`: a tensor the write must wait for, see
         `kernels.ops.write_rows`)."""
         if advance is not None:  # counted decode: one in-place op (`kernels.ops.write_rows`)
+            if self.dropped is None:
+                self.dropped = torch.zeros_like(self.device_length)
             torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
                                           [targets[name] for name in self._names], self.device_length, advance,
-                                          after if after is not None else advance)
+                                          self.dropped, after if after is not None else advance)
             return
         if self.device_length is not None:
             rows = targets["_offsets"] + self.device_length
@@ -103,7 +108,7 @@ class _History:
     def static_tensors(self) -> list[torch.Tensor]:
         """The buffers and staging blocks a compiled step reads and writes in place."""
         staged = [t for block in self._staging.values() for t in block.values()]
-        return [getattr(self, name) for name in self._names] + staged
+        return [getattr(self, name) for name in self._names] + staged + [self.dropped]
 
     def reserve(self, extra: int) -> None:
         """Make room for `extra` more tokens now (one allocation instead of a growth later)."""

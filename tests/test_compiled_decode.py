@@ -210,3 +210,21 @@ def test_streamers_and_stop_strings_see_the_counted_steps():
     first = next(i for i in range(30, plain.shape[1]) if pieces[i] == stop)
     assert torch.equal(got[0], plain[0, : first + 1])
     assert sum(streamer.chunks[:-1], []) == got[0].tolist() and streamer.chunks[-1] == "end"
+
+
+def test_a_compiled_step_that_fills_the_history_drops_blocks_and_warns(caplog):
+    """Compiled steps cannot grow the history: past `max_cache_len` (plus the slack of two blocks) they drop the
+    demoted blocks, never write out of bounds, and the host warns when it next reads the counts."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (1, 40))
+    cache = OscarCache(model, method="hadamard", max_cache_len=48, **OPTIONS)
+    compiled_forward = torch.compile(model.forward, fullgraph=True)
+    name = cache_argument_name(model)
+    logits = _decode(model, ids, cache, 48, lambda token, c: compiled_forward(input_ids=token, use_cache=True,
+                                                                              **{name: c}))
+    layer = cache.layers[0]
+    assert torch.isfinite(logits).all()
+    with caplog.at_level("WARNING"):
+        assert layer.history_length <= layer.history.capacity < 28 + 48
+    assert "demoted tokens were dropped" in caplog.text and "max_cache_len" in caplog.text

@@ -77,11 +77,12 @@ def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_rat
     return None
 
 
-@torch.library.custom_op("oscar_hf::write_rows", mutates_args=("length",))
+@torch.library.custom_op("oscar_hf::write_rows", mutates_args=("length", "dropped"))
 def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor, advance: torch.Tensor,
-               after: torch.Tensor) -> None:
-    """Write `rows[i]` `[B, H, n, ...]` into `buffers[i]` at rows `[length, length + n)` (clamped to the buffer,
-    so a full one drops the block rather than write out of bounds), then add `advance` (int32 `[1]`) to `length`.
+               dropped: torch.Tensor, after: torch.Tensor) -> None:
+    """Write `rows[i]` `[B, H, n, ...]` into `buffers[i]` at rows `[length, length + n)`, then add `advance`
+    (int32 `[1]`) to `length`. A buffer without room for the block keeps `length` and adds `advance` to `dropped`
+    instead (the block is lost, nothing is written out of bounds; the host warns when it next reads the counts).
 
     The buffers are written in place but not declared mutated: inductor clones a declared-mutated graph input it
     cannot prove free (here: a whole history, twice per layer and step). What the declaration would guarantee is
@@ -89,13 +90,15 @@ def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: to
     rows written lie beyond `length` until it advances, so no other op of the step reads them."""
     n = rows[0].shape[2]
     positions = (torch.arange(n, device=length.device) + length).clamp_(max=buffers[0].shape[2] - 1)
+    fits = (length + n <= buffers[0].shape[2]).to(advance.dtype)
     for buffer, block in zip(buffers, rows):
         buffer.index_copy_(2, positions, block)
-    length.add_(advance)
+    length.add_(advance * fits)
+    dropped.add_(advance * (1 - fits))
 
 
 @write_rows.register_fake
-def _(buffers, rows, length, advance, after):
+def _(buffers, rows, length, advance, dropped, after):
     return None
 
 
