@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["none", "hadamard", "quarot", "clip", "identity"])
     parser.add_argument("--rotations", default=None,
-                        help="rotations for the methods oscar and oscar-hifi (oscar-hifi needs a retrieval ranking)")
+                        help="rotations for the methods oscar, oscar-hifi and oscar-next (the last two need a retrieval ranking)")
     parser.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
     args = parser.parse_args()
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     def factory(method):
         def make():
-            rotations = args.rotations if method in ("oscar", "oscar-hifi") else None
+            rotations = args.rotations if method in ("oscar", "oscar-hifi", "oscar-next") else None
             options = {} if args.encoder == "minmax" else {"encoder": args.encoder}
             caches[method] = OscarCache(model, rotations=rotations, method=method, **options)
             return caches[method]

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.config import HIFI_LAYER_SHARE, OscarConfig
+from oscar_hf.config import RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.handoff import publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
@@ -95,8 +95,8 @@ class OscarCache(Cache):
             rotations if rotations is not None else config.default_rotation, shape,
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
         )
-        if config.method == "oscar-hifi" and not config.high_precision_layers:
-            config = dataclasses.replace(config, high_precision_layers=_hifi_layers(resolved, shape))
+        if config.method in RANKED_LAYER_SHARES and not config.high_precision_layers:
+            config = dataclasses.replace(config, high_precision_layers=_ranked_layers(config.method, resolved, shape))
         folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
         unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
         if unknown:
@@ -224,16 +224,16 @@ def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, laye
     return dataclasses.replace(config, key_clip_ratio=recorded[0], value_clip_ratio=recorded[1])
 
 
-def _hifi_layers(rotations: Rotations | None, shape) -> tuple[int, ...]:
-    """The `HIFI_LAYER_SHARE` most retrieval-sensitive full-attention layers the rotations record."""
+def _ranked_layers(method: str, rotations: Rotations | None, shape) -> tuple[int, ...]:
+    """The `RANKED_LAYER_SHARES[method]` most retrieval-sensitive full-attention layers the rotations record."""
     ranking = rotations.retrieval_layers() if rotations is not None else None
     if not ranking:
         raise ValueError(
-            "method='oscar-hifi' keeps the layers retrieval depends on at 4 bits, and these rotations record no "
+            f"method={method!r} keeps the layers retrieval depends on at 4 bits, and these rotations record no "
             "ranking of them: rank them with `oscar-calibrate ... --rank-retrieval-layers` (or "
             "oscar_hf.calibrate.retrieval_layers.rank_retrieval_layers), or pass high_precision_layers=[...]"
         )
-    count = max(1, math.ceil(HIFI_LAYER_SHARE * len(shape.oscar_layer_ids)))
+    count = max(1, math.ceil(RANKED_LAYER_SHARES[method] * len(shape.oscar_layer_ids)))
     return tuple(ranking[:count])
 
 

@@ -15,6 +15,11 @@ PRESETS: dict[str, dict] = {
     "oscar": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     # the 2-bit history, with the layers the rotations rank most retrieval-sensitive at 4 bits (`OscarCache`)
     "oscar-hifi": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
+    # candidate for the next 2-bit default, at <= 2.5 bits: sigma rows with one-byte (scale, zero) codes, and the
+    # bits they free spent on the top tenth of the retrieval ranking at 4 bits (the PyTorch reference only, until
+    # the kernels read compact pairs)
+    "oscar-next": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
+                       scale_dtype=torch.uint8),
     "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     "quarot": dict(rotation="hadamard", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
     "clip": dict(rotation="identity", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
@@ -22,10 +27,13 @@ PRESETS: dict[str, dict] = {
     "none": dict(rotation="identity", quantize=False, key_clip_ratio=None, value_clip_ratio=None),
 }
 
-# share of the full-attention layers `oscar-hifi` keeps at 4 bits: the top of the rotations' retrieval ranking
+# share of the full-attention layers a preset keeps at 4 bits: the top of the rotations' retrieval ranking
 HIFI_LAYER_SHARE = 0.2
+RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE, "oscar-next": 0.1}
 
-SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# "compact": one byte each for the scale and the zero point (`kernels.reference.quantize`, 7)
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "compact": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,10 @@ class OscarConfig:
     that exactly `recent_tokens` remain (a decode step demotes `demote_block` tokens at a time).
 
     Args:
-        method: name of the preset the settings came from (`oscar`, `oscar-hifi`, `hadamard`, `quarot`, `clip`,
-            `identity`, `none`); informational once the other fields are set, except that an `oscar-hifi` cache
-            without `high_precision_layers` takes them from its rotations' retrieval ranking.
+        method: name of the preset the settings came from (`oscar`, `oscar-hifi`, `oscar-next`, `hadamard`,
+            `quarot`, `clip`, `identity`, `none`); informational once the other fields are set, except that an
+            `oscar-hifi` or `oscar-next` cache without `high_precision_layers` takes them from its rotations'
+            retrieval ranking (`RANKED_LAYER_SHARES`).
         sink_tokens: leading tokens kept in BF16 (attention sinks). Left padding is added on top, so every row
             keeps `sink_tokens` real tokens.
         recent_tokens: most recent tokens kept in BF16.
@@ -49,7 +58,9 @@ class OscarConfig:
             `sort(|x|)[int(ratio * head_dim)]`; `None` disables clipping. The presets clip only at 2 bits
             (`from_method` with `bits=4` gives None unless the ratios are passed too).
         scale_dtype: storage dtype of the per-row (scale, zero) pair: float16 (2.25 bits/element at 2 bits and
-            head_dim 128), bfloat16 or float32.
+            head_dim 128), bfloat16, float32, or "compact" (`torch.uint8`: one byte each, 2.125 bits/element at
+            head_dim 128; `kernels.reference.quantize`, 7; the PyTorch reference demotes and attends to it on every
+            device for now).
         quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
         history_chunk: tokens of history dequantized at a time by the PyTorch reference attention.
         encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference),
@@ -82,7 +93,8 @@ class OscarConfig:
                 raise ValueError(f"scale_dtype={self.scale_dtype!r}: expected one of {sorted(SCALE_DTYPES)}")
             object.__setattr__(self, "scale_dtype", SCALE_DTYPES[self.scale_dtype])
         if self.scale_dtype not in SCALE_DTYPES.values():
-            raise ValueError(f"scale_dtype={self.scale_dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
+            raise ValueError(f"scale_dtype={self.scale_dtype}: expected torch.float16, torch.bfloat16, torch.float32 "
+                             "or torch.uint8 (compact)")
         for name in ("sink_tokens", "recent_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -104,6 +116,8 @@ class OscarConfig:
                 raise ValueError(f"{name}={ratio!r}: expected a ratio in (0, 1], or None to disable clipping")
         if self.encoder not in ENCODERS:
             raise ValueError(f"encoder={self.encoder!r}: expected one of {ENCODERS}")
+        if self.scale_dtype == torch.uint8 and self.encoder == "lloyd":
+            raise ValueError("encoder='lloyd' refines float (scale, zero) pairs; compact pairs take 'minmax' or 'sigma'")
         if self.method not in PRESETS:
             raise ValueError(f"method={self.method!r}: expected one of {sorted(PRESETS)}")
 
@@ -124,11 +138,13 @@ class OscarConfig:
         return cls(method=method, **{**preset, **overrides})
 
     def for_layer(self, layer_idx: int) -> "OscarConfig":
-        """The settings of one layer: these, or for a high-precision layer `high_precision_bits`-bit codes without
-        clipping (a clip that suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them)."""
+        """The settings of one layer: these, or for a high-precision layer `high_precision_bits`-bit min-max codes
+        without clipping (a clip that suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them;
+        the sigma grid would saturate them too)."""
         if layer_idx not in self.high_precision_layers:
             return self
         return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
+                                   encoder="minmax" if self.encoder == "sigma" else self.encoder,
                                    high_precision_layers=())
 
     @property

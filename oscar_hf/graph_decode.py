@@ -280,7 +280,7 @@ def _check_capturable(model, layers: list[OscarLayer], device: torch.device) -> 
         else:
             encoder = layer.config.encoder if layer.config.quantize else "minmax"
             reason = layer.backend.graph_capture_problem(layer.keys_buffer.shape[-1], layer.values_buffer.shape[-1],
-                                                         encoder)
+                                                         encoder, layer.config.scale_dtype)
         if reason:
             raise GraphDecodeError(f"layer {layer.layer_idx} cannot be captured in a CUDA graph: {reason}; "
                                    "pass use_graphs=False")

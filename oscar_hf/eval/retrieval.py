@@ -168,8 +168,9 @@ def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
     unknown = [n for n in names if n not in available]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(available)}")
-    if "oscar-hifi" in names and args.rotations is None:
-        raise SystemExit("the oscar-hifi method needs --rotations that record a retrieval ranking (python -m "
+    ranked = [n for n in names if n in ("oscar-hifi", "oscar-next")]
+    if ranked and args.rotations is None:
+        raise SystemExit(f"the {ranked[0]} method needs --rotations that record a retrieval ranking (python -m "
                          "oscar_hf.calibrate.retrieval_layers --rotations <folder or hadamard> ...)")
     return [available[n] for n in names]
 

@@ -16,7 +16,7 @@ and then called through these operations only:
   (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows of the
   history, every one of them visible (no mask): what a compiled or graph-captured decode step runs
   (`kernels.ops`);
-- `graph_capture_problem(key_dim, value_dim, encoder) -> str | None`: why a decode step of a layer of these sizes
+- `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of these sizes
   cannot be captured in a CUDA graph, or None when it can.
 
 The PyTorch reference (`kernels.reference`) defines the semantics; every other backend is tested against it.
@@ -96,4 +96,5 @@ class Backend(Protocol):
                          value_rotation: torch.Tensor | None, scaling: float,
                          softcap: float | None = None) -> torch.Tensor: ...
 
-    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None: ...
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
+                              scale_dtype: torch.dtype = torch.float16) -> str | None: ...

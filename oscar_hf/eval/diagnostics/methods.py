@@ -73,7 +73,8 @@ def _oscar(method: str, rotations=None, **options) -> Callable:
 def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, Method]:
     """Every method of the side-by-side table, keyed by name.
 
-    `rotations`: calibrated rotations (folder, file or Hub id) for the `oscar`, `oscar-hifi` and `oscar4` rows;
+    `rotations`: calibrated rotations (folder, file or Hub id) for the `oscar`, `oscar-hifi`, `oscar-next` and
+    `oscar4` rows;
     without them the `oscar` and `oscar4` rows use the data-free Hadamard rotation (the `hadamard` preset), and
     `oscar-hifi`, which needs the retrieval ranking a rotations file records, cannot be built. `oscar_options` (e.g.
     `recent_tokens=128`) apply to every OSCAR-layout row.
@@ -94,6 +95,10 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
                                                  "ranking at 4 bits)", 1),
                _oscar("oscar-hifi", rotations, **oscar_options), oscar=True,
                note="needs rotations that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers)"),
+        Method("oscar-next", oscar_label.replace("OSCAR", "OSCAR-next (2-bit sigma rows, one-byte scale and zero, "
+                                                 "the top tenth of the layers by retrieval ranking at 4 bits)", 1),
+               _oscar("oscar-next", rotations, **oscar_options), oscar=True,
+               note="needs rotations that record a retrieval ranking; the PyTorch reference reads its history"),
         Method("oscar4", oscar_label.replace("OSCAR", "OSCAR 4-bit", 1),
                _oscar(oscar_method, rotations, **{**oscar_options, "bits": 4}), oscar=True),
         Method("kivi2", "KIVI-style 2-bit (quanto, per-channel K / per-token V, g32, R128)", _quantized("quanto", **kivi),

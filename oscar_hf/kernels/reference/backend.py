@@ -3,6 +3,8 @@ anywhere."""
 
 from __future__ import annotations
 
+import torch
+
 from oscar_hf.kernels.interface import HistoryTensors
 from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials, tiered_reference
 from oscar_hf.kernels.reference.quantize import quantize_pack
@@ -61,5 +63,6 @@ class ReferenceBackend:
         return tiered_reference(self, query, keys[:, :, :dense], values[:, :, :dense], None, history, 0,
                                 key_rotation, value_rotation, scaling, softcap, dense_start)
 
-    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None:
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
+                              scale_dtype: torch.dtype = torch.float16) -> str | None:
         return "the PyTorch reference backend runs no kernels to capture (the kernels run on CUDA devices)"

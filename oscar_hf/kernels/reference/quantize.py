@@ -12,6 +12,13 @@ Per row (one token of one KV head, the whole head_dim; rows are already rotated)
    row's mean m and standard deviation s (rotated rows are close to Gaussian): `scale = STEP[bits] * s`,
    `zero = L / 2 - m / scale`, codes as in 3 (values beyond the outer levels saturate, so no clip is applied).
 
+7. compact pairs (`scale_dtype=torch.uint8`, `OscarConfig(scale_dtype="compact")`): the pair is two bytes, 2
+   bits per element less at head_dim 64. The encoder's float scale is rounded *up* to a power of 2^(1/16),
+   `scale = 2^((s - 128) / 16)` with the byte s in 0..255 (scales from 2^-8 to 2^7.94; larger ones saturate), so
+   the grid still spans what the encoder chose, at most 4.4% coarser; the grid's centre stays where the encoder
+   put it and the zero point becomes the byte z, `zero = z (L + 2) / 255 - 1` (within [-1, L + 1]); codes are
+   then taken on that stored grid as in 3 (from the clipped row for min-max). Same dequantizer: `(q - zero) * scale`.
+
 `floor` is 1e-8, raised for float16 storage so that |zero| stays below `ZERO_LIMIT_FP16` (only degenerate,
 near-constant rows are affected: without it their zero point would overflow float16).
 
@@ -48,6 +55,40 @@ def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
     return torch.maximum(torch.minimum(x, thr), -thr)
 
 
+COMPACT = torch.uint8  # the scale dtype that means compact (one-byte) scale and zero codes
+COMPACT_SCALE_STEPS = 16  # scale codes per octave
+COMPACT_SCALE_BIAS = 128
+
+
+def compact_scale(code: torch.Tensor) -> torch.Tensor:
+    return torch.exp2((code.float() - COMPACT_SCALE_BIAS) / COMPACT_SCALE_STEPS)
+
+
+def compact_zero(code: torch.Tensor, bits: int) -> torch.Tensor:
+    span = float(2**bits + 1)  # [-1, L + 1]
+    return code.float() * (span / 255.0) - 1.0
+
+
+def pair_bytes(scale_dtype: torch.dtype) -> int:
+    """Bytes of one row's (scale, zero) pair."""
+    return 2 * scale_dtype.itemsize
+
+
+def _compact_rows(x, bits, scale, zero):
+    """The compact pair for float32 `scale`/`zero` `[...]` chosen by an encoder for rows `x` (already clipped):
+    (codes, pair bytes), see the module docstring (7)."""
+    levels = float(2**bits - 1)
+    steps = torch.ceil(torch.log2(scale) * COMPACT_SCALE_STEPS - 1e-4) + COMPACT_SCALE_BIAS
+    scale_code = steps.clamp_(0, 255)
+    stored_scale = compact_scale(scale_code)
+    centre = (levels / 2 - zero) * scale
+    wanted_zero = levels / 2 - centre / stored_scale
+    zero_code = torch.round((wanted_zero + 1.0) * (255.0 / (levels + 2))).clamp_(0, 255)
+    stored_zero = compact_zero(zero_code, bits)
+    codes = torch.floor(x / stored_scale[..., None] + stored_zero[..., None] + 0.5).clamp_(0, levels)
+    return codes.to(torch.uint8), torch.stack([scale_code, zero_code], dim=-1).to(torch.uint8)
+
+
 def zero_limit(scale_dtype: torch.dtype) -> float:
     """Largest |zero| the scale dtype stores safely (inf where the dtype's range is fp32-like)."""
     return ZERO_LIMIT_FP16 if scale_dtype == torch.float16 else float("inf")
@@ -64,6 +105,12 @@ def quantize_rows(
     """
     if encoder not in ENCODERS:
         raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+    if scale_dtype == COMPACT:
+        if encoder == "lloyd":
+            raise ValueError("the lloyd encoder refines float pairs; compact pairs take minmax or sigma")
+        _, pair = quantize_rows(x, bits, clip_ratio, torch.float32, encoder)
+        rows = clip_rows(x.float(), clip_ratio) if encoder == "minmax" else x.float()
+        return _compact_rows(rows, bits, pair[..., 0], pair[..., 1])
     if encoder == "sigma":
         return _sigma_rows(x, bits, scale_dtype)
     codes, scale_zero = _minmax_rows(x, bits, clip_ratio, scale_dtype)
@@ -161,8 +208,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return planes.reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
-def dequantize_rows(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """`(q - zero) * scale` in float32. `codes` `[..., d]` (unpacked), `scale_zero` `[..., 2]`."""
+def dequantize_rows(codes: torch.Tensor, scale_zero: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """`(q - zero) * scale` in float32. `codes` `[..., d]` (unpacked), `scale_zero` `[..., 2]` (compact pairs need
+    the code width `bits`)."""
+    if scale_zero.dtype == COMPACT:
+        if bits is None:
+            raise ValueError("compact (scale, zero) pairs decode with the code width: pass bits")
+        scale, zero = compact_scale(scale_zero[..., 0:1]), compact_zero(scale_zero[..., 1:2], bits)
+        return (codes.float() - zero) * scale
     sz = scale_zero.float()
     return (codes.float() - sz[..., 1:2]) * sz[..., 0:1]
 
@@ -177,17 +230,17 @@ def quantize_pack(
 
 def unpack_dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> torch.Tensor:
     """float32 rows `[..., d]` from packed codes and their (scale, zero) pairs."""
-    return dequantize_rows(unpack_codes(packed, bits), scale_zero)
+    return dequantize_rows(unpack_codes(packed, bits), scale_zero, bits)
 
 
 def fake_quantize(
     x: torch.Tensor, bits: int, clip_ratio: float | None, scale_dtype: torch.dtype, encoder: str = "minmax"
 ) -> torch.Tensor:
     """Rows `x` `[..., d]` as the history stores them, read back: `quantize_rows` then `dequantize_rows` (float32)."""
-    return dequantize_rows(*quantize_rows(x, bits, clip_ratio, scale_dtype, encoder))
+    return dequantize_rows(*quantize_rows(x, bits, clip_ratio, scale_dtype, encoder), bits)
 
 
 def row_bytes(dim: int, bits: int, scale_dtype: torch.dtype) -> int:
     """Bytes one history row (one token of one KV head, keys or values) stores: `dim` codes of `bits` bits and its
     (scale, zero) pair."""
-    return dim * bits // 8 + 2 * torch.finfo(scale_dtype).bits // 8
+    return dim * bits // 8 + pair_bytes(scale_dtype)

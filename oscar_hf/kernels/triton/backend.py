@@ -33,6 +33,8 @@ from oscar_hf.kernels.triton.stage1 import attention_partials
 # batch 1, latency-bound), splits are cut down to one history tile and two dense tiles (`plan_splits`'
 # `min_programs`): half of the 8 programs that fit one SM at d=128.
 SMALL_GRID_PROGRAMS_PER_SM = 4
+# (scale, zero) dtypes the kernels read; compact (uint8) pairs go through the PyTorch reference for now
+KERNEL_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class TritonBackend(ReferenceBackend):
@@ -65,22 +67,27 @@ class TritonBackend(ReferenceBackend):
         self.cuda_history_config = cuda_history_config
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str) -> str | None:
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
+                              scale_dtype: torch.dtype = torch.float16) -> str | None:
         if encoder not in KERNEL_ENCODERS:
             return f"encoder {encoder!r} demotes through the PyTorch reference"
+        if scale_dtype not in KERNEL_SCALE_DTYPES:
+            return "compact (scale, zero) pairs are read by the PyTorch reference"
         if key_dim != value_dim or not kernel_head_dim(key_dim):
             return "the kernels do not take its head sizes (powers of two from 64 to 256, keys and values alike)"
         return None
 
     # ------------------------------------------------------------------------------------------ demotion
     def demote(self, x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder="minmax") -> None:
-        if encoder not in KERNEL_ENCODERS or not kernel_head_dim(x.shape[-1]):  # lloyd: the reference only
+        if (encoder not in KERNEL_ENCODERS or not kernel_head_dim(x.shape[-1])  # lloyd: the reference only
+                or scale_zero_out.dtype not in KERNEL_SCALE_DTYPES):
             return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder)
         demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits, encoder=encoder)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
-        if encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1]):
+        if (encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1])
+                or key_scale_zero_out.dtype not in KERNEL_SCALE_DTYPES):
             return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
                                      bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
                                      encoder)
@@ -263,6 +270,8 @@ class TritonBackend(ReferenceBackend):
                                 or value.stride(-1) != 1 or query.shape[1] % key.shape[1]):
             return False
         if history is not None and (history.key_dim != dim or history.value_dim != dim):
+            return False
+        if history is not None and history.quantized and history.key_scale_zero.dtype not in KERNEL_SCALE_DTYPES:
             return False
         if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.stride(-1) != 1):
             return False
