@@ -28,7 +28,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["none", "hadamard", "quarot", "clip", "identity"])
     parser.add_argument("--rotations", default=None,
-                        help="rotations for the methods oscar, oscar-hifi and oscar-next (the last two need a retrieval ranking)")
+                        help="rotations for the methods oscar, oscar-hifi and oscar-next (the last two need a "
+                             "retrieval ranking)")
     parser.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
     args = parser.parse_args()
 

@@ -117,7 +117,8 @@ class OscarConfig:
         if self.encoder not in ENCODERS:
             raise ValueError(f"encoder={self.encoder!r}: expected one of {ENCODERS}")
         if self.scale_dtype == torch.uint8 and self.encoder == "lloyd":
-            raise ValueError("encoder='lloyd' refines float (scale, zero) pairs; compact pairs take 'minmax' or 'sigma'")
+            raise ValueError("encoder='lloyd' refines float (scale, zero) pairs; compact pairs take 'minmax' or "
+                             "'sigma'")
         if self.method not in PRESETS:
             raise ValueError(f"method={self.method!r}: expected one of {sorted(PRESETS)}")
 

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from conftest import forward, tiny_model
 
 from oscar_hf import OscarCache
 from oscar_hf.config import OscarConfig
@@ -18,6 +17,8 @@ from oscar_hf.kernels.reference.quantize import (
     quantize_rows,
     row_bytes,
 )
+
+from conftest import forward, tiny_model
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -16,8 +16,8 @@ and then called through these operations only:
   (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows of the
   history, every one of them visible (no mask): what a compiled or graph-captured decode step runs
   (`kernels.ops`);
-- `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of these sizes
-  cannot be captured in a CUDA graph, or None when it can.
+- `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of
+  these sizes and formats cannot be captured in a CUDA graph, or None when it can.
 
 The PyTorch reference (`kernels.reference`) defines the semantics; every other backend is tested against it.
 """
