@@ -64,6 +64,21 @@ def stored(layer, name: str) -> torch.Tensor:
     return getattr(layer.history, name)[:, :, : layer.history_length]
 
 
+def kernel_qwen3(head_dim: int = 64, layers: int = 2, seed: int = 0, device="cpu"):
+    """A tiny Qwen3 whose head_dim the kernels take (GQA 4:2), float32. The output head is scaled up so that greedy
+    choices are decisive (random weights otherwise give near-ties that any rounding flips)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=65536, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.to(device=device, dtype=torch.float32)
+
+
 def forward(model, ids, cache, **kwargs):
     """One forward through `cache` under whichever argument name this transformers release uses."""
     return model(input_ids=ids, use_cache=True, **{cache_argument_name(model): cache}, **kwargs)

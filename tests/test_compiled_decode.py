@@ -10,7 +10,7 @@ from transformers import CompileConfig
 
 from oscar_hf import OscarCache
 
-from conftest import cache_argument_name, forward, tiny_model
+from conftest import cache_argument_name, forward, kernel_qwen3, tiny_model
 
 OPTIONS = dict(sink_tokens=4, recent_tokens=8, demote_block=8)  # a cycle of 8 steps: 48 steps are 6 cycles
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -95,19 +95,10 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
     assert torch.equal(compiled, eager)
 
 
-def _kernel_qwen3(device, seed=0):
-    """A 2-layer Qwen3 whose head_dim (64) the kernels take, with decisive greedy choices."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=65536,
-                         tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
+def _kernel_qwen3(device):
+    model = kernel_qwen3(device=device)
     model.generation_config.pad_token_id = 0
-    return model.to(device)
+    return model
 
 
 @pytest.mark.parametrize("method", ["hadamard", "none"])

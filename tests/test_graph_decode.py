@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM  # noqa: E402
 
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
@@ -22,19 +22,14 @@ from oscar_hf.graph_decode import GraphDecodeError, graphed_generate  # noqa: E4
 from oscar_hf.history import QuantizedHistory  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 
+from conftest import kernel_qwen3  # noqa: E402
+
 ON_GPU = torch.cuda.is_available()
 OPTIONS = dict(sink_tokens=4, recent_tokens=16, demote_block=4)
 
 
 def _tiny_qwen3(head_dim=64, layers=2, seed=0, device="cpu"):
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                         max_position_embeddings=65536, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # decisive greedy choices (random weights give near-ties otherwise)
-    return model.to(device)
+    return kernel_qwen3(head_dim, layers, seed, device)
 
 
 def _reference_tokens(model, ids, new_tokens, cache_options=OPTIONS, **generate_options):

@@ -15,12 +15,12 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
+
+from conftest import kernel_qwen3  # noqa: E402
 
 DEVICE = kernel_device()
 ON_GPU = DEVICE.type == "cuda"
@@ -29,16 +29,7 @@ from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 
 
 def _tiny_model(device, seed=0):
-    """2 layers, GQA 4:2, head_dim 64. The output head is scaled up so that greedy choices are decisive (random
-    weights otherwise give near-ties that any rounding flips)."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=65536,
-                         tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    return model.to(device=device, dtype=torch.float32)
+    return kernel_qwen3(seed=seed, device=device)
 
 
 def _generate(model, input_ids, attention_mask, backend, new_tokens, **options):
