@@ -73,7 +73,7 @@ def plot(rows: list[dict], path: str, greedy: list | None = None) -> None:
             ax.annotate(r["format"].split(" ")[0], (r["bits"], r["copy"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("stored bits per history element (fp16 scale pairs counted)")
+    ax.set_xlabel("stored bits per history element ((scale, zero) pairs counted)")
     ax.set_ylabel("fact tokens copied (teacher-forced, vs BF16's answer)")
     ax.set_title("SmolLM2-135M needle suite, decode-equivalent simulation")
     ax.legend()
