@@ -13,7 +13,8 @@ So the host state is the same before every step, and one compiled graph, or one 
 phase of the demotion cycle.
 
 The history holds `reserve` more tokens than it had when decoding started (`OscarCache(max_cache_len=...)` sets
-it); eager steps grow it when it is about to fill, compiled steps cannot (growing changes the buffers' shapes).
+it), rounded up to a multiple of `CAPACITY_BUCKET`; eager steps grow it when it is about to fill, compiled steps
+cannot (growing changes the buffers' shapes).
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
+CAPACITY_BUCKET = 4096  # history capacities are multiples of this, so prompts of similar length share one graph
+
+
+def history_capacity(tokens: int, reserve: int, block: int, bucket: bool = True) -> int:
+    """The history capacity counted decode uses for `tokens` stored plus `reserve` to come: with two demotion
+    blocks of slack, rounded up to `CAPACITY_BUCKET` unless `bucket` is False (an exact `max_cache_len`); in
+    buckets a compiled step's buffers keep their shapes across prompts of similar length, and its graph is reused
+    instead of recompiled."""
+    needed = tokens + reserve + 2 * block
+    return -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET if bucket else needed
 
 
 def _static(*tensors: torch.Tensor) -> None:
@@ -39,7 +50,7 @@ def _static(*tensors: torch.Tensor) -> None:
 class CountedDecode:
     """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`)."""
 
-    def __init__(self, layer, reserve: int):
+    def __init__(self, layer, reserve: int, bucket: bool = True):
         cfg = layer.config
         self.sink, self.recent, self.block = layer.sink_size, cfg.recent_tokens, cfg.demote_block
         self.capacity = self.sink + self.recent + self.block
@@ -53,9 +64,10 @@ class CountedDecode:
         self.tokens = torch.tensor(layer.length, dtype=torch.int64, device=device)
         self.history_start = layer.history_length
         self.reserve = reserve
+        self.bucket = bucket
         self.eager_steps = 0
         self.warned_dropped = False
-        layer.history.pin(self.history_start + reserve + 2 * self.block)
+        layer.history.pin(history_capacity(self.history_start, reserve, self.block, bucket))
         self.offsets = torch.arange(self.block, device=device)
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         layer.history.prepare_staging(self.block)
@@ -69,7 +81,7 @@ class CountedDecode:
             if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
                 self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
                 layer.history.length = int(layer.history.device_length)
-                layer.history.pin(self.history_start + self.reserve + 2 * self.block)
+                layer.history.pin(history_capacity(self.history_start, self.reserve, self.block, self.bucket))
                 _static(*layer.history.static_tensors())
         position = self.rows.long()
         layer.keys_buffer.index_copy_(2, position, key_states)

@@ -64,9 +64,12 @@ class _History:
         if self.dropped is None:
             self.dropped = torch.zeros_like(self.device_length)
 
-    def _targets(self, n: int) -> dict[str, torch.Tensor]:
-        """Where an append of `n` tokens writes: the buffers' next rows, or a staging block once pinned."""
-        self._reserve(n)
+    def _targets(self, n: int, reserve: bool = True) -> dict[str, torch.Tensor]:
+        """Where an append of `n` tokens writes: the buffers' next rows, or a staging block once pinned
+        (`reserve=False`: counted decode, whose buffers are sized ahead and whose host length is stale; reading it
+        would also make a compiled step depend on it)."""
+        if reserve:
+            self._reserve(n)
         if self.device_length is None:
             return {name: getattr(self, name)[:, :, self.length : self.length + n] for name in self._names}
         staging = self._staging.get(n)
@@ -187,7 +190,7 @@ class QuantizedHistory(_History):
         n = keys.shape[2]
         if n == 0:
             return
-        out = self._targets(n)
+        out = self._targets(n, reserve=advance is None)
         cfg = self.config
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
                           cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
@@ -223,7 +226,7 @@ class FullPrecisionHistory(_History):
         n = keys.shape[2]
         if n == 0:
             return
-        out = self._targets(n)
+        out = self._targets(n, reserve=advance is None)
         out["keys"].copy_(rotate(keys, key_rotation))
         out["values"].copy_(rotate(values, value_rotation))
         self._commit(n, out, advance, after)

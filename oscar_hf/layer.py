@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode
+from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
 from oscar_hf.demotion import tokens_to_demote
 from oscar_hf.handoff import HistorySegment
 from oscar_hf.history import make_history
@@ -234,7 +234,7 @@ class OscarLayer(CacheLayerMixin):
         if self.sink_size is None:
             self.sink_size = self.config.sink_tokens + (0 if pads is None else int(pads.max()))
         self.counted_padding = pads.contiguous() if pads is not None and bool(pads.any()) else None
-        self.counted = CountedDecode(self, self._decode_reserve())
+        self.counted = CountedDecode(self, self._decode_reserve(), bucket=self.max_cache_len is None)
 
     def stop_counted_decode(self) -> None:
         """Back to host-counted storage (before a multi-token forward, a batch operation, a crop, ...)."""
@@ -271,7 +271,9 @@ class OscarLayer(CacheLayerMixin):
         sink = self.sink_size
         keep = slice(sink + demote, self.bf16_length)
         if self._counts_decode():  # one allocation for the prompt's history and the decode steps after it
-            self.history.reserve(demote + self._decode_reserve() + 2 * cfg.demote_block)
+            target = history_capacity(self.history_length + demote, self._decode_reserve(), cfg.demote_block,
+                                      bucket=self.max_cache_len is None)
+            self.history.reserve(target - self.history_length)
         self.history.append(
             self.keys_buffer[:, :, sink : sink + demote], self.values_buffer[:, :, sink : sink + demote],
             self.key_rotation, self.value_rotation, self.backend,

@@ -219,3 +219,21 @@ def test_a_compiled_step_that_fills_the_history_drops_blocks_and_warns(caplog):
     with caplog.at_level("WARNING"):
         assert layer.history_length <= layer.history.capacity < 28 + 48
     assert "demoted tokens were dropped" in caplog.text and "max_cache_len" in caplog.text
+
+
+def test_prompts_of_similar_length_reuse_the_compiled_step():
+    """History capacities come in buckets (`counted_decode.CAPACITY_BUCKET`): a new prompt length meets the same
+    buffer shapes, so the compiled step is replayed, not recompiled."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    compiled_forward = torch.compile(model.forward, fullgraph=True)
+    name = cache_argument_name(model)
+    step = lambda token, c: compiled_forward(input_ids=token, use_cache=True, **{name: c})  # noqa: E731
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    capacities = set()
+    for length in (40, 57, 71):
+        cache = OscarCache(model, method="hadamard", **OPTIONS)
+        _decode(model, torch.randint(1, 96, (2, length)), cache, 10, step)
+        capacities.add(cache.layers[0].history.capacity)
+    assert len(capacities) == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
