@@ -237,3 +237,41 @@ def test_prompts_of_similar_length_reuse_the_compiled_step():
         capacities.add(cache.layers[0].history.capacity)
     assert len(capacities) == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("operation", ["deepcopy", "crop", "select", "repeat", "reorder"])
+def test_cache_operations_between_counted_steps_match_host_counted_decode(operation):
+    """A batch operation, a crop or a copy between decode steps leaves counted decode (or, for a reorder, keeps
+    it in place) with the same tiers as host-counted decode."""
+    import copy
+
+    model = tiny_model("llama", seed=5)
+    ids = torch.randint(1, 96, (2, 30))
+    apply = {
+        "deepcopy": lambda c: copy.deepcopy(c),
+        "crop": lambda c: (c.crop(-2), c)[1],
+        "select": lambda c: (c.batch_select_indices(torch.tensor([1])), c)[1],
+        "repeat": lambda c: (c.batch_repeat_interleave(2), c)[1],
+        "reorder": lambda c: (c.reorder_cache(torch.tensor([1, 0])), c)[1],
+    }[operation]
+    rows = {"select": [1], "repeat": [0, 0, 1, 1], "reorder": [1, 0]}.get(operation, [0, 1])
+    logits = []
+    for counted in (True, False):
+        cache = OscarCache(model, method="hadamard", **OPTIONS)
+        for layer in cache.layers:
+            layer.allow_counted_decode = counted
+        out = _decode(model, ids, cache, 9, _eager(model))
+        token = out[-1].argmax(-1, keepdim=True)
+        if operation == "crop":
+            token = ids[:, -2:-1] * 0 + 5  # a new token after the two removed
+        cache = apply(cache)
+        token = token[rows]
+        steps = []
+        with torch.no_grad():
+            for _ in range(12):
+                step = forward(model, token, cache).logits[:, -1]
+                steps.append(step)
+                token = step.argmax(-1, keepdim=True)
+        logits.append(torch.stack(steps))
+        assert int(cache.get_seq_length()) == 30 + 9 + 12 - (2 if operation == "crop" else 0)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
