@@ -192,9 +192,11 @@ class QuantizedHistory(_History):
             return
         out = self._targets(n, reserve=advance is None)
         cfg = self.config
+        # counted decode: quantize only when the block is demoted (`advance` > 0), decided on the device
+        extra = {} if advance is None else {"only_if": advance}
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
                           cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
-                          out["value_scale_zero"], cfg.encoder)
+                          out["value_scale_zero"], cfg.encoder, **extra)
         self._commit(n, out, advance, after)
 
 

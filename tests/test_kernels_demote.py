@@ -174,3 +174,22 @@ def test_sigma_encoder_in_the_kernel_differs_from_the_reference_only_at_rounding
     assert torch.isfinite(read).all()
     with pytest.raises(ValueError, match="encodes"):
         demote_rows([(x, None, None, codes, scale_zero)], bits, encoder="lloyd")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_demotion_writes_nothing_where_the_device_flag_is_zero(backend):
+    """Counted decode demotes every step with a device flag: 0 leaves the outputs as they were, anything else
+    writes the reference codes."""
+    x = torch.randn(2, 2, 8, 64, device=DEVICE)
+    impl = TritonBackend() if backend == "triton" else ReferenceBackend()
+    want_codes, want_sz = quantize_pack(x, 2, 0.96, torch.float16)
+    for flag, expect_written in ((0, False), (8, True)):
+        codes = torch.full((2, 2, 8, 16), 7, dtype=torch.uint8, device=DEVICE)
+        sz = torch.full((2, 2, 8, 2), 3.0, dtype=torch.float16, device=DEVICE)
+        codes_v, sz_v = codes.clone(), sz.clone()
+        impl.demote_kv(x, x, None, None, 0.96, 0.96, 2, codes, sz, codes_v, sz_v,
+                       only_if=torch.tensor([flag], dtype=torch.int32, device=DEVICE))
+        if expect_written:
+            assert torch.equal(codes, want_codes) and torch.equal(sz, want_sz) and torch.equal(codes_v, want_codes)
+        else:
+            assert (codes == 7).all() and (sz == 3.0).all() and (codes_v == 7).all()

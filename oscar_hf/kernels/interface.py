@@ -4,8 +4,9 @@ A backend is picked once per layer (`kernels.select.backend_for(device)`, or pas
 and then called through these operations only:
 
 - `demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes_out,
-  key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder)`: rotate, clip, quantize and pack rows
-  `[B, H, n, d]` of keys and values into the given output views (`encoder`: `OscarConfig.encoder`);
+  key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder, only_if)`: rotate, clip, quantize and pack
+  rows `[B, H, n, d]` of keys and values into the given output views (`encoder`: `OscarConfig.encoder`; `only_if`:
+  an integer `[1]` on the device, or None: where it holds 0, nothing is written);
 - `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling, softcap,
   dense_start) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model basis) and its
   history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
@@ -83,7 +84,7 @@ class Backend(Protocol):
                   value_rotation: torch.Tensor | None, key_clip_ratio: float | None, value_clip_ratio: float | None,
                   bits: int, key_codes_out: torch.Tensor, key_scale_zero_out: torch.Tensor,
                   value_codes_out: torch.Tensor, value_scale_zero_out: torch.Tensor,
-                  encoder: str = "minmax") -> None: ...
+                  encoder: str = "minmax", only_if: torch.Tensor | None = None) -> None: ...
 
     def tiered_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,

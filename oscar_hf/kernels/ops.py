@@ -6,7 +6,8 @@ shapes):
   of `keys`/`values`, minus each row's `dense_start` leading pads) and its history (the first `history_length`
   rows). Both lengths are int32 `[1]` device tensors, so one compiled graph, or one captured CUDA graph, serves
   every step of a demotion cycle;
-- `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them).
+- `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them), or
+  nothing where the device flag `only_if` holds 0.
 
 A backend instance is not a tensor, so an op names it: `register_backend` gives each backend a key, and the op
 looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the backend).
@@ -65,15 +66,15 @@ def demote_kv(
     keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None,
     key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
     key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, encoder: str,
-    backend: str,
+    backend: str, only_if: torch.Tensor | None = None,
 ) -> None:
     _backend(backend).demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                                key_codes, key_scale_zero, value_codes, value_scale_zero, encoder)
+                                key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if)
 
 
 @demote_kv.register_fake
 def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes, key_scale_zero,
-      value_codes, value_scale_zero, encoder, backend):
+      value_codes, value_scale_zero, encoder, backend, only_if=None):
     return None
 
 
@@ -111,10 +112,11 @@ class OpBackend:
         self.key = register_backend(backend)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
+                  only_if=None) -> None:
         torch.ops.oscar_hf.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                                      key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
-                                     encoder, self.key)
+                                     encoder, self.key, only_if)
 
     def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
                          key_rotation, value_rotation, scaling, softcap=None) -> torch.Tensor:

@@ -30,7 +30,10 @@ class ReferenceBackend:
         scale_zero_out.copy_(scale_zero)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
+                  only_if=None) -> None:
+        if only_if is not None and not bool(only_if):  # read on the host: the reference is never graph-captured
+            return
         self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out, encoder)
         self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out, encoder)
 

@@ -85,15 +85,16 @@ class TritonBackend(ReferenceBackend):
         demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits, encoder=encoder)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax") -> None:
+                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
+                  only_if=None) -> None:
         if (encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1])
                 or key_scale_zero_out.dtype not in KERNEL_SCALE_DTYPES):
             return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
                                      bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
-                                     encoder)
+                                     encoder, only_if)
         demote_rows([(keys, key_rotation, key_clip_ratio, key_codes_out, key_scale_zero_out),
                      (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits,
-                    encoder=encoder)
+                    encoder=encoder, only_if=only_if)
 
     # ------------------------------------------------------------------------------------------ attention
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):

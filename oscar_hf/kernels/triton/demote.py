@@ -102,10 +102,13 @@ def _demote_tensor(
 def _demote_kernel(
     kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt, k_clip, k_floor,
     vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor,
-    n,
+    n, flag_ptr,
     D: tl.constexpr, BITS: tl.constexpr, K_ROT: tl.constexpr, V_ROT: tl.constexpr, NUM_TENSORS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SIGMA: tl.constexpr, STEP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SIGMA: tl.constexpr, STEP: tl.constexpr, HAS_FLAG: tl.constexpr,
 ):
+    if HAS_FLAG:  # a counted decode step demotes only when the device says its window is full
+        if tl.load(flag_ptr) == 0:
+            return
     t0 = tl.program_id(0) * BLOCK_T
     h = tl.program_id(1)
     b = tl.program_id(2) // NUM_TENSORS
@@ -137,12 +140,14 @@ def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
             scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio)
 
 
-def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax") -> None:
+def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax",
+                only_if: torch.Tensor | None = None) -> None:
     """Quantize one or two tensors in one launch, with the `minmax` or the `sigma` encoder (`quantize`).
 
     `pairs`: a list of one or two tuples `(x, rotation, clip_ratio, codes_out, scale_zero_out)` with `x`
     `[B, H, n, d]` (the same shape for both), `codes_out` `[B, H, n, d * bits // 8]` uint8 and `scale_zero_out`
-    `[B, H, n, 2]`; the outputs are written in place (views into the history buffers are fine).
+    `[B, H, n, 2]`; the outputs are written in place (views into the history buffers are fine). `only_if`
+    (integer `[1]` on the device, optional): the kernel writes nothing where it holds 0.
     """
     if not 1 <= len(pairs) <= 2:
         raise ValueError(f"demote_rows takes one or two tensors, got {len(pairs)}")
@@ -167,8 +172,9 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax
     grid = (triton.cdiv(n, block_tokens), heads, batch * len(pairs))
     with launch_device(x):
         _demote_kernel[grid](
-            *args[0], *args[1], n,
+            *args[0], *args[1], n, x if only_if is None else only_if,
             D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,
             NUM_TENSORS=len(pairs), BLOCK_T=block_tokens, BLOCK_K=min(d, 32), SIGMA=encoder == "sigma",
-            STEP=GAUSSIAN_UNIFORM_STEP[bits] if encoder == "sigma" else 1.0, num_warps=4,
+            STEP=GAUSSIAN_UNIFORM_STEP[bits] if encoder == "sigma" else 1.0, HAS_FLAG=only_if is not None,
+            num_warps=4,
         )
