@@ -68,7 +68,6 @@ class CountedDecode:
         self.eager_steps = 0
         self.warned_dropped = False
         layer.history.pin(history_capacity(self.history_start, reserve, self.block, bucket))
-        self.offsets = torch.arange(self.block, device=device)
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         layer.history.prepare_staging(self.block)
         _static(layer.keys_buffer, layer.values_buffer, self.rows, self.tokens, self.window,
