@@ -18,6 +18,11 @@ BF16. The rule is `demotion.tokens_to_demote`: with S = sink size, R = `recent_t
 The sink size is fixed at the first demotion to `sink_tokens` plus the batch's largest left padding, so every row
 keeps `sink_tokens` real sink tokens.
 
+After a forward the "oscar" attention consumed (a prefill, or any eager step), single-token forwards run
+device-counted (`counted_decode.CountedDecode`): fixed buffers and counts on the device, so that a compiled step
+replays; a multi-token forward, a crop, a batch selection or a repeat returns to the host-counted storage above
+first (a reorder for beam search stays counted, in place).
+
 The kernel backend (`kernels.interface.Backend`) is given to the layer, or picked for its device on first use
 (`kernels.select.backend_for`).
 """
