@@ -22,9 +22,9 @@ Format names:
   deviation, not the range; the variant measured in docs/retrieval.md, which the package's `encoder="sigma"`
   follows with the population deviation);
 - `salient<pct>:<base>`: the tokens with the largest key norms per head kept in BF16;
-- a trailing `q` on `u`/`s` formats (`u2cq`, `s2q`) stores each row's pair in 16 bits instead of 32: the scale
-  rounded up to a power of 2^(1/16) (an 8-bit exponent code against a per-head base) and the zero point as 8-bit
-  fixed point (`compact_pair`); at head_dim 64 that frees 0.25 bits per element for layers at higher precision;
+- a trailing `q` on `u`/`s` formats (`u2cq`, `s2q`) stores each row's pair in 16 bits instead of 32, as the
+  package's compact pairs (`scale_dtype="compact"`: the scale rounded up to a power of 2^(1/16), the zero point in
+  8-bit fixed point); at head_dim 64 that frees 0.25 bits per element for layers at higher precision;
 - `mix<bits>[q]:<layers>:<base>`: layers (`0-5+29`) at higher uniform precision (`auto<n>`: the top n of
   `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes from the calibration
   plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
@@ -49,7 +49,7 @@ from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets
 from oscar_hf.eval.needles import make_needle_suite
-from oscar_hf.kernels.reference.quantize import clip_rows, fake_quantize, quantize_rows
+from oscar_hf.kernels.reference.quantize import COMPACT, compact_rows, dequantize_rows, fake_quantize
 
 SCALE = torch.float16
 PAIR_BITS = 32  # one fp16 pair per group
@@ -71,30 +71,13 @@ def _grouped(fn, rows: torch.Tensor, group: int) -> torch.Tensor:
     return fn(rows.reshape(*shape[:-1], shape[-1] // group, group)).reshape(shape)
 
 
-COMPACT_PAIR_BITS = 16  # 8-bit log-scale code + 8-bit fixed-point zero
-LOG_SCALE_STEPS = 16  # scale codes per octave
+COMPACT_PAIR_BITS = 16  # one byte each for the scale and the zero point (the package's scale_dtype="compact")
 
 
 def compact_pair(rows: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Rows read back with (scale, zero) stored in 16 bits: the scale rounded *up* to the next power of 2^(1/16)
-    (so the grid still spans what the encoder asked for, at most 4.4% coarser), codes recomputed for it, and the
-    zero point (in code units, within [-1, L + 1] for rows that span 0) rounded to 8-bit fixed point."""
-    levels = float(2**bits - 1)
-    steps = torch.ceil(torch.log2(scale.clamp_min(1e-30)) * LOG_SCALE_STEPS)
-    stored_scale = torch.exp2(steps / LOG_SCALE_STEPS)
-    # keep the grid's centre where the encoder put it: centre = (L/2 - zero) * scale
-    centre = (levels / 2 - zero) * scale
-    span = levels + 2
-    zero = levels / 2 - centre / stored_scale
-    zero = (torch.round((zero + 1) / span * 255).clamp(0, 255) * span / 255 - 1)
-    codes = torch.floor(rows / stored_scale + zero + 0.5).clamp(0, levels)
-    return (codes - zero) * stored_scale
-
-
-def _compact_read_back(rows: torch.Tensor, bits: int, ratio: float | None, encoder: str) -> torch.Tensor:
-    """The encoder's (scale, zero) in float32, then stored as `compact_pair` stores it (codes of the clipped rows)."""
-    _, scale_zero = quantize_rows(rows, bits, ratio, torch.float32, encoder)
-    return compact_pair(clip_rows(rows, ratio), bits, scale_zero[..., :1], scale_zero[..., 1:])
+    """Rows read back with the float `scale`/`zero` `[..., 1]` a format chose, stored as the package stores
+    compact pairs (`kernels.reference.quantize.compact_rows`)."""
+    return dequantize_rows(*compact_rows(rows, bits, scale[..., 0], zero[..., 0]), bits)
 
 
 def uniform(key_bits: int, value_bits: int, group: int | None = None, clip: bool = False,
@@ -106,7 +89,7 @@ def uniform(key_bits: int, value_bits: int, group: int | None = None, clip: bool
         g = group or rows.shape[-1]
         ratio = CLIPS[side] if clip else None
         if compact:
-            return _grouped(lambda x: _compact_read_back(x, widths[side], ratio, encoder), rows, g)
+            return _grouped(lambda x: fake_quantize(x, widths[side], ratio, COMPACT, encoder), rows, g)
         return _grouped(lambda x: fake_quantize(x, widths[side], ratio, SCALE, encoder), rows, g)
 
     return read_back, lambda layer, side, d: widths[side] + pair_bits / (group or d)

@@ -74,7 +74,7 @@ def pair_bytes(scale_dtype: torch.dtype) -> int:
     return 2 * scale_dtype.itemsize
 
 
-def _compact_rows(x, bits, scale, zero):
+def compact_rows(x: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> tuple:
     """The compact pair for float32 `scale`/`zero` `[...]` chosen by an encoder for rows `x` (already clipped):
     (codes, pair bytes), see the module docstring (7)."""
     levels = float(2**bits - 1)
@@ -110,7 +110,7 @@ def quantize_rows(
             raise ValueError("the lloyd encoder refines float pairs; compact pairs take minmax or sigma")
         _, pair = quantize_rows(x, bits, clip_ratio, torch.float32, encoder)
         rows = clip_rows(x.float(), clip_ratio) if encoder == "minmax" else x.float()
-        return _compact_rows(rows, bits, pair[..., 0], pair[..., 1])
+        return compact_rows(rows, bits, pair[..., 0], pair[..., 1])
     if encoder == "sigma":
         return _sigma_rows(x, bits, scale_dtype)
     codes, scale_zero = _minmax_rows(x, bits, clip_ratio, scale_dtype)
