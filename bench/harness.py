@@ -25,7 +25,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 from oscar_hf import OscarCache, use_oscar_attention
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.config import OscarConfig
-from oscar_hf.counted_decode import DECODE_RESERVE
+from oscar_hf.counted_decode import DECODE_RESERVE, history_capacity
 from oscar_hf.history import QuantizedHistory
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.reference.backend import ReferenceBackend
@@ -115,7 +115,7 @@ def fill_oscar(model, batch, context, chunk=8192):
             n = min(chunk, context - done)
             layer.update(k[:, :, :n], v[:, :, :n])
             if done == 0:  # one allocation, as a one-shot prefill makes, with the decode reserve
-                layer.history.reserve(context + DECODE_RESERVE + 64)
+                layer.history.reserve(history_capacity(context, DECODE_RESERVE, layer.config.demote_block))
             layer.settle(None)
             done += n
     return cache

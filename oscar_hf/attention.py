@@ -61,9 +61,9 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     A counted decode step (`counted_decode`) is one custom op (`kernels.ops`), which `torch.compile` keeps whole;
     everything else runs eagerly."""
     segment = take_segment(key, kwargs)
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     if segment is not None and segment.counted and query.shape[2] == 1 and kwargs.get(HOOK_ARGUMENT) is None:
-        if scaling is None:
-            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
         out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
                                                segment.history, segment.key_rotation, segment.value_rotation,
                                                scaling, kwargs.get("softcap"))
@@ -76,8 +76,6 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
 def _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, segment, kwargs):
     hook = kwargs.pop(HOOK_ARGUMENT, None)
     softcap = kwargs.get("softcap")
-    if scaling is None:
-        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     out = None
     if hook is not None:
         out = hook(AttentionCall(module, query, key, value, attention_mask, scaling, softcap, segment))

@@ -86,9 +86,7 @@ class _History:
         write the rows after the device length, but count only `advance` of them (0 or n, decided on the device;
         the host length is then the caller's to refresh; `after`: a tensor the write must wait for, see
         `kernels.ops.write_rows`)."""
-        if advance is not None:  # counted decode: one in-place op (`kernels.ops.write_rows`)
-            if self.dropped is None:
-                self.dropped = torch.zeros_like(self.device_length)
+        if advance is not None:  # counted decode (a pinned history): one in-place op (`kernels.ops.write_rows`)
             torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
                                           [targets[name] for name in self._names], self.device_length, advance,
                                           self.dropped, after if after is not None else advance)

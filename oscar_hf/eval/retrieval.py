@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from oscar_hf.config import OscarConfig
+from oscar_hf.config import RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.eval.assets import load_model
 from oscar_hf.eval.diagnostics.generation import full_precision_prefill, greedy_through_cache
 from oscar_hf.eval.diagnostics.methods import DEFAULT_METHODS, Method, builtin_methods
@@ -168,7 +168,7 @@ def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
     unknown = [n for n in names if n not in available]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(available)}")
-    ranked = [n for n in names if n in ("oscar-hifi", "oscar-next")]
+    ranked = [n for n in names if n in RANKED_LAYER_SHARES]
     if ranked and args.rotations is None:
         raise SystemExit(f"the {ranked[0]} method needs --rotations that record a retrieval ranking (python -m "
                          "oscar_hf.calibrate.retrieval_layers --rotations <folder or hadamard> ...)")
