@@ -1,14 +1,21 @@
 """Rotation files: RotationZoo v1/v2 and our safetensors format round-trip bit-exactly; bad files fail clearly."""
 
+import io
+import json
 import os
+import pathlib
 import pickle
+import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
 
-from oscar_hf import RotationFileError, Rotations
+from oscar_hf import OscarCache, RotationFileError, Rotations
 from oscar_hf.rotations.hub import resolve_rotation_folder
-from oscar_hf.rotations.io import load_zoo_file
+from oscar_hf.rotations.io import FORMAT_TAG, SAFETENSORS_NAME, load_zoo_file
 from oscar_hf.rotations.math import compose_rotation
 
 
@@ -146,3 +153,275 @@ def test_hub_download_uses_subfolder_and_loads(monkeypatch, tmp_path):
     assert "smollm2/oscar_rotations.safetensors" in calls["allow_patterns"]
     with pytest.raises(FileNotFoundError, match="holds no rotation files"):
         Rotations.from_pretrained("someone/oscar-rotations", subfolder="other-model")
+
+
+# ------------------------------------------------------------------------------------------- malformed files
+EYE = torch.eye(4)
+GOOD_ZOO = {"format_version": 1, "layers": {0: {"layer_id": 0, "rotation": EYE, "eigenvalues": torch.ones(4)}}}
+
+
+def write_safetensors(folder, tensors, metadata=None):
+    """An oscar-hf rotation file holding exactly `tensors` (cloned: safetensors refuses shared storage)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.clone().contiguous() for name, t in tensors.items()}, str(folder / SAFETENSORS_NAME),
+              metadata={"format": FORMAT_TAG, "format_version": "1", **(metadata or {})})
+
+
+def write_zoo(folder, key_state, value_state):
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    key_file, value_file = os.path.join(folder, "k_rotation_a.pt"), os.path.join(folder, "v_rotation_a.pt")
+    torch.save(key_state, key_file)
+    torch.save(value_state, value_file)
+    return key_file, value_file
+
+
+MALFORMED_SAFETENSORS = {
+    "0-D rotation": ({"key.0": torch.tensor(1.0), "value.0": EYE}, {}, r"key rotation of layer 0 has shape \(\)"),
+    "0x0 rotations": ({"key.0": torch.zeros(0, 0), "value.0": torch.zeros(0, 0)}, {}, r"shape \(0, 0\)"),
+    "no kv heads": ({"key.0": torch.zeros(0, 4, 4), "value.0": torch.zeros(0, 4, 4)}, {}, r"shape \(0, 4, 4\)"),
+    "non-square": ({"key.0": torch.zeros(4, 3), "value.0": torch.zeros(4, 3)}, {}, r"shape \(4, 3\)"),
+    "integer rotation": ({"key.0": torch.eye(4, dtype=torch.int32), "value.0": EYE}, {},
+                         "dtype torch.int32; expected floating point"),
+    "boolean rotation": ({"key.0": EYE, "value.0": torch.eye(4, dtype=torch.bool)}, {},
+                         "value rotation of layer 0 has dtype torch.bool"),
+    "eigenvalues of another shape": ({"key.0": EYE, "value.0": EYE, "key_eigenvalues.0": torch.ones(7)}, {},
+                                     r"key eigenvalues of layer 0 have shape \(7,\); its rotation \(4, 4\) has \(4,\)"),
+    "0-D eigenvalues": ({"key.0": EYE, "value.0": EYE, "value_eigenvalues.0": torch.tensor(1.0)}, {},
+                        r"value eigenvalues of layer 0 have shape \(\)"),
+    "eigenvalues without a rotation": ({"key.0": EYE, "value.0": EYE, "key_eigenvalues.5": torch.ones(4)}, {},
+                                       r"key eigenvalues for layers \[5\], which have no key rotation"),
+    "non-ASCII layer digit": ({"key.²": EYE, "value.0": EYE}, {}, "unexpected tensor name 'key.²'"),
+    "layer named twice": ({"key.0": EYE, "key.00": -EYE, "value.0": EYE}, {}, "two tensors name key layer 0"),
+    "newer format_version": ({"key.0": EYE, "value.0": EYE}, {"format_version": "2"},
+                             "unsupported format_version '2'"),
+    "retrieval_layers a string": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": '"0"'},
+                                  "retrieval_layers are unreadable.*expected a JSON list of layer indices"),
+    "retrieval_layers of bools": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": "[true]"},
+                                  "retrieval_layers are unreadable"),
+    "retrieval_layers repeated": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": "[0, 0]"},
+                                  "listed more than once"),
+    "per-layer clip ratios a list": ({"key.0": EYE, "value.0": EYE},
+                                     {"key_clip_ratios": "[0.5]", "value_clip_ratios": "[0.5]"},
+                                     "clip ratios are unreadable.*expected a JSON object"),
+    "clip ratio a string": ({"key.0": EYE, "value.0": EYE}, {"key_clip_ratio": '"0.5"', "value_clip_ratio": "null"},
+                            "clip ratio '0.5' is not a number"),
+    "clip_bits a word": ({"key.0": EYE, "value.0": EYE}, {"key_clip_ratio": "0.5", "value_clip_ratio": "0.5",
+                                                           "clip_bits": "two"}, "clip_bits are unreadable"),
+}
+
+
+@pytest.mark.parametrize("tensors, metadata, reason", MALFORMED_SAFETENSORS.values(), ids=MALFORMED_SAFETENSORS)
+def test_malformed_safetensors_fail_as_rotation_file_errors_naming_the_file(tmp_path, tensors, metadata, reason):
+    folder = tmp_path / "rotations"
+    write_safetensors(folder, tensors, metadata)
+    with pytest.raises(RotationFileError, match=reason) as error:
+        Rotations.from_pretrained(folder)
+    assert str(error.value).startswith(str(folder))
+
+
+def zoo_layers(layers, version=1, **fields):
+    return {"format_version": version, "layers": layers, **fields}
+
+
+MALFORMED_ZOO = {
+    "layers a list": (zoo_layers([{"rotation": EYE}]), "'layers' is of type list; expected a dict"),
+    "layers None": (zoo_layers(None), "'layers' is of type NoneType"),
+    "layers empty": (zoo_layers({}), "'layers' is empty"),
+    "0-D rotation": (zoo_layers({0: {"rotation": torch.tensor(1.0)}}, version=2), r"has shape \(\)"),
+    "0x0 rotation": (zoo_layers({0: {"rotation": torch.zeros(0, 0)}}), r"has shape \(0, 0\)"),
+    "non-square": (zoo_layers({0: {"rotation": torch.zeros(2, 4, 3)}}, version=2), r"has shape \(2, 4, 3\)"),
+    "integer rotation": (zoo_layers({0: {"rotation": torch.eye(4, dtype=torch.int64)}}), "dtype torch.int64"),
+    "complex rotation": (zoo_layers({0: {"rotation": torch.eye(4, dtype=torch.complex64)}}), "dtype torch.complex64"),
+    "rotation a list": (zoo_layers({0: {"rotation": [[1.0]]}}), "layer 0 has no 'rotation' tensor"),
+    "eigenvalues a list": (zoo_layers({0: {"rotation": EYE, "eigenvalues": [1.0] * 4}}),
+                           "eigenvalues of layer 0 are of type list; expected a tensor"),
+    "eigenvalues of another shape": (zoo_layers({0: {"rotation": EYE, "eigenvalues": torch.ones(2, 4)}}),
+                                     r"eigenvalues of layer 0 have shape \(2, 4\)"),
+    "format_version True": (zoo_layers({0: {"rotation": EYE}}, version=True), "unsupported format_version True"),
+    "format_version 1.0": (zoo_layers({0: {"rotation": EYE}}, version=1.0), "unsupported format_version 1.0"),
+    "format_version a tensor": (zoo_layers({0: {"rotation": EYE}}, version=torch.tensor([1, 2])),
+                                "unsupported format_version tensor"),
+    "layer key a tensor": (zoo_layers({torch.tensor([1, 2]): {"rotation": EYE}}),
+                           "layer key tensor.* is not a non-negative integer"),
+    "layer key a float": (zoo_layers({0.5: {"rotation": EYE}}), "layer key 0.5 is not a non-negative integer"),
+    "layer key negative": (zoo_layers({-1: {"rotation": EYE}}), "layer key -1 is not a non-negative integer"),
+    "layer key a bool": (zoo_layers({True: {"rotation": EYE}}), "layer key True is not a non-negative integer"),
+    "layer twice": (zoo_layers({0: {"rotation": EYE}, "0": {"rotation": -EYE}}),
+                    "layer 0 appears twice in 'layers' \\(keys 0 and '0'\\)"),
+    "layer_id disagrees with its key": (zoo_layers({0: {"layer_id": 3, "rotation": EYE}}),
+                                        "layer 0 says its layer_id is 3"),
+    "layer_id a string": (zoo_layers({0: {"layer_id": "0", "rotation": EYE}}), "says its layer_id is '0'"),
+    "objective a list": (zoo_layers({0: {"rotation": EYE}}, objective=["qqt"]),
+                         r"objective is \['qqt'\] \(of type list\); expected a string"),
+    "source_grouping a number": (zoo_layers({0: {"rotation": EYE}}, source_grouping=5), "source_grouping is 5"),
+    "source_grouping unknown": (zoo_layers({0: {"rotation": EYE}}, source_grouping="head"),
+                                "source_grouping 'head' is not one of"),
+}
+
+
+@pytest.mark.parametrize("state, reason", MALFORMED_ZOO.values(), ids=MALFORMED_ZOO)
+def test_malformed_zoo_files_fail_as_rotation_file_errors_naming_the_file(tmp_path, state, reason):
+    folder = tmp_path / "zoo"
+    write_zoo(folder, state, state)  # both files: a pair of one bad rotation and one good one fails another way
+    with pytest.raises(RotationFileError, match=reason) as error:
+        Rotations.from_pretrained(folder)
+    assert str(error.value).startswith(str(folder))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Rotations([EYE], {0: EYE}),
+    lambda: Rotations({0: [[1.0]]}, {0: EYE}),
+    lambda: Rotations({True: EYE}, {True: EYE}),
+    lambda: Rotations({0: EYE}, {0: EYE}, key_eigenvalues=torch.ones(4)),
+    lambda: Rotations({0: EYE}, {0: EYE}, metadata=["objective"]),
+], ids=["table a list", "rotation a list", "bool layer", "eigenvalues a tensor", "metadata a list"])
+def test_malformed_tables_in_memory_fail_as_rotation_file_errors(make):
+    with pytest.raises(RotationFileError, match="of type|layer key True"):
+        make()
+
+
+def test_metadata_edited_after_loading_fails_as_a_rotation_file_error():
+    rotations = random_rotations()
+    rotations.metadata.update(key_clip_ratios="[0.5]", value_clip_ratios="[0.5]")
+    with pytest.raises(RotationFileError, match="unreadable for layer 0"):
+        rotations.clip_ratios(0)
+    rotations.metadata.update(key_clip_ratios="{}", value_clip_ratios="{}", retrieval_layers='"21"')
+    with pytest.raises(RotationFileError, match="retrieval_layers are unreadable"):
+        rotations.retrieval_layers()
+
+
+def test_empty_torch_file_says_it_is_empty(tmp_path):
+    key_file, _ = write_zoo(tmp_path, GOOD_ZOO, GOOD_ZOO)
+    open(key_file, "wb").close()
+    with pytest.raises(RotationFileError, match=r"k_rotation_a.pt is empty \(0 bytes\): not a rotation file"):
+        Rotations.from_pretrained(tmp_path)
+
+
+def saved_bytes(state, zip_format: bool) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=zip_format)
+    return buffer.getvalue()
+
+
+TORCH_FILES = [saved_bytes(GOOD_ZOO, True), saved_bytes(GOOD_ZOO, False)]
+
+
+@st.composite
+def damaged_torch_files(draw) -> bytes:
+    """A valid RotationZoo file (zip or legacy format), cut short and with a few bytes overwritten."""
+    data = bytearray(draw(st.sampled_from(TORCH_FILES)))
+    del data[draw(st.integers(0, len(data))):]
+    for _ in range(draw(st.integers(0, 4)) if data else 0):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data)
+
+
+def assert_loads_or_fails_clearly(load):
+    """`load()` either gives `Rotations` or raises `RotationFileError` with a reason (not a blank one)."""
+    try:
+        return load()
+    except RotationFileError as error:
+        assert not str(error).rstrip().endswith(":"), str(error)
+        return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.one_of(damaged_torch_files(), st.binary(max_size=64)))
+def test_any_bytes_in_a_torch_file_load_or_fail_as_rotation_file_errors(data):
+    with tempfile.TemporaryDirectory() as folder:
+        key_file, value_file = write_zoo(folder, GOOD_ZOO, GOOD_ZOO)
+        with open(key_file, "wb") as f:
+            f.write(data)
+        assert_loads_or_fails_clearly(lambda: Rotations.from_zoo(key_file, value_file))
+
+
+@st.composite
+def small_tensors(draw) -> torch.Tensor:
+    """Mostly-malformed tensors: any small shape (0-D and empty included) and dtype, sometimes an orthogonal one."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.int64, torch.bool]))
+    if draw(st.booleans()):
+        d = draw(st.integers(1, 3))
+        shape = draw(st.sampled_from([(d, d), (2, d, d)]))
+        return torch.eye(d).expand(shape).clone().to(dtype)
+    return torch.randn(draw(st.lists(st.integers(0, 3), max_size=4))).to(dtype)
+
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.floats(), st.text(max_size=3),
+                 st.lists(st.integers(0, 2), max_size=2), small_tensors())
+LAYER_KEYS = st.one_of(st.integers(-1, 2), st.sampled_from(["0", "1", "00", "²", "x", ""]), st.booleans(),
+                       st.floats(0, 2))
+ZOO_ENTRIES = st.one_of(JUNK, st.fixed_dictionaries(
+    {"rotation": st.one_of(small_tensors(), JUNK)},
+    optional={"layer_id": st.one_of(st.integers(0, 2), JUNK), "eigenvalues": st.one_of(small_tensors(), JUNK)},
+))
+ZOO_STATES = st.one_of(JUNK, st.fixed_dictionaries(
+    {"format_version": st.one_of(st.sampled_from([1, 2]), JUNK),
+     "layers": st.one_of(st.dictionaries(LAYER_KEYS, ZOO_ENTRIES, max_size=3), JUNK)},
+    optional={"objective": st.one_of(st.text(max_size=3), JUNK),
+              "source_grouping": st.one_of(st.sampled_from(["layer", "kv_head"]), JUNK)},
+))
+
+
+@settings(max_examples=200, deadline=None)
+@given(key_state=ZOO_STATES, value_state=st.one_of(st.just(GOOD_ZOO), ZOO_STATES))
+def test_any_rotationzoo_structure_loads_or_fails_as_rotation_file_errors(key_state, value_state):
+    with tempfile.TemporaryDirectory() as folder:
+        key_file, value_file = write_zoo(folder, key_state, value_state)
+        assert_loads_or_fails_clearly(lambda: Rotations.from_zoo(key_file, value_file))
+
+
+TENSOR_NAMES = st.builds("{}.{}".format, st.sampled_from(["key", "value", "key_eigenvalues", "value_eigenvalues", "x"]),
+                         st.sampled_from(["0", "1", "00", "²", "-1", "x", ""]))
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-1, 3) | st.floats(-1, 2) | st.text(max_size=2),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3),
+    max_leaves=5,
+)
+METADATA = st.dictionaries(
+    st.sampled_from(["format_version", "retrieval_layers", "key_clip_ratios", "value_clip_ratios", "key_clip_ratio",
+                     "value_clip_ratio", "clip_bits", "objective"]),
+    st.one_of(st.text(max_size=4), JSON_VALUES.map(json.dumps)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors=st.dictionaries(TENSOR_NAMES, small_tensors(), max_size=4), metadata=METADATA)
+def test_any_safetensors_content_loads_or_fails_as_rotation_file_errors(tensors, metadata):
+    with tempfile.TemporaryDirectory() as folder:
+        write_safetensors(pathlib.Path(folder), tensors, metadata)
+        rotations = assert_loads_or_fails_clearly(lambda: Rotations.from_pretrained(folder))
+        if rotations is not None:  # what loads answers the questions a cache asks, or refuses clearly
+            assert_loads_or_fails_clearly(rotations.retrieval_layers)
+            assert_loads_or_fails_clearly(lambda: rotations.clip_ratios(rotations.layer_ids[0]))
+
+
+# ------------------------------------------------------------------------------------------- local path or Hub
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "local_files_only"])
+def test_missing_relative_path_is_reported_as_neither_local_nor_on_the_hub(monkeypatch, tmp_path, offline):
+    monkeypatch.chdir(tmp_path)
+    options = {"local_files_only": True} if offline == "local_files_only" else {}
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError) as error:
+        Rotations.from_pretrained("rotations/no-such-model", cache_dir=str(tmp_path / "hub"), **options)
+    message = str(error.value)
+    tried = os.path.join(os.getcwd(), "rotations", "no-such-model")
+    assert f"not found as a local path (no file or folder at {tried})" in message
+    assert "not available from the Hub" in message and "offline mode is on" in message
+
+
+def test_cache_with_a_missing_relative_rotations_path_says_local_and_hub(monkeypatch, tmp_path):
+    from conftest import tiny_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match=r"not found as a local path \(no file or folder at .*rotations/none\).*"
+                                      r"not available from the Hub"):
+        OscarCache(tiny_config("llama"), rotations="rotations/none", local_files_only=True)
+
+
+def test_path_that_is_no_valid_repo_id_says_local_and_hub(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"not found as a local path .*'rotations/x.git' is not a valid Hub "
+                                                "repo id"):
+        resolve_rotation_folder("rotations/x.git", local_files_only=True)

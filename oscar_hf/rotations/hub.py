@@ -24,7 +24,9 @@ def resolve_rotation_folder(
 ) -> str:
     """A local path to the rotations: the argument itself if it exists, else a Hub download (cached).
 
-    Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only=True`) uses the local Hub cache only.
+    Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only=True`) uses the local Hub cache only. A relative path
+    such as `rotations/qwen3` also reads as a repo id, so when neither exists the error says both what was tried
+    on disk and why the Hub did not have it: a mistyped local path should not look like a Hub outage.
     """
     source = os.fspath(path_or_repo_id)
     local = os.path.join(source, subfolder) if subfolder else source
@@ -36,7 +38,14 @@ def resolve_rotation_folder(
         raise FileNotFoundError(
             f"rotations {source!r}: no such file or folder, and it is not a Hub repo id of the form 'owner/name'"
         )
-    return _download(source, subfolder, revision, cache_dir, token, local_files_only)
+    try:
+        return _download(source, subfolder, revision, cache_dir, token, local_files_only)
+    except OSError as error:
+        kind = FileNotFoundError if isinstance(error, FileNotFoundError) else OSError
+        raise kind(
+            f"rotations {source!r}: not found as a local path (no file or folder at {os.path.abspath(local)}), and "
+            f"not available from the Hub: {error}"
+        ) from error
 
 
 def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) -> str:
@@ -44,6 +53,7 @@ def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) 
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -71,6 +81,8 @@ def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) 
         raise OSError(f"the {where} has no revision {revision!r}") from e
     except HfHubHTTPError as e:
         raise OSError(f"downloading rotations from the {where} failed: {e}") from e
+    except HFValidationError as e:
+        raise FileNotFoundError(f"{repo_id!r} is not a valid Hub repo id: {e}") from e
     folder = os.path.join(root, subfolder) if subfolder else root
     if not os.path.isdir(folder) or not any(
         f.endswith((".safetensors", ".pt")) for f in os.listdir(folder)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import re
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +30,8 @@ FORMAT_TAG = "oscar-hf-rotations"
 ZOO_KEY_PATTERN = "k_rotation*.pt"
 ZOO_VALUE_PATTERN = "v_rotation*.pt"
 TABLES = ("key", "value", "key_eigenvalues", "value_eigenvalues")
+ZOO_GROUPINGS = ("layer", "kv_head")
+_LAYER_INDEX = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
 
 # {"key": {layer: tensor}, "value": ..., "key_eigenvalues": ..., "value_eigenvalues": ..., "metadata": {str: str}}
 RotationTables = dict
@@ -91,11 +94,19 @@ def load_safetensors(path: str) -> RotationTables:
         raise RotationFileError(f"{path} is not a readable safetensors file: {e}") from e
     if metadata.get("format") != FORMAT_TAG:
         raise RotationFileError(f"{path} is a safetensors file but not an oscar-hf rotation file (no '{FORMAT_TAG}' tag)")
+    if metadata.get("format_version", "1") != "1":
+        raise RotationFileError(
+            f"{path}: unsupported format_version {metadata['format_version']!r} (this library reads version '1'); "
+            "it was written by a newer oscar-hf"
+        )
     tables: dict[str, dict[int, torch.Tensor]] = {name: {} for name in TABLES}
     for name, t in tensors.items():
         prefix, _, layer = name.rpartition(".")
-        if prefix not in tables or not layer.isdigit():
-            raise RotationFileError(f"{path}: unexpected tensor name {name!r}")
+        if prefix not in tables or not _LAYER_INDEX.fullmatch(layer):
+            raise RotationFileError(f"{path}: unexpected tensor name {name!r} (expected <table>.<layer>, table one of "
+                                    f"{', '.join(TABLES)})")
+        if int(layer) in tables[prefix]:
+            raise RotationFileError(f"{path}: two tensors name {prefix} layer {int(layer)} (tensor {name!r})")
         tables[prefix][int(layer)] = t
     metadata.pop("format", None)
     metadata.pop("format_version", None)
@@ -104,7 +115,13 @@ def load_safetensors(path: str) -> RotationTables:
 
 # ------------------------------------------------------------------------------------------- RotationZoo
 def safe_torch_load(path: str):
-    """`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary pickled code."""
+    """`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary pickled code.
+
+    A corrupt file makes torch's unpickler fail with whatever it trips on (struct.error, UnicodeDecodeError,
+    IndexError, KeyError, AssertionError, EOFError, ...), so every failure is reported as an unreadable file.
+    """
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise RotationFileError(f"{path} is empty (0 bytes): not a rotation file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -113,35 +130,89 @@ def safe_torch_load(path: str):
             f"{path} could not be loaded safely: it is not a torch file of tensors and plain containers, and "
             f"arbitrary pickled objects are never unpickled (torch.load weights_only=True). {detail}"
         ) from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise RotationFileError(f"{path} is not a readable torch file: {e}") from e
+    except Exception as e:
+        raise RotationFileError(f"{path} is not a readable torch file: {_reason(e)}") from e
+
+
+def _reason(error: Exception) -> str:
+    """The error's type and message; some (EOFError from a truncated file) have a blank message."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else f"{type(error).__name__} (truncated, or not a torch file)"
 
 
 def load_zoo_file(path: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], str]:
-    """(rotations by layer, eigenvalues by layer, objective) from one RotationZoo `.pt` file."""
+    """(rotations by layer, eigenvalues by layer, objective) from one RotationZoo `.pt` file.
+
+    The file's structure is checked here (what the schema says each field is); the tensors' shapes, dtypes and
+    orthogonality are checked by `Rotations`.
+    """
     state = safe_torch_load(path)
     if not isinstance(state, dict) or "layers" not in state:
         raise RotationFileError(f"{path} is not a RotationZoo file: expected a dict with a 'layers' entry")
-    version = state.get("format_version")
-    if version not in (1, 2):
-        raise RotationFileError(f"{path}: unsupported format_version {version!r} (expected 1 or 2)")
-    rotations, eigenvalues = {}, {}
-    for key, entry in state["layers"].items():
-        try:
-            layer = int(key)
-        except (TypeError, ValueError):
-            raise RotationFileError(f"{path}: layer key {key!r} is not an integer") from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("rotation"), torch.Tensor):
-            raise RotationFileError(f"{path}: layer {key!r} has no 'rotation' tensor")
+    version = _zoo_version(path, state)
+    objective = _zoo_text(path, state, "objective")
+    grouping = _zoo_text(path, state, "source_grouping")
+    if grouping is not None and grouping not in ZOO_GROUPINGS:
+        raise RotationFileError(f"{path}: source_grouping {grouping!r} is not one of {ZOO_GROUPINGS}")
+    layers = state["layers"]
+    if not isinstance(layers, dict):
+        raise RotationFileError(
+            f"{path}: 'layers' is of type {type(layers).__name__}; expected a dict {{layer: entry}}"
+        )
+    if not layers:
+        raise RotationFileError(f"{path}: 'layers' is empty; a rotation file holds at least one layer")
+    rotations, eigenvalues, keys = {}, {}, {}
+    for key, entry in layers.items():
+        layer = _zoo_layer(path, key, entry)
+        if layer in keys:
+            raise RotationFileError(
+                f"{path}: layer {layer} appears twice in 'layers' (keys {keys[layer]!r} and {key!r})"
+            )
+        keys[layer] = key
         rotation = entry["rotation"]
         if version == 1 and rotation.dim() != 2:
             raise RotationFileError(
                 f"{path}: format_version 1 stores one [d, d] rotation per layer, layer {layer} has {tuple(rotation.shape)}"
             )
         rotations[layer] = rotation
-        if isinstance(entry.get("eigenvalues"), torch.Tensor):
+        if entry.get("eigenvalues") is not None:
             eigenvalues[layer] = entry["eigenvalues"]
-    return rotations, eigenvalues, str(state.get("objective", "unknown"))
+    return rotations, eigenvalues, "unknown" if objective is None else objective
+
+
+def _zoo_version(path: str, state: dict) -> int:
+    version = state.get("format_version")
+    if type(version) is not int or version not in (1, 2):  # not bool (True == 1), float or tensor
+        raise RotationFileError(f"{path}: unsupported format_version {version!r} (expected 1 or 2)")
+    return version
+
+
+def _zoo_text(path: str, state: dict, field: str) -> str | None:
+    value = state.get(field)
+    if value is not None and not isinstance(value, str):
+        raise RotationFileError(f"{path}: {field} is {value!r:.80} (of type {type(value).__name__}); expected a string")
+    return value
+
+
+def _zoo_layer(path: str, key, entry) -> int:
+    """The layer index of a `layers` entry, after checking the entry holds what the schema says."""
+    if isinstance(key, str) and _LAYER_INDEX.fullmatch(key):
+        layer = int(key)
+    elif type(key) is int and key >= 0:  # not bool, float (1.5 would truncate) or tensor
+        layer = key
+    else:
+        raise RotationFileError(f"{path}: layer key {key!r:.80} is not a non-negative integer")
+    if not isinstance(entry, dict) or not isinstance(entry.get("rotation"), torch.Tensor):
+        raise RotationFileError(f"{path}: layer {key!r} has no 'rotation' tensor")
+    layer_id = entry.get("layer_id", layer)
+    if type(layer_id) is not int or layer_id != layer:
+        raise RotationFileError(f"{path}: layer {key!r} says its layer_id is {layer_id!r:.80}")
+    eigenvalues = entry.get("eigenvalues")
+    if eigenvalues is not None and not isinstance(eigenvalues, torch.Tensor):
+        raise RotationFileError(
+            f"{path}: the eigenvalues of layer {key!r} are of type {type(eigenvalues).__name__}; expected a tensor"
+        )
+    return layer
 
 
 def load_zoo(key_file: str, value_file: str) -> RotationTables:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Mapping
 
@@ -42,12 +43,19 @@ class Rotations:
         value_eigenvalues: Mapping[int, torch.Tensor] | None = None,
         metadata: Mapping[str, str] | None = None,
     ):
-        self.key = {int(i): r.float() for i, r in key.items()}
-        self.value = {int(i): r.float() for i, r in value.items()}
-        self.key_eigenvalues = {int(i): e.float() for i, e in (key_eigenvalues or {}).items()}
-        self.value_eigenvalues = {int(i): e.float() for i, e in (value_eigenvalues or {}).items()}
-        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        self.key = _float_table("key rotation", key)
+        self.value = _float_table("value rotation", value)
+        self.key_eigenvalues = _float_table("key eigenvalues", _or_empty(key_eigenvalues))
+        self.value_eigenvalues = _float_table("value eigenvalues", _or_empty(value_eigenvalues))
+        metadata = _or_empty(metadata)
+        if not isinstance(metadata, Mapping):
+            raise RotationFileError(
+                f"rotations metadata is of type {type(metadata).__name__}; expected a dict {{str: str}}"
+            )
+        self.metadata = {str(k): str(v) for k, v in metadata.items()}
         self._check_consistent()
+        self._check_eigenvalues()
+        self._check_metadata()
 
     # ----------------------------------------------------------------------------------------- constructors
     @classmethod
@@ -81,12 +89,22 @@ class Rotations:
             path_or_repo_id, subfolder, revision=revision, cache_dir=cache_dir, token=token,
             local_files_only=local_files_only,
         )
-        return cls(**load_rotation_path(local))
+        return cls._from_tables(load_rotation_path(local), local)
 
     @classmethod
     def from_zoo(cls, key_file: str | os.PathLike, value_file: str | os.PathLike) -> "Rotations":
         """Load a RotationZoo pair of files (`k_rotation_<objective>.pt`, `v_rotation_<objective>.pt`)."""
-        return cls(**load_zoo(os.fspath(key_file), os.fspath(value_file)))
+        key_file, value_file = os.fspath(key_file), os.fspath(value_file)
+        return cls._from_tables(load_zoo(key_file, value_file), f"{key_file}, {value_file}")
+
+    @classmethod
+    def _from_tables(cls, tables: RotationTables, source: str) -> "Rotations":
+        """`cls(**tables)`; a check that fails names the files the tables came from, since `Rotations` itself
+        does not know them."""
+        try:
+            return cls(**tables)
+        except RotationFileError as error:
+            raise RotationFileError(f"{source}: {error}") from error
 
     # ------------------------------------------------------------------------------------------- access
     @property
@@ -127,8 +145,8 @@ class Rotations:
         if RETRIEVAL_LAYERS_KEY not in self.metadata:
             return None
         try:
-            ranking = [int(i) for i in json.loads(self.metadata[RETRIEVAL_LAYERS_KEY])]
-        except (ValueError, TypeError) as error:
+            ranking = _layer_ranking(json.loads(self.metadata[RETRIEVAL_LAYERS_KEY]))
+        except ValueError as error:  # json.JSONDecodeError is a ValueError
             raise RotationFileError(f"the rotations' recorded {RETRIEVAL_LAYERS_KEY} are unreadable: "
                                     f"{error!r}") from error
         unknown = sorted(set(ranking) - set(self.key))
@@ -158,15 +176,18 @@ class Rotations:
             raise RotationFileError(
                 f"key rotations cover layers {sorted(self.key)} but value rotations cover {sorted(self.value)}"
             )
+        for kind, table in (("key", self.key), ("value", self.value)):
+            for i, r in table.items():
+                if r.dim() not in (2, 3) or r.shape[-1] != r.shape[-2] or r.numel() == 0:
+                    raise RotationFileError(
+                        f"{kind} rotation of layer {i} has shape {tuple(r.shape)}; expected [d, d] or [kv_heads, d, d] "
+                        "with d and kv_heads at least 1"
+                    )
         dims = {r.shape[-1] for r in list(self.key.values()) + list(self.value.values())}
         if len(dims) != 1:
             raise RotationFileError(f"rotations of different sizes {sorted(dims)} in one set")
         for kind, table in (("key", self.key), ("value", self.value)):
             for i, r in table.items():
-                if r.dim() not in (2, 3) or r.shape[-1] != r.shape[-2]:
-                    raise RotationFileError(
-                        f"{kind} rotation of layer {i} has shape {tuple(r.shape)}; expected [d, d] or [kv_heads, d, d]"
-                    )
                 if not torch.isfinite(r).all():
                     raise RotationFileError(f"{kind} rotation of layer {i} holds NaN or infinite values")
                 err = orthogonality_error(r)
@@ -175,6 +196,36 @@ class Rotations:
                         f"{kind} rotation of layer {i} is not orthogonal (max |RᵀR - I| = {err:.2e} > "
                         f"{ORTHOGONALITY_TOLERANCE:g}); the file is corrupt or not a rotation"
                     )
+
+    def _check_eigenvalues(self) -> None:
+        """Eigenvalues are optional, but those present belong to a rotation: one per column of each matrix."""
+        for kind, eigenvalues, rotations in (("key", self.key_eigenvalues, self.key),
+                                             ("value", self.value_eigenvalues, self.value)):
+            orphans = sorted(set(eigenvalues) - set(rotations))
+            if orphans:
+                raise RotationFileError(f"{kind} eigenvalues for layers {orphans}, which have no {kind} rotation")
+            for i, ev in eigenvalues.items():
+                expected = tuple(rotations[i].shape[:-1])
+                if tuple(ev.shape) != expected:
+                    raise RotationFileError(
+                        f"{kind} eigenvalues of layer {i} have shape {tuple(ev.shape)}; its rotation "
+                        f"{tuple(rotations[i].shape)} has {expected}"
+                    )
+                if not torch.isfinite(ev).all():
+                    raise RotationFileError(f"{kind} eigenvalues of layer {i} hold NaN or infinite values")
+
+    def _check_metadata(self) -> None:
+        """The metadata that changes what a cache does (clip ratios, their code width, the retrieval ranking) must
+        parse, so that a malformed file fails when it is loaded, not when a cache first asks for it."""
+        try:
+            recorded_clip_ratios(self.metadata)
+        except (KeyError, ValueError, TypeError) as error:
+            raise RotationFileError(f"the rotations' recorded clip ratios are unreadable: {error!r}") from error
+        try:
+            recorded_clip_bits(self.metadata)
+        except ValueError as error:
+            raise RotationFileError(f"the rotations' recorded clip_bits are unreadable: {error!r}") from error
+        self.retrieval_layers()
 
     def check_model(self, layer_ids: list[int], head_dim: int, num_kv_heads: int) -> None:
         """Raise `RotationFileError` unless every listed layer has rotations of the model's shape."""
@@ -212,8 +263,7 @@ def recorded_clip_ratios(metadata: Mapping[str, str]):
     KeyError / TypeError) on malformed entries or ratios outside (0, 1].
     """
     if "key_clip_ratios" in metadata:
-        return tuple({int(i): _ratio(r) for i, r in json.loads(metadata[f"{side}_clip_ratios"]).items()}
-                     for side in ("key", "value"))
+        return tuple(_ratio_table(json.loads(metadata[f"{side}_clip_ratios"])) for side in ("key", "value"))
     if "key_clip_ratio" in metadata:
         return tuple(_ratio(json.loads(metadata[f"{side}_clip_ratio"])) for side in ("key", "value"))
     return None
@@ -222,16 +272,75 @@ def recorded_clip_ratios(metadata: Mapping[str, str]):
 def recorded_clip_bits(metadata: Mapping[str, str]) -> int:
     """The code width recorded clip ratios were chosen for: `clip_bits`, or 2 for files written before it was
     recorded (every clip search then ran at 2 bits)."""
-    return int(metadata.get("clip_bits", DEFAULT_CLIP_BITS))
+    bits = int(metadata.get("clip_bits", DEFAULT_CLIP_BITS))
+    if bits < 1:
+        raise ValueError(f"clip_bits {bits} is not a code width")
+    return bits
+
+
+def _ratio_table(table) -> dict[int, float | None]:
+    if not isinstance(table, dict):
+        raise ValueError(f"per-layer clip ratios are {table!r:.80}; expected a JSON object {{layer: ratio}}")
+    return {int(i): _ratio(r) for i, r in table.items()}
 
 
 def _ratio(value) -> float | None:
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"clip ratio {value!r:.80} is not a number")
     value = float(value)
     if not 0.0 < value <= 1.0:
         raise ValueError(f"clip ratio {value} outside (0, 1]")
     return value
+
+
+def _layer_ranking(ranking) -> list[int]:
+    """A recorded retrieval ranking: distinct layer indices (a JSON string or number would iterate or fail)."""
+    if not isinstance(ranking, list) or not all(type(i) is int for i in ranking):
+        raise ValueError(f"expected a JSON list of layer indices, got {ranking!r:.80}")
+    if len(set(ranking)) != len(ranking):
+        raise ValueError(f"layers listed more than once in {ranking}")
+    return ranking
+
+
+def _float_table(what: str, table) -> dict[int, torch.Tensor]:
+    """`{layer: float32 tensor}`. Only floating-point tensors are taken: `.float()` would turn integer, boolean or
+    complex data (the last dropping its imaginary part) into something that passes for a rotation."""
+    if not isinstance(table, Mapping):
+        raise RotationFileError(
+            f"the {what} table is of type {type(table).__name__}; expected a dict {{layer: tensor}}"
+        )
+    floats = {}
+    for key, t in table.items():
+        layer = _layer_index(what, key)
+        if not isinstance(t, torch.Tensor):
+            raise RotationFileError(f"{what} of layer {layer} is of type {type(t).__name__}; expected a tensor")
+        if not t.is_floating_point():
+            raise RotationFileError(f"{what} of layer {layer} has dtype {t.dtype}; expected floating point (float32)")
+        if layer in floats:
+            raise RotationFileError(f"the {what} table names layer {layer} twice")
+        floats[layer] = t.float()
+    return floats
+
+
+def _or_empty(table):
+    """`{}` for None; not `table or {}`, which asks a tensor passed by mistake for its truth value."""
+    return {} if table is None else table
+
+
+def _layer_index(what: str, key) -> int:
+    """A non-negative layer index from an int-like key (or a string of digits); not bool, float or a tensor of
+    several values."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    try:
+        layer = None if isinstance(key, bool) else operator.index(key)
+    except TypeError:
+        layer = None
+    if layer is None or layer < 0:
+        raise RotationFileError(f"the {what} table has layer key {key!r:.80}; expected a non-negative integer")
+    return layer
 
 
 def _ranges(ids: list[int]) -> str:
