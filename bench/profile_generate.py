@@ -3,7 +3,7 @@
     python -m bench.profile_generate [--context 32768] [--batch 8] [--rows 20]
 
 Fills an OscarCache (bench.harness.fill_oscar), runs a 6-token `generate` (compilation, CUDA-graph recording),
-then profiles an 8-token call and prints the CUDA kernels by total time.
+then profiles a 9-token call and prints the CUDA kernels by total time (`--cprofile`: the host's Python functions).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="generate without its compile (disable_compile=True)")
+    p.add_argument("--cprofile", action="store_true", help="profile the host (Python) side instead: cProfile, "
+                   "functions by own time")
     args = p.parse_args()
     model = build_model()
     set_attention(model, "oscar")
@@ -36,6 +38,17 @@ def main():
         torch.cuda.synchronize()
 
     run(6)
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run(9)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
+        return
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run(9)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
