@@ -193,3 +193,85 @@ def test_demotion_writes_nothing_where_the_device_flag_is_zero(backend):
             assert torch.equal(codes, want_codes) and torch.equal(sz, want_sz) and torch.equal(codes_v, want_codes)
         else:
             assert (codes == 7).all() and (sz == 3.0).all() and (codes_v == 7).all()
+
+
+EXTREMES = (6.5e4, 7e4, 1e5, 3e38)
+
+
+def _extreme_rows(dim, dtype):
+    """`_rows` with every token of the first batch's rows replaced by finite extremes (`EXTREMES`, both signs):
+    one element, a +/- pair, every element +/-, constant and near-constant rows, a block of equal elements."""
+    x = _rows(BATCH, HEADS, TOKENS, dim, torch.float32).contiguous()
+    patterns = []
+    for value in EXTREMES:
+        for sign in (1.0, -1.0):
+            v = sign * value
+            row = torch.randn(6, dim, device=DEVICE)
+            row[0, 5] = v
+            row[1, 0], row[1, 1] = v, -v
+            row[2] = torch.where(row[2] >= 0, v, -v)
+            row[3] = v
+            row[4] = v * (1 + 1e-3 * torch.randn(dim, device=DEVICE))
+            row[5, : dim // 4] = v
+            patterns.append(row)
+    patterns = torch.cat(patterns)
+    flat = x[0].reshape(-1, dim)
+    flat[: min(len(patterns), len(flat))] = patterns[: len(flat)]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_demote_saturates_extreme_rows_exactly_like_the_reference(bits, scale_dtype, dtype):
+    """Min-max without a rotation stays bit-exact on rows whose float16 pair would overflow (the saturated,
+    centred grid) and on rows beyond the value limit."""
+    x = _extreme_rows(64, dtype)
+    for clip in (0.92, None):
+        codes, scale_zero = _poisoned(BATCH, HEADS, TOKENS, 64, bits, scale_dtype)
+        demote_rows([(x, None, clip, codes, scale_zero)], bits)
+        ref_codes, ref_scale_zero = quantize_pack(x.float(), bits, clip, scale_dtype)
+        assert torch.equal(codes, ref_codes)
+        assert torch.equal(scale_zero, ref_scale_zero)
+        assert torch.isfinite(unpack_dequantize(codes, scale_zero, bits)).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sigma_kernel_saturates_extreme_rows_like_the_reference(bits, scale_dtype):
+    """Sigma's mean and deviation sum in another order than torch's: on extreme rows too, codes may differ by one
+    at a rounding tie and pairs by about an ulp (near-constant rows aside, as in the test above); the pairs and
+    the reads stay finite."""
+    x = _extreme_rows(64, torch.float32)
+    codes, scale_zero = _poisoned(BATCH, HEADS, TOKENS, 64, bits, scale_dtype)
+    demote_rows([(x, None, None, codes, scale_zero)], bits, encoder="sigma")
+    ref_codes, ref_scale_zero = quantize_rows(x, bits, None, scale_dtype, "sigma")
+    got = unpack_codes(codes, bits)
+    varied = (x.amax(-1) - x.amin(-1)) > 1e-4 * (1 + x.abs().amax(-1))
+    assert ((got != ref_codes) & varied[..., None]).float().mean().item() <= 1e-2
+    assert ((got.int() - ref_codes.int())[varied].abs() <= 1).all()
+    ulp = torch.finfo(scale_dtype).eps
+    torch.testing.assert_close(scale_zero.float()[varied], ref_scale_zero.float()[varied], rtol=max(2 * ulp, 1e-4),
+                               atol=1e-5)
+    assert torch.isfinite(scale_zero.float()).all()
+    assert torch.isfinite(unpack_dequantize(codes, scale_zero, bits)).all()
+
+
+@pytest.mark.parametrize("encoder", ["minmax", "sigma"])
+def test_demote_with_rotation_keeps_extreme_rows_finite(encoder):
+    """A rotation can concentrate a row's mass onto one axis (a Hadamard maps a constant row onto one): the rotated
+    rows overflow a float16 pair, and 3e38 would overflow `x @ R` itself, but the kernel saturates before and
+    after the product. Rows below the value limit still match the reference up to rounding ties."""
+    dim, bits = 64, 2
+    x = _extreme_rows(dim, torch.bfloat16)
+    rotation = hadamard_matrix(dim, torch.float32).to(DEVICE)
+    codes, scale_zero = _poisoned(*x.shape, bits, torch.float16)
+    demote_rows([(x, rotation, None, codes, scale_zero)], bits, encoder=encoder)
+    assert torch.isfinite(scale_zero.float()).all()
+    assert torch.isfinite(unpack_dequantize(codes, scale_zero, bits)).all()
+    below = x.float().abs().amax(-1) < 1e6  # rows the reference's own rotation cannot overflow
+    ref_codes, ref_scale_zero = quantize_rows(rotate(x, rotation), bits, None, torch.float16, encoder)
+    got = unpack_codes(codes, bits)
+    assert ((got.int() - ref_codes.int())[below].abs() <= 1).all()
+    assert (got != ref_codes)[below].float().mean().item() <= 2e-2
+    torch.testing.assert_close(scale_zero.float()[below], ref_scale_zero.float()[below], rtol=2e-3, atol=1e-5)

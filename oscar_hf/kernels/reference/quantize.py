@@ -22,6 +22,20 @@ Per row (one token of one KV head, the whole head_dim; rows are already rotated)
 `floor` is 1e-8, raised for float16 storage so that |zero| stays below `ZERO_LIMIT_FP16` (only degenerate,
 near-constant rows are affected: without it their zero point would overflow float16).
 
+8. saturation: finite rows always give finite pairs and finite reads (`saturate`, `storable`), so that one huge K/V
+value cannot turn a row's attention NaN for the rest of decoding. Rows within these limits (every real K/V row)
+quantize exactly as if they were not there:
+- rows are first saturated to `[-VALUE_LIMIT, VALUE_LIMIT]` (2^56), far beyond any real K/V row but small enough
+  that every intermediate (the range, the sum of squares of `sigma`, Lloyd's squared errors, `x / scale`) stays
+  finite in float32;
+- a scale above the largest finite value of `scale_dtype` (65504 for float16: a 2-bit row spanning more than
+  3 * 65504) is saturated to it; min-max then centres the grid on the row's midrange, `zero = L / 2 -
+  (min + max) / 2 / scale` (both extremes saturate alike), sigma keeps its grid centred on the mean;
+- zero is clamped to the finite range of `scale_dtype`; codes are then taken on that grid as in 3, so the values
+  beyond it saturate to the outer codes;
+- Lloyd never keeps a refined pair that its dtype stores as inf; compact pairs saturate by construction (7), and
+  the float32 pair they start from is finite after the first point.
+
 Packing is "split-planar": with `c = 8 // bits` codes per byte and `n = d // c`, byte j holds elements
 j, j+n, ..., j+(c-1)n at bit offsets 0, bits, ..., (c-1)*bits. At 2 bits that is the OSCAR reference's
 "quartered" layout: byte j = q[j] | q[j+d/4] << 2 | q[j+d/2] << 4 | q[j+3d/4] << 6.
@@ -33,6 +47,7 @@ import torch
 
 SCALE_FLOOR = 1e-8
 ZERO_LIMIT_FP16 = 32768.0
+VALUE_LIMIT = 2.0**56  # see the module docstring (saturation); 256 squares of 2^57 stay below float32's 2^128
 ENCODERS = ("minmax", "lloyd", "sigma")
 LLOYD_ITERATIONS = 6
 # step of the MSE-optimal uniform quantizer of a unit Gaussian with 2**bits levels (Max 1960)
@@ -94,6 +109,23 @@ def zero_limit(scale_dtype: torch.dtype) -> float:
     return ZERO_LIMIT_FP16 if scale_dtype == torch.float16 else float("inf")
 
 
+def pair_limit(scale_dtype: torch.dtype) -> float:
+    """Largest finite value of a float pair dtype: where the scale and |zero| saturate (`storable`)."""
+    return torch.finfo(scale_dtype).max
+
+
+def saturate(x: torch.Tensor) -> torch.Tensor:
+    """Rows clamped to `[-VALUE_LIMIT, VALUE_LIMIT]` (a no-op on any real K/V row), see the module docstring."""
+    return x.clamp(-VALUE_LIMIT, VALUE_LIMIT)
+
+
+def storable(scale: torch.Tensor, zero: torch.Tensor, scale_dtype: torch.dtype) -> tuple:
+    """float32 (scale, zero) clamped to what `scale_dtype` stores as finite numbers: values at or below the dtype's
+    largest finite value never round to inf. A no-op except on saturated rows."""
+    limit = pair_limit(scale_dtype)
+    return scale.clamp(max=limit), zero.clamp(-limit, limit)
+
+
 def quantize_rows(
     x: torch.Tensor, bits: int, clip_ratio: float | None, scale_dtype: torch.dtype, encoder: str = "minmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +137,7 @@ def quantize_rows(
     """
     if encoder not in ENCODERS:
         raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+    x = saturate(x.float())
     if scale_dtype == COMPACT:
         if encoder == "lloyd":
             raise ValueError("the lloyd encoder refines float pairs; compact pairs take minmax or sigma")
@@ -129,6 +162,11 @@ def _minmax_rows(x, bits, clip_ratio, scale_dtype):
     # would make this reference differ between devices by an ulp
     scale = torch.maximum(hi - lo, floor) / torch.full_like(hi, levels)
     zero = -lo / scale
+    limit = torch.full_like(hi, pair_limit(scale_dtype))
+    wide = scale > limit
+    # a grid wider than the dtype stores: the widest one it does, centred so that both extremes saturate alike
+    centred = torch.full_like(hi, levels / 2) - (lo * 0.5 + hi * 0.5) / limit
+    scale, zero = storable(torch.where(wide, limit, scale), torch.where(wide, centred, zero), scale_dtype)
     codes = torch.floor(x / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).to(torch.uint8)
     scale_zero = torch.stack([scale, zero], dim=-1).to(scale_dtype)
     return codes, scale_zero
@@ -140,8 +178,8 @@ def _sigma_rows(x, bits, scale_dtype):
     mean = x.mean(dim=-1)
     std = (x - mean[..., None]).square().mean(dim=-1).sqrt()
     floor = torch.clamp(mean.abs() * (levels / zero_limit(scale_dtype)), min=SCALE_FLOOR)
-    scale = torch.maximum(std * GAUSSIAN_UNIFORM_STEP[bits], floor)
-    zero = torch.full_like(mean, levels / 2) - mean / scale
+    scale = torch.maximum(std * GAUSSIAN_UNIFORM_STEP[bits], floor).clamp(max=pair_limit(scale_dtype))
+    scale, zero = storable(scale, torch.full_like(mean, levels / 2) - mean / scale, scale_dtype)
     codes = torch.floor(x / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).to(torch.uint8)
     return codes, torch.stack([scale, zero], dim=-1).to(scale_dtype)
 
@@ -156,7 +194,7 @@ def lloyd_refine(
     for the stored (scale, zero). The row's squared error against the *unclipped* `x` never increases: the best
     (codes, scale_zero) seen is kept per row. Same format as min-max: dequantize with `(q - zero) * scale`.
     """
-    x = x.float()
+    x = saturate(x.float())  # squared errors of larger rows would overflow float32
     levels = float(2**bits - 1)
     scale, zero = scale_zero[..., 0].float(), scale_zero[..., 1].float()
     offset = -zero * scale
@@ -166,7 +204,9 @@ def lloyd_refine(
     def keep_if_better(candidate_codes, candidate_scale_zero):
         nonlocal best_codes, best_scale_zero, best_error
         error = (dequantize_rows(candidate_codes, candidate_scale_zero) - x).square().sum(-1)
-        better = error < best_error
+        # a least-squares pair beyond the dtype's range rounds to inf and reads back inf or NaN: never kept (the
+        # comparison is false for NaN too; spelled out so that the finite guarantee does not rest on it)
+        better = (error < best_error) & torch.isfinite(candidate_scale_zero.float()).all(-1)
         best_error = torch.where(better, error, best_error)
         best_codes = torch.where(better[..., None], candidate_codes, best_codes)
         best_scale_zero = torch.where(better[..., None], candidate_scale_zero, best_scale_zero)

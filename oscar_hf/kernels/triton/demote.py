@@ -11,6 +11,11 @@ patterns; every division is IEEE round-to-nearest (`div_rn`), so without a rotat
 the codes are bit-identical to the reference. With a rotation, `x @ R` sums in a different order than torch's
 matmul, so a row can land on the other side of a rounding boundary (a code off by one at a near-tie).
 
+Finite inputs give finite pairs (the reference's saturation: `quantize.saturate`, `quantize.storable`). The kernel
+also saturates its input rows before the rotation, so that `x @ R` cannot overflow float32 either; rows with an
+element beyond `VALUE_LIMIT` (2^56) and a rotation may therefore differ from `quantize_pack(rotate(x, R))`,
+whose rotation sees the unsaturated row.
+
 Grid: (token blocks, H, B * number of tensors): one launch covers a whole demotion of a layer.
 """
 
@@ -21,11 +26,19 @@ import triton
 import triton.language as tl
 
 from oscar_hf.kernels.interface import kernel_head_dim
-from oscar_hf.kernels.reference.quantize import GAUSSIAN_UNIFORM_STEP, SCALE_FLOOR, clip_index, zero_limit
+from oscar_hf.kernels.reference.quantize import (
+    GAUSSIAN_UNIFORM_STEP,
+    SCALE_FLOOR,
+    VALUE_LIMIT,
+    clip_index,
+    pair_limit,
+    zero_limit,
+)
 from oscar_hf.kernels.triton.common import launch_device, round_to
 
 _BISECT_STEPS = tl.constexpr(31)  # the bit patterns of |x| lie in [0, 0x7F800000]: 31 halvings isolate one
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
+_VALUE_LIMIT = tl.constexpr(VALUE_LIMIT)
 KERNEL_ENCODERS = ("minmax", "sigma")  # `lloyd` demotes through the reference
 
 
@@ -35,7 +48,7 @@ def _demote_tensor(
     r_ptr, srh, srk,
     c_ptr, scb, sch, sct,
     z_ptr, szb, szh, szt,
-    b, h, t0, n, clip_idx, floor_ratio,
+    b, h, t0, n, clip_idx, floor_ratio, pair_max,
     D: tl.constexpr, BITS: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMA: tl.constexpr, STEP: tl.constexpr,
 ):
@@ -49,11 +62,14 @@ def _demote_tensor(
         for k0 in tl.static_range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_base + offs_t[:, None] * sxt + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+            # saturated before the product too: for an orthogonal R, |x @ R| <= sqrt(D) max|x| stays finite
+            xk = tl.minimum(tl.maximum(xk.to(tl.float32), -_VALUE_LIMIT), _VALUE_LIMIT)
             rk = tl.load(r_base + offs_k[:, None] * srk + offs_d[None, :])
-            x = tl.dot(xk.to(tl.float32), rk.to(tl.float32), acc=x, input_precision="ieee")
+            x = tl.dot(xk, rk.to(tl.float32), acc=x, input_precision="ieee")
     else:
         x = tl.load(x_base + offs_t[:, None] * sxt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         x = x.to(tl.float32)
+    x = tl.minimum(tl.maximum(x, -_VALUE_LIMIT), _VALUE_LIMIT)  # `quantize.saturate`
 
     levels: tl.constexpr = 2**BITS - 1
     if SIGMA:
@@ -62,6 +78,7 @@ def _demote_tensor(
         centered = x - mean[:, None]
         std = tl.sqrt_rn(tl.sum(centered * centered, axis=1) / D)
         scale = tl.maximum(std * STEP, tl.maximum(tl.abs(mean) * floor_ratio, _SCALE_FLOOR))
+        scale = tl.minimum(scale, pair_max)
         zero = levels / 2 - tl.math.div_rn(mean, scale)
     else:
         if clip_idx >= 0:
@@ -82,6 +99,12 @@ def _demote_tensor(
         floor = tl.maximum(tl.abs(x_min) * floor_ratio, _SCALE_FLOOR)
         scale = tl.math.div_rn(tl.maximum(x_max - x_min, floor), tl.full((BLOCK_T,), levels, tl.float32))
         zero = tl.math.div_rn(-x_min, scale)
+        # wider than the pair's dtype stores: its widest grid, centred on the midrange (`quantize._minmax_rows`)
+        wide = scale > pair_max
+        centred = levels / 2 - tl.math.div_rn(x_min * 0.5 + x_max * 0.5, tl.full((BLOCK_T,), pair_max, tl.float32))
+        scale = tl.where(wide, pair_max, scale)
+        zero = tl.where(wide, centred, zero)
+    zero = tl.minimum(tl.maximum(zero, -pair_max), pair_max)  # `quantize.storable`
     q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
 
@@ -100,8 +123,8 @@ def _demote_tensor(
 
 @triton.jit(do_not_specialize=["n"])
 def _demote_kernel(
-    kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt, k_clip, k_floor,
-    vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor,
+    kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt, k_clip, k_floor, k_max,
+    vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor, v_max,
     n, flag_ptr,
     D: tl.constexpr, BITS: tl.constexpr, K_ROT: tl.constexpr, V_ROT: tl.constexpr, NUM_TENSORS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SIGMA: tl.constexpr, STEP: tl.constexpr, HAS_FLAG: tl.constexpr,
@@ -115,10 +138,10 @@ def _demote_kernel(
     which = tl.program_id(2) % NUM_TENSORS
     if which == 0:
         _demote_tensor(kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt,
-                       b, h, t0, n, k_clip, k_floor, D, BITS, K_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
+                       b, h, t0, n, k_clip, k_floor, k_max, D, BITS, K_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
     else:
         _demote_tensor(vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt,
-                       b, h, t0, n, v_clip, v_floor, D, BITS, V_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
+                       b, h, t0, n, v_clip, v_floor, v_max, D, BITS, V_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
 
 
 def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
@@ -137,7 +160,7 @@ def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
     levels = 2**bits - 1
     floor_ratio = levels / zero_limit(scale_zero.dtype)
     return (x, *x.stride()[:3], rot, rot_head_stride, rot_row_stride, codes, *codes.stride()[:3],
-            scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio)
+            scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio, pair_limit(scale_zero.dtype))
 
 
 def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax",
