@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
@@ -98,6 +99,7 @@ class OscarCache(Cache):
         if config.method in RANKED_LAYER_SHARES and not config.high_precision_layers:
             config = dataclasses.replace(config, high_precision_layers=_ranked_layers(config.method, resolved, shape))
         folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
+        self._model_ref = None if model is model_config else weakref.ref(model)
         unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
         if unknown:
             raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
@@ -125,12 +127,15 @@ class OscarCache(Cache):
             logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
         if model is not model_config:
             use_oscar_attention(model)
+            _live_caches(model).add(self)
 
     # ------------------------------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if not isinstance(layer, OscarLayer):
             return layer.update(key_states, value_states)
+        if layer_idx == self.shape.oscar_layer_ids[0] and not torch.compiler.is_compiling():
+            self._check_whole_forwards()
         keys, values = layer.update(key_states, value_states)
         if not self.uses_oscar_attention:
             if not self._warned_fallback:
@@ -142,6 +147,42 @@ class OscarCache(Cache):
             return layer.dense_kv()
         publish_segment(keys, kwargs, layer.open_segment())
         return keys, values
+
+    def _check_whole_forwards(self) -> None:
+        """Refuse to go on after a forward that updated some layers and not the others (an exception inside one
+        layer's attention, an out-of-memory error): their tokens would no longer line up."""
+        layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        counts = {layer.layer_idx: layer.updates for layer in layers}
+        if len(set(counts.values())) <= 1:
+            return
+        most = max(counts.values())
+        ahead = [i for i, n in counts.items() if n == most]
+        if all(layer.segment_open for layer in layers if layer.layer_idx in ahead):
+            return  # updates outside a forward (no attention consumed them), layer by layer: the caller's order
+        behind = [i for i, n in counts.items() if n != most]
+        raise RuntimeError(
+            f"a previous forward stopped part-way: layers {ahead} hold its tokens and layers {behind} do not, so "
+            "this cache cannot continue. Recover with a copy taken before that forward (copy.deepcopy(cache)), or "
+            "call cache.reset() and run the prompt again."
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens of every layer, or of none: every layer is checked before any is changed."""
+        problems = [p for layer in self.layers if isinstance(layer, OscarLayer)
+                    if (p := layer.crop_problem(tokens_to_remove)) is not None]
+        if problems:
+            raise ValueError(problems[0] if len(problems) == 1 else "; ".join(problems))
+        others = [(layer, dict(layer.__dict__)) for layer in self.layers if not isinstance(layer, OscarLayer)]
+        try:
+            for layer in self.layers:
+                layer.crop(tokens_to_remove)
+        except Exception:
+            # transformers' own layers replace their tensors when cropping (never edit them in place), so their
+            # attributes from before are the state from before; the OSCAR layers were checked and cannot fail
+            for layer, state in others:
+                layer.__dict__.clear()
+                layer.__dict__.update(state)
+            raise
 
     @property
     def uses_oscar_attention(self) -> bool:
@@ -160,6 +201,9 @@ class OscarCache(Cache):
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
             setattr(clone, name, copy.deepcopy(value, memo))
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            _live_caches(model).add(clone)
         return clone
 
     # ------------------------------------------------------------------------------------------ memory
@@ -194,6 +238,14 @@ def use_oscar_attention(model) -> None:
         generation_config.cache_implementation = None
 
 
+def _live_caches(model) -> weakref.WeakSet:
+    """The OscarCaches built on `model` that are still alive (folding checks them)."""
+    caches = model.__dict__.get("_oscar_live_caches")
+    if caches is None:
+        caches = model.__dict__["_oscar_live_caches"] = weakref.WeakSet()
+    return caches
+
+
 def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int]:
     """Layers whose value rotation lives in the model's weights (folding them now if asked)."""
     if model is model_config:
@@ -209,6 +261,14 @@ def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int
                 "ones; build caches with the same rotations, or reload the model"
             )
     if fold and rotations is not None:
+        holding = [cache for cache in _live_caches(model) if int(cache.get_seq_length())]
+        if holding and set(shape.oscar_layer_ids) - already:  # folding would rewrite weights (not a no-op)
+            raise ValueError(
+                f"fold_value_rotation=True rewrites this model's v_proj/o_proj weights in place, and {len(holding)} "
+                "OscarCache(s) built on it hold tokens computed with the current weights, which the folded model "
+                "would misread. Fold before filling any cache, or call reset() on those caches first (a "
+                "DynamicCache filled on this model becomes invalid the same way)."
+            )
         if tensor_parallel_position(model)[1] > 1:
             raise NotImplementedError("fold_value_rotation is not supported on tensor-parallel (sharded) models")
         fold_value_rotations(model, rotations, shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim)

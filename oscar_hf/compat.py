@@ -1,11 +1,13 @@
 """Differences between transformers releases (5.17 through the newest), kept in one place.
 
 - 5.24 renamed the forward/generate argument `past_key_values` to `cache`;
-- 5.24 passes the attention's kwargs dict into `Cache.update(..., kwargs=kwargs)`; 5.17-5.23 pass nothing.
+- 5.24 passes the attention's kwargs dict into `Cache.update(..., kwargs=kwargs)`; 5.17-5.23 pass nothing;
+- `crop` with a positive value (keep that many tokens) is deprecated in 5.17 and refused in later releases.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import transformers
@@ -29,3 +31,19 @@ def attention_kwargs_of_update(update_kwargs: dict) -> dict | None:
     """The attention kwargs dict that >= 5.24 passes to `Cache.update` (None on older releases)."""
     attention_kwargs = update_kwargs.get("kwargs")
     return attention_kwargs if isinstance(attention_kwargs, dict) else None
+
+
+@functools.cache
+def positive_crop_refused() -> bool:
+    """Whether this release's `DynamicLayer.crop` refuses a positive value (asked of a two-token layer once, so that
+    the cache follows whichever release is installed)."""
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    layer.update(torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1))
+    try:
+        layer.crop(1)
+    except (ValueError, RuntimeError):
+        return True
+    return False

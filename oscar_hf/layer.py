@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
 from oscar_hf.demotion import tokens_to_demote
@@ -98,6 +99,7 @@ class OscarLayer(CacheLayerMixin):
         self.segment_open = False
         self.counted: CountedDecode | None = None
         self.counted_padding: torch.Tensor | None = None  # int32 [B]: leading pads per row, for counted decode
+        self.updates = 0  # `update` calls since the last reset (eager ones: a compiled step does not count)
         self.is_initialized = False
 
     # ------------------------------------------------------------------------------------------ storage
@@ -156,8 +158,12 @@ class OscarLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append `[B, Hkv, q, d]` states; return the BF16 tiers (sink + recent + new) as views, model basis
         (in counted decode: the whole BF16 buffer, of which the segment's `dense_length` rows are in use)."""
+        if not torch.compiler.is_compiling():
+            self.updates += 1  # host-side only: the cache compares it across layers (a forward that failed part-way)
         if self.counted is not None:
-            if key_states.shape[-2] == 1 and key_states.shape[0] == self.batch_size and not self.segment_open:
+            if self.segment_open:  # the previous update's segment was never consumed: settle it as its close would
+                self._close_counted(None, None)
+            if key_states.shape[-2] == 1 and key_states.shape[0] == self.batch_size:
                 return self.counted.update(self, key_states, value_states)
             self.stop_counted_decode()
         if not self.is_initialized:
@@ -167,12 +173,8 @@ class OscarLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the cache holds a batch of {self.batch_size} but received "
                 f"{key_states.shape[0]} sequences; use a fresh OscarCache for a new batch"
             )
-        if self.segment_open:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: the previous forward's attention never consumed the OSCAR history. "
-                "The model's attention must be the 'oscar' implementation for every layer (see oscar_hf.attention); "
-                "call cache.reset() to reuse this cache."
-            )
+        # an update no attention consumed (`Cache.update` called outside a forward: prefix caching, KV transfer)
+        # settles here, as its attention's close would have
         self.settle()
         new = key_states.shape[-2]
         end = self.bf16_length + new
@@ -382,22 +384,50 @@ class OscarLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens; they must still be in the BF16 recent window.
+    def crop_problem(self, tokens_to_remove: int) -> str | None:
+        """Why `crop(tokens_to_remove)` would fail, or None; changes nothing (the cache checks every layer first)."""
+        if tokens_to_remove > 0 and positive_crop_refused():
+            return (f"crop({tokens_to_remove}): a positive value is not supported by this transformers release; "
+                    "pass a negative number, the tokens to remove")
+        remove = self._tokens_to_crop(tokens_to_remove)
+        croppable = self._croppable()
+        if remove > croppable:
+            return (f"layer {self.layer_idx}: cannot crop {remove} tokens, only the newest {croppable} are still in "
+                    "BF16; older tokens are already quantized")
+        return None
 
-        A negative value removes that many tokens; a positive value (legacy) keeps that many.
-        """
-        self.stop_counted_decode()
-        remove = self.length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
+        if self.counted is not None:
+            self._refresh_host_counts()
+        if tokens_to_remove > 0:  # legacy (transformers 5.17): keep that many
+            return max(self.length - tokens_to_remove, 0)
+        return -tokens_to_remove
+
+    def _croppable(self) -> int:
+        """The newest tokens that would still be in BF16 once pending tokens are settled (as `settle` leaves them)."""
+        cfg = self.config
+        demote = 0
+        sink = self.sink_size or 0
+        if self.unsettled:
+            if self.sink_size is None:
+                sink = cfg.sink_tokens + self.max_row_padding
+            recent = self.bf16_length - min(self.bf16_length, sink)
+            demote = tokens_to_demote(recent, self.unsettled, cfg.recent_tokens, cfg.demote_block)
+        return self.bf16_length - demote - (sink if self.history_length + demote else 0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens; they must still be in the BF16 recent window (`crop_problem` says when not).
+
+        A negative value removes that many tokens; a positive value keeps that many, where the installed transformers
+        still accepts it (5.17)."""
+        problem = self.crop_problem(tokens_to_remove)
+        if problem is not None:
+            raise ValueError(problem)
+        remove = self._tokens_to_crop(tokens_to_remove)
         if remove <= 0:
             return
+        self.stop_counted_decode()
         self.settle()
-        croppable = self.bf16_length - self.sink_length
-        if remove > croppable:
-            raise ValueError(
-                f"layer {self.layer_idx}: cannot crop {remove} tokens, only the newest {croppable} are still in "
-                "BF16; older tokens are already quantized"
-            )
         self.bf16_length -= remove
         self.length -= remove
 

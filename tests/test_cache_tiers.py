@@ -163,15 +163,6 @@ def test_batch_size_change_without_reset_fails_clearly():
             forward(model, ids_of(3, 1), cache)
 
 
-def test_update_without_oscar_attention_consuming_the_segment_fails():
-    model = tiny_model("llama")
-    cache = OscarCache(model, method="hadamard")
-    k = torch.randn(1, 2, 5, 16)
-    cache.update(k, k, 0)
-    with pytest.raises(RuntimeError, match="never consumed the OSCAR history"):
-        cache.update(k, k, 0)
-
-
 def test_switching_attention_back_falls_back_to_dense_and_stays_correct():
     model = tiny_model("llama")
     ids = ids_of(1, 60)

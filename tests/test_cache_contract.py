@@ -1,0 +1,134 @@
+"""The `Cache` contract for any caller (issue 23): `update()` outside a forward, a forward that fails part-way, an
+all-or-nothing `crop`, folding refused while caches hold tokens, positive `crop` as the installed transformers
+does it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache
+from oscar_hf.compat import positive_crop_refused
+
+from conftest import forward, tiny_model
+
+TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
+
+
+def _kv_of(model, ids):
+    """Per-layer K/V of a forward over `ids` (a DynamicCache's), to feed another cache through `update`."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        forward(model, ids, cache)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("method", ["none", "hadamard"])
+def test_cache_filled_through_update_continues_like_one_filled_by_a_forward(method):
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(1, 96, (2, 30))
+    filled = OscarCache(model, method=method, **TIERS)
+    for i, (k, v) in enumerate(_kv_of(model, ids[:, :-1])):
+        filled.update(k, v, i)  # prefix caching / KV transfer: no forward, no attention consumes it
+    reference = OscarCache(model, method=method, **TIERS)
+    with torch.no_grad():
+        forward(model, ids[:, :-1], reference)
+        a = forward(model, ids[:, -1:], filled).logits
+        b = forward(model, ids[:, -1:], reference).logits
+    assert [repr(x) for x in filled.layers] == [repr(x) for x in reference.layers]
+    torch.testing.assert_close(a, b, rtol=0, atol=0 if method == "none" else 1e-5)
+    if method == "none":
+        dynamic = DynamicCache(config=model.config)
+        with torch.no_grad():
+            forward(model, ids[:, :-1], dynamic)
+            # the tiers merge by log-sum-exp in float32: equal to SDPA over the same tokens up to rounding
+            torch.testing.assert_close(a, forward(model, ids[:, -1:], dynamic).logits, rtol=0, atol=1e-5)
+
+
+def test_update_twice_outside_a_forward_settles_the_first():
+    model = tiny_model("llama")
+    cache = OscarCache(model, method="none", **TIERS)
+    k = torch.randn(1, 2, 5, 16)
+    cache.update(k, k, 0)
+    cache.update(k, k, 0)
+    assert cache.layers[0].get_seq_length() == 10
+
+
+def test_forward_that_fails_in_one_layer_is_named_and_appends_nothing_on_retry(monkeypatch):
+    model = tiny_model("llama")
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    ids = torch.randint(1, 96, (1, 20))
+    with torch.no_grad():
+        forward(model, ids, cache)
+    before = [repr(x) for x in cache.layers]
+    attention = model.model.layers[1].self_attn
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(attention, "forward", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError), torch.no_grad():
+        forward(model, ids[:, :3], cache)
+    monkeypatch.undo()
+    for _ in range(2):  # a retry raises again and changes nothing
+        with pytest.raises(RuntimeError, match=r"stopped part-way: layers \[0\] hold its tokens and layers \[1\]"), \
+                torch.no_grad():
+            forward(model, ids[:, :3], cache)
+    assert [repr(x) for x in cache.layers][1] == before[1]
+    cache.reset()
+    with torch.no_grad():
+        assert torch.isfinite(forward(model, ids, cache).logits).all()
+
+
+@pytest.mark.parametrize("window", [64, 8])
+def test_failed_crop_changes_no_layer(window):
+    model = tiny_model("gemma2", sliding_window=window)  # sliding and full-attention layers
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    with torch.no_grad():
+        forward(model, torch.randint(1, 96, (1, 40)), cache)
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    if window == 64:  # the sliding layers could crop 30; the OSCAR layers refuse before any layer changes
+        with pytest.raises(ValueError, match="only the newest"):
+            cache.crop(-30)
+    else:  # the OSCAR layers could crop 2; transformers' sliding layer refuses (past its window): nothing changes
+        with pytest.raises(RuntimeError, match="sliding window size was already reached"):
+            cache.crop(-2)
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    if window == 64:
+        cache.crop(-2)
+        assert [layer.get_seq_length() for layer in cache.layers] == [n - 2 for n in lengths]
+
+
+def test_positive_crop_follows_the_installed_transformers():
+    model = tiny_model("llama")
+    cache = OscarCache(model, method="none", **TIERS)
+    dynamic = DynamicCache(config=model.config)
+    ids = torch.randint(1, 96, (1, 20))
+    with torch.no_grad():
+        forward(model, ids, cache)
+        forward(model, ids, dynamic)
+    if positive_crop_refused():
+        with pytest.raises((ValueError, RuntimeError)):
+            dynamic.crop(18)
+        with pytest.raises(ValueError, match="positive value is not supported"):
+            cache.crop(18)
+        assert cache.get_seq_length() == 20
+    else:
+        dynamic.crop(18)
+        cache.crop(18)
+        assert cache.get_seq_length() == dynamic.get_seq_length() == 18
+
+
+def test_folding_is_refused_while_a_cache_on_the_model_holds_tokens():
+    model = tiny_model("llama")
+    live = OscarCache(model, method="hadamard", **TIERS)
+    with torch.no_grad():
+        forward(model, torch.randint(1, 96, (1, 20)), live)
+    weights = model.model.layers[0].self_attn.v_proj.weight.clone()
+    with pytest.raises(ValueError, match="1 OscarCache\\(s\\) built on it hold tokens"):
+        OscarCache(model, method="hadamard", fold_value_rotation=True)
+    assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, weights)
+    live.reset()
+    OscarCache(model, method="hadamard", fold_value_rotation=True)
+    assert not torch.equal(model.model.layers[0].self_attn.v_proj.weight, weights)
