@@ -153,3 +153,19 @@ def tiny_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+def extreme_rows(value: float, dim: int = 64, dtype=torch.float32) -> torch.Tensor:
+    """Rows `[7, dim]` that put `value` where each encoder's arithmetic is weakest: one element, a +/- pair (the
+    widest range), every element +/- (the largest standard deviation), a constant and a near-constant row (the
+    zero point), a block of equal elements (what a Hadamard concentrates on one axis), and the negation."""
+    g = torch.Generator().manual_seed(int(value) % 1000)
+    rows = torch.randn(7, dim, generator=g)
+    rows[0, 5] = value
+    rows[1, 0], rows[1, 1] = value, -value
+    rows[2] = torch.where(rows[2] >= 0, value, -value)
+    rows[3] = value
+    rows[4] = value * (1 + 1e-3 * torch.randn(dim, generator=g))
+    rows[5, : dim // 4] = value
+    rows[6] = -rows[4]
+    return rows.to(dtype)

@@ -17,26 +17,10 @@ from oscar_hf.kernels.reference.quantize import (
     quantize_rows,
 )
 
-from conftest import forward, stored, tiny_model
+from conftest import extreme_rows, forward, stored, tiny_model
 
 EXTREMES = (6.5e4, 7e4, 1e5, 3e38)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, COMPACT)
-
-
-def extreme_rows(value: float, dim: int = 64, dtype=torch.float32) -> torch.Tensor:
-    """Rows `[7, dim]` that put `value` where each encoder's arithmetic is weakest: one element, a +/- pair (the
-    widest range), every element +/- (the largest standard deviation), a constant and a near-constant row (the
-    zero point), a block of equal elements (what a Hadamard concentrates on one axis), and the negation."""
-    g = torch.Generator().manual_seed(int(value) % 1000)
-    rows = torch.randn(7, dim, generator=g)
-    rows[0, 5] = value
-    rows[1, 0], rows[1, 1] = value, -value
-    rows[2] = torch.where(rows[2] >= 0, value, -value)
-    rows[3] = value
-    rows[4] = value * (1 + 1e-3 * torch.randn(dim, generator=g))
-    rows[5, : dim // 4] = value
-    rows[6] = -rows[4]
-    return rows.to(dtype)
 
 
 def _cases():

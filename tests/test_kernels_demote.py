@@ -30,6 +30,8 @@ BATCH = 3 if ON_GPU else 2
 from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.triton.demote import demote_rows  # noqa: E402
 
+from conftest import extreme_rows  # noqa: E402
+
 
 def _rows(batch, heads, tokens, dim, dtype):
     """Random rows with the awkward cases mixed in: all-zero, constant and near-constant rows with a large offset
@@ -205,14 +207,7 @@ def _extreme_rows(dim, dtype):
     patterns = []
     for value in EXTREMES:
         for sign in (1.0, -1.0):
-            v = sign * value
-            row = torch.randn(6, dim, device=DEVICE)
-            row[0, 5] = v
-            row[1, 0], row[1, 1] = v, -v
-            row[2] = torch.where(row[2] >= 0, v, -v)
-            row[3] = v
-            row[4] = v * (1 + 1e-3 * torch.randn(dim, device=DEVICE))
-            row[5, : dim // 4] = v
+            row = extreme_rows(sign * value, dim)[:6].to(DEVICE)  # the negated copy comes from the sign loop
             patterns.append(row)
     patterns = torch.cat(patterns)
     flat = x[0].reshape(-1, dim)
