@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
 import transformers
 from packaging.version import Version
 
@@ -37,7 +38,6 @@ def attention_kwargs_of_update(update_kwargs: dict) -> dict | None:
 def positive_crop_refused() -> bool:
     """Whether this release's `DynamicLayer.crop` refuses a positive value (asked of a two-token layer once, so that
     the cache follows whichever release is installed)."""
-    import torch
     from transformers.cache_utils import DynamicLayer
 
     layer = DynamicLayer()

@@ -254,6 +254,25 @@ class OscarLayer(CacheLayerMixin):
     def _refresh_host_counts(self) -> None:
         self.length, self.bf16_length, self.history.length = self.counted.host_counts(self)
 
+    def _pending_demotion(self, attention_mask: torch.Tensor | None = None) -> tuple[int | None, int]:
+        """(sink size, tokens to demote) that settling the unsettled tokens would give, changing nothing: the rule
+        of `demotion.tokens_to_demote`, with the sink fixed at the first demotion to `sink_tokens` plus the largest
+        left padding (read from `attention_mask` only then). The sink is None while it is not fixed yet."""
+        cfg = self.config
+
+        def to_demote(sink: int) -> int:
+            recent = self.bf16_length - min(self.bf16_length, sink)
+            return tokens_to_demote(recent, self.unsettled, cfg.recent_tokens, cfg.demote_block)
+
+        if not self.unsettled:
+            return self.sink_size, 0
+        if self.sink_size is not None:
+            return self.sink_size, to_demote(self.sink_size)
+        if not to_demote(cfg.sink_tokens):
+            return None, 0
+        sink = cfg.sink_tokens + max(leading_padding(attention_mask), self.max_row_padding)
+        return sink, to_demote(sink)
+
     def settle(self, attention_mask: torch.Tensor | None = None) -> None:
         """Demote the oldest recent tokens once the window overflows (see module docstring)."""
         if self.counted is not None:
@@ -261,21 +280,13 @@ class OscarLayer(CacheLayerMixin):
         self.segment_open = False
         if not self.unsettled:
             return
-        cfg = self.config
-        forward_tokens, self.unsettled = self.unsettled, 0
-
-        def to_demote(sink: int) -> int:
-            recent = self.bf16_length - min(self.bf16_length, sink)
-            return tokens_to_demote(recent, forward_tokens, cfg.recent_tokens, cfg.demote_block)
-
-        if not to_demote(cfg.sink_tokens if self.sink_size is None else self.sink_size):
-            return
-        if self.sink_size is None:
-            self.sink_size = cfg.sink_tokens + max(leading_padding(attention_mask), self.max_row_padding)
-        demote = to_demote(self.sink_size)
+        sink, demote = self._pending_demotion(attention_mask)
+        self.unsettled = 0
+        if sink is not None:
+            self.sink_size = sink
         if not demote:
             return
-        sink = self.sink_size
+        cfg = self.config
         keep = slice(sink + demote, self.bf16_length)
         if self._counts_decode():  # one allocation for the prompt's history and the decode steps after it
             target = history_capacity(self.history_length + demote, self._decode_reserve(), cfg.demote_block,
@@ -404,29 +415,22 @@ class OscarLayer(CacheLayerMixin):
         return -tokens_to_remove
 
     def _croppable(self) -> int:
-        """The newest tokens that would still be in BF16 once pending tokens are settled (as `settle` leaves them)."""
-        cfg = self.config
-        demote = 0
-        sink = self.sink_size or 0
-        if self.unsettled:
-            if self.sink_size is None:
-                sink = cfg.sink_tokens + self.max_row_padding
-            recent = self.bf16_length - min(self.bf16_length, sink)
-            demote = tokens_to_demote(recent, self.unsettled, cfg.recent_tokens, cfg.demote_block)
-        return self.bf16_length - demote - (sink if self.history_length + demote else 0)
+        """The newest tokens that would still be in BF16 once pending tokens are settled."""
+        sink, demote = self._pending_demotion()
+        return self.bf16_length - demote - ((sink or 0) if self.history_length + demote else 0)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens; they must still be in the BF16 recent window (`crop_problem` says when not).
 
         A negative value removes that many tokens; a positive value keeps that many, where the installed transformers
         still accepts it (5.17)."""
+        self.stop_counted_decode()  # host counts from here on (the check below then reads them without a sync)
         problem = self.crop_problem(tokens_to_remove)
         if problem is not None:
             raise ValueError(problem)
         remove = self._tokens_to_crop(tokens_to_remove)
         if remove <= 0:
             return
-        self.stop_counted_decode()
         self.settle()
         self.bf16_length -= remove
         self.length -= remove
