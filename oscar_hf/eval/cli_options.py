@@ -1,0 +1,63 @@
+"""The vocabulary every oscar-hf command line shares: how a model is named and loaded, where it runs, which dtype,
+and whether progress bars show.
+
+One statement of each option, so that `oscar-calibrate`, `oscar-diagnostics`, `oscar-needles`, `oscar-passkey`,
+`oscar-lm-eval` and the retrieval ranking accept the same spellings with the same defaults:
+- `--model`: a local folder, a Hub repo id, or one of `SMOLLM2_ALIASES` (the offline SmolLM2-135M);
+- `--dtype`: float32 (default), bfloat16, float16 or auto (the checkpoint's);
+- `--device`: default `cuda` when a GPU is visible, else `cpu`;
+- `--no-progress`: no progress bars.
+
+The method names the tools accept are the `OscarConfig` presets (`oscar_hf.config.PRESETS`) plus the evaluation
+rows that are not presets (`bf16`, `oscar4`, the peer caches); `oscar_hf.eval.diagnostics.methods` builds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from oscar_hf.eval.assets import SMOLLM2_ALIASES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_HELP = (f"local folder or Hub repo id of a causal LM, or {' / '.join(map(repr, SMOLLM2_ALIASES))} "
+              "(the offline SmolLM2-135M-Instruct from PyPI)")
+
+
+def default_device() -> str:
+    """`cuda` when a GPU is visible, else `cpu`: the default of every command line."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default_model: str | None = None,
+                        dtypes: bool = True) -> None:
+    """`--model` (required unless `default_model` is given), `--dtype` and `--device`."""
+    if default_model is None:
+        parser.add_argument("--model", required=True, help=MODEL_HELP)
+    else:
+        parser.add_argument("--model", default=default_model, help=f"{MODEL_HELP} (default: {default_model})")
+    if dtypes:
+        parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES) + ["auto"],
+                            help="model dtype (default: float32; auto: the checkpoint's)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (default: cuda when a GPU is visible, else cpu)")
+
+
+def add_progress_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--no-progress`: no progress bars."""
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def resolve_dtype(name: str) -> torch.dtype | str:
+    """The torch dtype of a `--dtype` value ("auto" stays "auto")."""
+    if name == "auto":
+        return "auto"
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}: expected one of {sorted(DTYPES) + ['auto']}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | None) -> str:
+    """The `--device` value, or the shared default when none was given."""
+    return default_device() if name is None else name
