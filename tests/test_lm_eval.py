@@ -1,11 +1,11 @@
-"""The lm-eval wrapper on a tiny local task: scoring equals real decoding through OscarCache, batches agree,
-generation runs through a fresh OscarCache per call, and the CLI entry point runs end to end."""
+"""The lm-eval wrapper on a tiny local task, run from outside the repository: scoring equals real decoding through
+OscarCache whatever the batch rows end with, batches agree, generation runs through a fresh OscarCache per call, and
+model_args that nothing takes are rejected with the valid ones. (The command line: test_lm_eval_cli.py.)"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import random
 
 import pytest
 import torch
@@ -21,9 +21,8 @@ from oscar_hf.eval.diagnostics.generation import greedy_through_cache  # noqa: E
 from oscar_hf.eval.lm_eval import OscarLM  # noqa: E402
 
 from conftest import LM_EVAL_TASKS as TASKS  # noqa: E402
-from conftest import tiny_llama, tiny_tokenizer
+from conftest import tiny_llama, tiny_tokenizer  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
 
 
@@ -61,15 +60,16 @@ def decoded_loglikelihood(model, context, continuation) -> float:
 
 
 @pytest.fixture(scope="module")
-def repo_cwd():
+def elsewhere(tmp_path_factory):
+    """Run from a folder outside the repository: the task files find their data beside themselves."""
     old = os.getcwd()
-    os.chdir(REPO)  # the task YAML names its jsonl relative to the repository root
+    os.chdir(tmp_path_factory.mktemp("elsewhere"))
     yield
     os.chdir(old)
 
 
 @pytest.fixture(scope="module")
-def batch_one(model_and_tokenizer, repo_cwd):
+def batch_one(model_and_tokenizer, elsewhere):
     """(lm, multiple-choice samples, rolling samples) scored one request at a time."""
     model, tokenizer = model_and_tokenizer
     lm = oscar_lm(model, tokenizer, batch_size=1)
@@ -104,7 +104,7 @@ def test_rolling_loglikelihood_decodes_every_token(model_and_tokenizer, batch_on
         assert sample["resps"][0][0] == pytest.approx(expected, abs=1e-4)
 
 
-def test_batches_give_the_same_scores_and_quantization_matters(model_and_tokenizer, batch_one, repo_cwd):
+def test_batches_give_the_same_scores_and_quantization_matters(model_and_tokenizer, batch_one, elsewhere):
     model, tokenizer = model_and_tokenizer
     _, mc, ppl = batch_one
     batched = oscar_lm(model, tokenizer, batch_size=3)
@@ -116,7 +116,7 @@ def test_batches_give_the_same_scores_and_quantization_matters(model_and_tokeniz
     assert max(abs(a - b) for a, b in zip(off, scores(mc, []))) > 1e-3  # a plain forward misses the history
 
 
-def test_generation_runs_through_a_fresh_oscar_cache_per_call(model_and_tokenizer, repo_cwd):
+def test_generation_runs_through_a_fresh_oscar_cache_per_call(model_and_tokenizer, elsewhere):
     model, tokenizer = model_and_tokenizer
     lm = oscar_lm(model, tokenizer, batch_size=1)
     samples = evaluate(lm, "tiny_oscar_gen", limit=3)["samples"]["tiny_oscar_gen"]
@@ -131,18 +131,46 @@ def test_generation_runs_through_a_fresh_oscar_cache_per_call(model_and_tokenize
     assert len(out) == 3 and batched.caches_built == 2  # two batches, two fresh caches
 
 
-def test_command_line_entry_point_runs_the_local_task(model_and_tokenizer, tmp_path):
+def test_scores_do_not_depend_on_which_token_pads_the_batch(model_and_tokenizer):
+    """Rows that end in token 0 (lm-eval pads with 0), one of them the row of another request plus a 0 with
+    another context length: every score still equals prefill + token-by-token decoding."""
     model, tokenizer = model_and_tokenizer
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "oscar_hf.eval.lm_eval", "--model_args",
-         f"pretrained={tmp_path / 'model'},method=hadamard,sink_tokens=4,recent_tokens=8,demote_block=2",
-         "--tasks", "tiny_oscar_mc,tiny_oscar_gen", "--include_path", TASKS, "--limit", "2", "--batch_size", "2",
-         "--device", "cpu", "--output_path", str(tmp_path / "results")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tiny_oscar_mc" in result.stdout and "tiny_oscar_gen" in result.stdout
+    rng = random.Random(3)
+    text = [rng.randrange(1, 64) for _ in range(24)]
+    zero_ended = text[:18] + [0]
+    requests = [
+        (text[:12], text[12:20] + [5]),  # row: text[:20]
+        (text[:20], [0, 9]),  # row: text[:20] + [0], context 20: looks like the row above padded with a 0
+        (text[:20], [0, 0, 7]),  # row: text[:20] + [0, 0]
+        (zero_ended, [4, 2]),  # row ends in 0 itself
+        (text[:6], text[6:22]),  # shorter context, same text
+    ]
+    lm = oscar_lm(model, tokenizer, batch_size=5)
+    got = lm._loglikelihood_tokens([(None, context, continuation) for context, continuation in requests])
+    for (context, continuation), (score, _) in zip(requests, got, strict=True):
+        assert score == pytest.approx(decoded_loglikelihood(model, context, continuation), abs=1e-4)
+
+
+def test_an_oscar_model_arg_with_a_typo_is_rejected_before_loading_with_the_valid_ones(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match=r"unknown model_arg 'recent_token' \(did you mean 'recent_tokens'\?\)") as e:
+        oscar_lm(model, tokenizer, recent_token=8)
+    assert "sink_tokens, recent_tokens, demote_block" in str(e.value) and "rotations" in str(e.value)
+    with pytest.raises(ValueError, match="unknown model_arg 'sinks'.*nothing would take it"):
+        oscar_lm(model, tokenizer, sinks=4)  # a loaded model: nothing is passed on to from_pretrained
+    with pytest.raises(ValueError, match="demote_block=0"):
+        oscar_lm(model, tokenizer, demote_block=0)
+
+
+def test_a_model_arg_that_from_pretrained_refuses_is_rejected_with_the_valid_ones(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unknown model_arg 'recent'.*OSCAR model_args: rotations, method") as e:
+        OscarLM(pretrained=str(tmp_path), device="cpu", recent=8)
+    assert isinstance(e.value.__cause__, TypeError)  # what transformers said, kept as the cause
+    with pytest.raises(ValueError, match=r"'recent_tokns' \(did you mean 'recent_tokens'\?\)"):
+        OscarLM(pretrained=str(tmp_path), device="cpu", recent_tokns=8)
+    # what from_pretrained does take still reaches it: a config attribute
+    lm = OscarLM(pretrained=str(tmp_path), device="cpu", method="hadamard", rms_norm_eps=1e-3, **LAYOUT)
+    assert lm.model.config.rms_norm_eps == 1e-3
