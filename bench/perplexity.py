@@ -1,10 +1,13 @@
-"""Perplexity and next-token KL vs BF16 through OscarCache on SmolLM2-135M (CPU), as a markdown table.
+"""Perplexity and next-token KL vs BF16 through KV caches (default: OscarCache presets on SmolLM2-135M), as a
+markdown table.
 
-    python -m bench.perplexity [--play lear_gut.txt] [--tokens 2048] [--prefill 512] [--chunk 64]
-                               [--methods none hadamard quarot clip identity] [--rotations FOLDER]
+    python -m bench.perplexity [--model smollm2] [--text lear_gut.txt] [--tokens 2048] [--prefill 512] [--chunk 64]
+                               [--methods none,hadamard,quarot,clip,identity] [--rotations FOLDER]
 
-Every scored token is predicted by a chunked forward that attends to the quantized history of all tokens before
-its chunk (see `oscar_hf.eval.perplexity`).
+Methods are named as in every oscar-hf command line (`oscar_hf.eval.diagnostics.methods`: the `OscarConfig` presets,
+`hadamard4`, `oscar4`, the peer caches); `oscar`, `oscar4`, `oscar-hifi` and `oscar-next` need `--rotations`. The
+BF16 reference (`DynamicCache`) is always the first row. Every scored token is predicted by a chunked forward that
+attends to the quantized history of all tokens before its chunk (see `oscar_hf.eval.perplexity`).
 """
 
 from __future__ import annotations
@@ -12,53 +15,86 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 from transformers import DynamicCache
+from transformers.utils import logging
 
 from oscar_hf import OscarCache
-from oscar_hf.eval.assets import load_smollm2, play_tokens
+from oscar_hf.eval.assets import load_model, play_tokens
+from oscar_hf.eval.cli_options import (
+    add_logging_argument,
+    add_model_arguments,
+    add_progress_argument,
+    configure_logging,
+    resolve_device,
+    resolve_dtype,
+    timed,
+)
+from oscar_hf.eval.diagnostics.methods import select_methods
 from oscar_hf.eval.perplexity import compare_caches
 
+logger = logging.get_logger(__name__)
+REFERENCE = "bf16"
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--play", default="lear_gut.txt")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--methods", nargs="+", default=["none", "hadamard", "quarot", "clip", "identity"])
-    parser.add_argument("--rotations", default=None,
-                        help="rotations for the methods oscar, oscar-hifi and oscar-next (the last two need a "
-                             "retrieval ranking)")
-    parser.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
-    args = parser.parse_args()
 
-    model, tokenizer = load_smollm2(dtype=torch.float32)
-    ids = play_tokens(tokenizer, args.play, args.tokens)
-    caches: dict[str, OscarCache] = {}
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.perplexity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p, default_model="smollm2")
+    p.add_argument("--text", "--play", dest="text", default="lear_gut.txt",
+                   help="held-out play (oscar_hf.assets.EVALUATION_PLAYS)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--methods", nargs="+", default=["none,hadamard,quarot,clip,identity"],
+                   help="method names, comma- or space-separated (default: none,hadamard,quarot,clip,identity)")
+    p.add_argument("--rotations", default=None,
+                   help="rotations for oscar, oscar4, oscar-hifi and oscar-next (the last two need a retrieval "
+                        "ranking)")
+    p.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
+    add_progress_argument(p)
+    add_logging_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    configure_logging(args.verbosity)
+    options = {} if args.encoder == "minmax" else {"encoder": args.encoder}
+    try:
+        methods = [m for m in select_methods(args.methods, args.rotations, **options) if m.name != REFERENCE]
+    except ValueError as error:
+        raise SystemExit(str(error)) from error
+
+    with timed(f"loading {args.model}", logger):
+        model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+    ids = play_tokens(tokenizer, args.text, args.tokens)
+    caches: dict[str, object] = {}
 
     def factory(method):
         def make():
-            rotations = args.rotations if method in ("oscar", "oscar-hifi", "oscar-next") else None
-            options = {} if args.encoder == "minmax" else {"encoder": args.encoder}
-            caches[method] = OscarCache(model, rotations=rotations, method=method, **options)
-            return caches[method]
+            caches[method.name] = method.build(model)
+            return caches[method.name]
         return make
 
-    makers = {"dense": lambda: DynamicCache(config=model.config)}
-    makers.update({method: factory(method) for method in args.methods})
+    makers = {REFERENCE: lambda: DynamicCache(config=model.config)}
+    makers.update({m.name: factory(m) for m in methods})
     start = time.perf_counter()
-    results = compare_caches(model, ids, makers, prefill=args.prefill, chunk=args.chunk)
+    results = compare_caches(model, ids, makers, prefill=args.prefill, chunk=args.chunk,
+                             progress=not args.no_progress)
     seconds = time.perf_counter() - start
 
-    dense = results["dense"].perplexity
-    print(f"\nSmolLM2-135M-Instruct (float32), {args.play}, {args.tokens} tokens, prefill {args.prefill}, "
-          f"chunks of {args.chunk}, {results['dense'].tokens} scored tokens, {seconds:.0f} s\n")
-    print("| method | perplexity | vs dense | next-token KL vs dense | top-1 agreement | history bits/element |")
+    dense = results[REFERENCE].perplexity
+    print(f"\n{args.model} ({args.dtype}), {args.text}, {args.tokens} tokens, prefill {args.prefill}, "
+          f"chunks of {args.chunk}, {results[REFERENCE].tokens} scored tokens, {seconds:.0f} s\n")
+    print("| method | perplexity | vs BF16 | next-token KL vs BF16 | top-1 agreement | history bits/element |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         cache = caches.get(name)
-        bits = "32 (DynamicCache)" if cache is None else f"{history_bits(cache):.2f}"
+        if cache is None:
+            bits = f"{8 * model.dtype.itemsize} (DynamicCache)"
+        else:
+            bits = f"{history_bits(cache):.2f}" if isinstance(cache, OscarCache) else "n/a"
         print(f"| {name} | {r.perplexity:.3f} | {100 * (r.perplexity / dense - 1):+.1f}% | {max(r.kl, 0.0):.4f} | "
               f"{r.top1_agreement:.3f} | {bits} |")
 

@@ -71,9 +71,9 @@ def test_an_unquantized_cache_retrieves_exactly_what_bf16_retrieves(tiny_llama_m
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     methods = builtin_methods(sink_tokens=8, recent_tokens=16, demote_block=4)
     probes = make_needle_suite(tokenizer, [700], [0.5], ["number"], [0, 1], sink=8, recent=16)
-    results = run_probes(model, tokenizer, probes, [methods["bf16"], methods["none"], methods["oscar"]],
+    results = run_probes(model, tokenizer, probes, [methods["bf16"], methods["none"], methods["hadamard"]],
                          max_new_tokens=6, progress=False)
-    by_method = {m: [r for r in results if r.method == m] for m in ("bf16", "none", "oscar")}
+    by_method = {m: [r for r in results if r.method == m] for m in ("bf16", "none", "hadamard")}
     assert [r.output for r in by_method["none"]] == [r.output for r in by_method["bf16"]]
     assert all(r.hit == is_hit(r.answer, r.output) and r.distractors in (0, 1) for r in results)
     table = summary_table(results, {}).splitlines()

@@ -34,15 +34,16 @@ def test_probe_has_the_requested_length_and_the_key_at_its_depth():
 
 def test_passkey_runs_every_method_and_scores_hits(tiny_llama_model):
     tokenizer = char_tokenizer()
-    model = tiny_llama_model.__class__(tiny_llama_model.config.__class__(**{**tiny_llama_model.config.to_dict(), "vocab_size": 128}))
+    config = tiny_llama_model.config
+    model = tiny_llama_model.__class__(config.__class__(**{**config.to_dict(), "vocab_size": 128}))
     model.eval()
     methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
     probes = make_probes(tokenizer, [480], [0.5])
-    results = run_probes(model, tokenizer, probes, [methods["bf16"], methods["oscar"]], max_new_tokens=5,
+    results = run_probes(model, tokenizer, probes, [methods["bf16"], methods["hadamard"]], max_new_tokens=5,
                           progress=False)
-    assert [r.method for r in results] == ["bf16", "oscar"]
+    assert [r.method for r in results] == ["bf16", "hadamard"]
     assert all(r.hit == (r.answer in r.output) for r in results)
-    plain = run_probes(model, tokenizer, probes, [methods["oscar"]], max_new_tokens=5, shared_prefill=False,
+    plain = run_probes(model, tokenizer, probes, [methods["hadamard"]], max_new_tokens=5, shared_prefill=False,
                         progress=False)
     assert plain[0].output == results[1].output
     assert summary_table(results, {}).splitlines()[2].startswith("| bf16 | ")
@@ -54,9 +55,10 @@ def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
     results = run_methods(tiny_llama_model, ids, [methods["bf16"], methods["identity"]],
                           RunSettings(tokens=40, prefill=16, chunk=4, replay_chunk=4, generate=4, progress=False))
     report = write_report(results, str(tmp_path), "tiny", "cmd", {"tokens": 40})
-    assert "| naive INT2" in open(report).read()
+    text = open(report).read()
+    assert "| identity |" in text and "- `identity`: naive INT2" in text
     if importlib.util.find_spec("matplotlib") is not None:  # plots need the [eval] extra; the report does not
-        assert os.path.isfile(tmp_path / "layers.png")
+        assert os.path.isfile(tmp_path / "layers.png") and "](layers.png)" in text
     loaded, data = load_results(str(tmp_path / "results.json"))
     assert [r.name for r in loaded] == ["bf16", "identity"] and data["command"] == "cmd"
     assert loaded[1].perplexity == pytest.approx(results[1].perplexity)
@@ -80,4 +82,7 @@ def test_a_rotations_folder_drops_into_the_oscar_rows(tiny_llama_model, tmp_path
     cache = methods["oscar"].build(tiny_llama_model)
     assert cache.oscar_config.method == "oscar" and torch.allclose(cache.layers[0].key_rotation, r)
     assert methods["oscar4"].build(tiny_llama_model).oscar_config.bits == 4
-    assert builtin_methods()["oscar"].build(tiny_llama_model).oscar_config.method == "hadamard"
+    # without rotations `oscar` is not Hadamard in disguise: the cache refuses it, `hadamard` is the data-free row
+    with pytest.raises(ValueError, match="calibrated rotations"):
+        builtin_methods()["oscar"].build(tiny_llama_model)
+    assert builtin_methods()["hadamard"].build(tiny_llama_model).oscar_config.method == "hadamard"

@@ -7,6 +7,7 @@ One statement of each option, so that `oscar-calibrate`, `oscar-diagnostics`, `o
 - `--dtype`: float32 (default), bfloat16, float16 or auto (the checkpoint's);
 - `--device`: default `cuda` when a GPU is visible, else `cpu`;
 - `--no-progress`: no progress bars.
+- `--verbosity`: the level of oscar-hf's log lines (`configure_logging`); `timed` logs how long a step took.
 
 The method names the tools accept are the `OscarConfig` presets (`oscar_hf.config.PRESETS`) plus the evaluation
 rows that are not presets (`bf16`, `oscar4`, the peer caches); `oscar_hf.eval.diagnostics.methods` builds them.
@@ -15,6 +16,11 @@ rows that are not presets (`bf16`, `oscar4`, the peer caches); `oscar_hf.eval.di
 from __future__ import annotations
 
 import argparse
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -61,3 +67,48 @@ def resolve_dtype(name: str) -> torch.dtype | str:
 def resolve_device(name: str | None) -> str:
     """The `--device` value, or the shared default when none was given."""
     return default_device() if name is None else name
+
+
+# ------------------------------------------------------------------------------------------------ logging
+VERBOSITIES = ("debug", "info", "warning", "error")
+
+
+def add_logging_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--verbosity`: the level of oscar-hf's log lines (as lm-eval's `--verbosity`; default info)."""
+    parser.add_argument("--verbosity", default="info", choices=VERBOSITIES,
+                        help="level of oscar-hf's log lines on stderr (default: info)")
+
+
+def configure_logging(verbosity: str = "info") -> None:
+    """Show the `oscar_hf` loggers' records at `verbosity` and above on stderr, as `[oscar_hf] message` lines, the
+    way transformers shows its own. For command lines, once at start: as a library, oscar-hf leaves the handlers to
+    the application (its modules log through `transformers.utils.logging.get_logger(__name__)`)."""
+    if verbosity not in VERBOSITIES:
+        raise ValueError(f"verbosity={verbosity!r}: expected one of {VERBOSITIES}")
+    package = logging.getLogger("oscar_hf")
+    if not any(getattr(h, "oscar_hf_cli", False) for h in package.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[oscar_hf] %(message)s"))
+        handler.oscar_hf_cli = True
+        package.addHandler(handler)
+    package.setLevel(verbosity.upper())
+
+
+@dataclass
+class Stopwatch:
+    """Wall time of a `timed` block, in seconds (set when the block ends)."""
+
+    seconds: float = 0.0
+
+
+@contextmanager
+def timed(what: str, logger: logging.Logger) -> Iterator[Stopwatch]:
+    """Log `what...` at info, run the block, then log `what: 12.3 s`; the yielded `Stopwatch` holds the seconds."""
+    watch = Stopwatch()
+    logger.info("%s...", what)
+    start = time.perf_counter()
+    try:
+        yield watch
+    finally:
+        watch.seconds = time.perf_counter() - start
+        logger.info("%s: %.1f s", what, watch.seconds)

@@ -13,7 +13,7 @@ before the BF16 recent window (`sink` and `recent` default to `OscarConfig`'s), 
 the 2-bit history of a prompt that was prefilled and then decoded. Greedy generation; a hit when the value appears
 in the answer (`retrieval.is_hit`).
 
-    oscar-needles --model smollm2 --lengths 1024,2048,4096,8000 --methods bf16,oscar,oscar4 --out out/needles
+    oscar-needles --model smollm2 --lengths 1024,2048,4096,8000 --methods bf16,hadamard,hadamard4 --out out/needles
 
 The same probes are an lm-eval task (`oscar_needles`, in `oscar_hf/eval/lm_eval_tasks/`, found by `oscar-lm-eval`
 without `--include_path`).
@@ -27,10 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.eval.assets import EVALUATION_PLAYS, play_text
+from oscar_hf.eval.diagnostics.methods import parse_method_names
 from oscar_hf.eval.retrieval import Probe, add_common_arguments, run_cli
+
+logger = logging.get_logger(__name__)
 
 KINDS = ("number", "words", "uuid")
 INSTRUCTION = ("Below is a passage from a play. Somewhere in it is a secret that is not part of the play. "
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also trace, per layer and head, the fact's attention and value read-out of every OSCAR "
                         "method on the probes BF16 answers (needs bf16 among the methods; writes needle_attention.*)")
     args = p.parse_args(argv)
-    if args.attention and "bf16" not in args.methods.split(","):
+    if args.attention and args.methods is not None and "bf16" not in parse_method_names(args.methods):
         p.error("--attention compares against BF16's answers: add bf16 to --methods")
 
     def make(tokenizer):
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         bf16 = [r for r in results if r.method == "bf16"]  # in probe order
         found = [(p, r.tokens) for p, r in zip(probes, bf16) if r.hit]
         if not found:
-            print("--attention: BF16 answers no probe; nothing to trace")
+            logger.warning("--attention: BF16 answers no probe; nothing to trace")
             return
         traced = {m.name: needle_attention(model, tokenizer, [p for p, _ in found], [a for _, a in found],
                                            m.oscar_template(model))

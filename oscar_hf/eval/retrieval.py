@@ -20,11 +20,22 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
-from oscar_hf.config import RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.eval.assets import load_model
+from oscar_hf.eval.cli_options import (
+    add_logging_argument,
+    add_model_arguments,
+    add_progress_argument,
+    configure_logging,
+    resolve_device,
+    resolve_dtype,
+    timed,
+)
 from oscar_hf.eval.diagnostics.generation import full_precision_prefill, greedy_through_cache
-from oscar_hf.eval.diagnostics.methods import DEFAULT_METHODS, Method, builtin_methods
+from oscar_hf.eval.diagnostics.methods import Method, builtin_methods, default_methods, select_methods
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -139,40 +150,35 @@ def write_results(results: Sequence[ProbeResult], methods: Sequence[Method], out
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_tokens: int) -> None:
-    """The options every retrieval CLI shares: model, methods, decoding, device, output."""
-    parser.add_argument("--model", default="smollm2", help='"smollm2" (offline SmolLM2-135M) or a path / Hub id')
+    """The options every retrieval CLI shares: model, methods, decoding, device, output, progress and logging
+    (the vocabulary of `oscar_hf.eval.cli_options`)."""
+    add_model_arguments(parser, default_model="smollm2")
     parser.add_argument("--rotations", default=None,
-                        help="calibrated rotations for the oscar rows (folder/file/Hub id)")
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+                        help="calibrated rotations (folder/file/Hub id, or 'hadamard') for oscar, oscar4, oscar-hifi, "
+                             "oscar-next; those methods need them")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated method names: the OscarConfig presets, hadamard4, oscar4, bf16 and the "
+                             f"peers ({', '.join(builtin_methods())}; default: "
+                             f"{','.join(default_methods())}, with oscar,oscar4 for hadamard,hadamard4 when "
+                             "--rotations is given)")
     parser.add_argument("--oscar-options", type=json.loads, default={},
                         help='OscarConfig fields for every OSCAR row, as JSON (e.g. \'{"recent_tokens": 128}\')')
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--no-shared-prefill", action="store_true", help="plain generate (one prefill per method)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=out)
-    parser.add_argument("--no-progress", action="store_true")
+    add_progress_argument(parser)
+    add_logging_argument(parser)
 
 
 def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
-    """The `--methods` of the parsed arguments (unknown names, or `--oscar-options` that are not OscarConfig fields,
-    exit with what is known)."""
+    """The `--methods` of the parsed arguments (`diagnostics.methods.select_methods`): unknown names, methods that
+    need `--rotations` without them, or `--oscar-options` that are not OscarConfig fields exit with what to do."""
     options = {**getattr(args, "oscar_options", {}), **oscar_options}
     try:
-        OscarConfig.from_method("hadamard", **options)
-    except (TypeError, ValueError) as error:
-        raise SystemExit(f"--oscar-options: {error}") from error
-    available = builtin_methods(args.rotations, **options)
-    names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(available)}")
-    ranked = [n for n in names if n in RANKED_LAYER_SHARES]
-    if ranked and args.rotations is None:
-        raise SystemExit(f"the {ranked[0]} method needs --rotations that record a retrieval ranking (python -m "
-                         "oscar_hf.calibrate.retrieval_layers --rotations <folder or hadamard> ...)")
-    return [available[n] for n in names]
+        return select_methods(args.methods, args.rotations, **options)
+    except ValueError as error:
+        raise SystemExit(f"{error}") from error
 
 
 AfterRun = Callable[[object, object, list[Probe], list[ProbeResult], list[Method], str], None]
@@ -182,15 +188,16 @@ def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: C
             title: str, basename: str, after: AfterRun | None = None) -> int:
     """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary, then
     call `after(model, tokenizer, probes, results, methods, command)` when given."""
+    configure_logging(getattr(args, "verbosity", "info"))
     methods = selected_methods(args)
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    with timed(f"loading {args.model}", logger):
+        model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
     probes = make(tokenizer)
-    start = time.time()
-    results = run_probes(model, tokenizer, probes, methods, args.max_new_tokens, not args.no_shared_prefill,
-                         progress=not args.no_progress)
-    elapsed = time.time() - start
+    with timed(f"{len(probes)} probes through {', '.join(m.name for m in methods)}", logger) as watch:
+        results = run_probes(model, tokenizer, probes, methods, args.max_new_tokens, not args.no_shared_prefill,
+                             progress=not args.no_progress)
     command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    print(write_results(results, methods, args.out, title, command, elapsed, basename))
+    print(write_results(results, methods, args.out, title, command, watch.seconds, basename))
     if after is not None:
         after(model, tokenizer, probes, results, methods, command)
     return 0

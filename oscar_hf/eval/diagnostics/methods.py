@@ -1,4 +1,6 @@
-"""The KV caches compared side by side: OSCAR presets and peer caches, each built fresh for a model.
+"""The KV caches compared side by side, by the names every evaluation command line takes: the `OscarConfig` presets
+(`oscar_hf.config.PRESETS`), the 4-bit rows `hadamard4` and `oscar4`, the BF16 reference `bf16`, and peer caches;
+each built fresh for a model.
 
 Peers need optional packages, imported only when their cache is built:
 - `kivi2`, `quanto2`, `quanto4`: `optimum-quanto` (HF `QuantizedCache(backend="quanto")`);
@@ -9,14 +11,18 @@ Peers need optional packages, imported only when their cache is built:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.utils import logging
 
-from oscar_hf.cache import OscarCache
+from oscar_hf.cache import NAMED_ROTATIONS, OscarCache
+from oscar_hf.config import PRESETS, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.layer import OscarLayer
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,19 +76,31 @@ def _oscar(method: str, rotations=None, **options) -> Callable:
     return build
 
 
-def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, Method]:
-    """Every method of the side-by-side table, keyed by name.
+# the presets that read calibrated rotations (`PRESETS[...]["rotation"] == "file"`), and the 4-bit row of `oscar`
+ROTATION_METHODS = tuple(name for name, preset in PRESETS.items() if preset["rotation"] == "file") + ("oscar4",)
+# what to use instead when no rotations are given
+DATA_FREE_ALTERNATIVE = {"oscar": "hadamard", "oscar4": "hadamard4"}
 
-    `rotations`: calibrated rotations (folder, file or Hub id) for the `oscar`, `oscar-hifi`, `oscar-next` and
-    `oscar4` rows;
-    without them the `oscar` and `oscar4` rows use the data-free Hadamard rotation (the `hadamard` preset), and
-    `oscar-hifi`, which needs the retrieval ranking a rotations file records, cannot be built. `oscar_options` (e.g.
+
+def _rotations_label(rotations: str | None) -> str:
+    if rotations is None:
+        return "needs --rotations"
+    return f"rotations={rotations}" if rotations in NAMED_ROTATIONS else "calibrated"
+
+
+def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, Method]:
+    """Every method of the side-by-side tables, keyed by name: each `OscarConfig` preset (`config.PRESETS`), the
+    4-bit rows `hadamard4` and `oscar4`, the BF16 reference `bf16` and the peer caches.
+
+    `rotations` (folder, file or Hub id, or "hadamard") feed the presets that read calibrated rotations
+    (`ROTATION_METHODS`: `oscar`, `oscar-hifi`, `oscar-next`, `oscar4`); without them those rows are listed but
+    cannot be built (`select_methods` says so before any work). `hadamard` and `hadamard4` are the same
+    settings as `oscar` and `oscar4` with the data-free Hadamard rotation. `oscar_options` (e.g.
     `recent_tokens=128`) apply to every OSCAR-layout row.
     """
-    calibrated = rotations is not None
-    oscar_method = "oscar" if calibrated else "hadamard"
-    oscar_label = "OSCAR (calibrated)" if calibrated else "OSCAR (Hadamard)"
+    given = _rotations_label(rotations)
     kivi = dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=32, residual_length=128)
+    ranked = "needs rotations that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers)"
     methods = [
         Method("bf16", "BF16 (DynamicCache)", lambda m: DynamicCache(config=getattr(m, "config", m))),
         Method("none", "OSCAR layout, unquantized (tiers and merge only)", _oscar("none", **oscar_options), oscar=True),
@@ -90,19 +108,18 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
                oscar=True),
         Method("quarot", "Hadamard only (QuaRot-style)", _oscar("quarot", **oscar_options), oscar=True),
         Method("clip", "clip only", _oscar("clip", **oscar_options), oscar=True),
-        Method("oscar", oscar_label, _oscar(oscar_method, rotations, **oscar_options), oscar=True),
-        Method("oscar-hifi", oscar_label.replace("OSCAR", "OSCAR-hifi (2-bit, the top fifth of the layers by retrieval "
-                                                 "ranking at 4 bits)", 1),
-               _oscar("oscar-hifi", rotations, **oscar_options), oscar=True,
-               note="needs rotations that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers)"),
-        Method("oscar-next", oscar_label.replace("OSCAR", "OSCAR-next (2-bit sigma rows, one-byte scale and zero, "
-                                                 "the top tenth of the layers by retrieval ranking at 4 bits)", 1),
-               _oscar("oscar-next", rotations, **oscar_options), oscar=True,
-               note="needs rotations that record a retrieval ranking; the PyTorch reference reads its history"),
-        Method("oscar4", oscar_label.replace("OSCAR", "OSCAR 4-bit", 1),
-               _oscar(oscar_method, rotations, **{**oscar_options, "bits": 4}), oscar=True),
-        Method("kivi2", "KIVI-style 2-bit (quanto, per-channel K / per-token V, g32, R128)", _quantized("quanto", **kivi),
-               note="prefix lengths must be multiples of 32 tokens"),
+        Method("hadamard", "OSCAR (Hadamard)", _oscar("hadamard", **oscar_options), oscar=True),
+        Method("oscar", f"OSCAR ({given})", _oscar("oscar", rotations, **oscar_options), oscar=True),
+        Method("oscar-hifi", f"OSCAR-hifi ({given}; 2-bit, the top fifth of the layers by retrieval ranking at 4 bits)",
+               _oscar("oscar-hifi", rotations, **oscar_options), oscar=True, note=ranked),
+        Method("oscar-next", f"OSCAR-next ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
+               "layers by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True,
+               note=ranked + "; the PyTorch reference reads its history"),
+        Method("hadamard4", "OSCAR 4-bit (Hadamard)", _oscar("hadamard", **{**oscar_options, "bits": 4}), oscar=True),
+        Method("oscar4", f"OSCAR 4-bit ({given})", _oscar("oscar", rotations, **{**oscar_options, "bits": 4}),
+               oscar=True),
+        Method("kivi2", "KIVI-style 2-bit (quanto, per-channel K / per-token V, g32, R128)",
+               _quantized("quanto", **kivi), note="prefix lengths must be multiples of 32 tokens"),
         Method("quanto2", "HF QuantizedCache quanto 2-bit (default axes, g64, R128)",
                _quantized("quanto", nbits=2, q_group_size=64, residual_length=128)),
         Method("quanto4", "HF QuantizedCache quanto 4-bit (default axes, g64, R128)",
@@ -117,8 +134,62 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     return {m.name: m for m in methods}
 
 
-DEFAULT_METHODS = ("bf16", "identity", "quarot", "clip", "oscar", "oscar4", "kivi2", "quanto2", "quanto4", "hqq2",
-                   "hqq4", "turboquant2")
+PEER_METHODS = ("kivi2", "quanto2", "quanto4", "hqq2", "hqq4", "turboquant2")
+
+
+def default_methods(rotations: str | None = None) -> tuple[str, ...]:
+    """The methods of a run that names none: BF16, the OSCAR ablations, the OSCAR rows (`oscar`/`oscar4` with
+    rotations, `hadamard`/`hadamard4` without) and the peer caches."""
+    oscar_rows = ("oscar", "oscar4") if rotations is not None else ("hadamard", "hadamard4")
+    return ("bf16", "identity", "quarot", "clip", *oscar_rows, *PEER_METHODS)
+
+
+def parse_method_names(names: str | Sequence[str]) -> list[str]:
+    """Method names from a comma-separated string or a list of them (each item may hold commas), duplicates
+    dropped in order."""
+    items = names.split(",") if isinstance(names, str) else [part for item in names for part in item.split(",")]
+    return list(dict.fromkeys(n.strip() for n in items if n.strip()))
+
+
+def select_methods(names: str | Sequence[str] | None = None, rotations: str | None = None,
+                   **oscar_options) -> list[Method]:
+    """The methods named (comma-separated or a list; None: `default_methods(rotations)`), in order.
+
+    Checked before any work, with what to do instead: unknown names (the known ones listed), `oscar_options` that
+    are not `OscarConfig` fields or fail its validation, and methods that read calibrated rotations
+    (`ROTATION_METHODS`) when `rotations` is None; `oscar` never stands for Hadamard silently.
+    """
+    try:
+        OscarConfig.from_method("hadamard", **oscar_options)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"OSCAR options {oscar_options}: {error}") from error
+    available = builtin_methods(rotations, **oscar_options)
+    if names is None:
+        chosen = list(default_methods(rotations))
+        if rotations is None:
+            logger.info("no rotations given: the OSCAR rows are hadamard and hadamard4 (data-free Hadamard "
+                        "rotation); oscar, oscar4, oscar-hifi and oscar-next need calibrated rotations")
+    else:
+        chosen = parse_method_names(names)
+    if not chosen:
+        raise ValueError(f"no method named; known: {', '.join(available)}")
+    unknown = [n for n in chosen if n not in available]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(available)}")
+    if rotations is None:
+        for name in chosen:
+            if name in RANKED_LAYER_SHARES:
+                raise ValueError(
+                    f"method {name!r} keeps the layers ranked most retrieval-sensitive at 4 bits: pass --rotations "
+                    "that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers; for data-free "
+                    "Hadamard rotations with a ranking, python -m oscar_hf.calibrate.retrieval_layers --rotations "
+                    "hadamard)")
+            if name in ROTATION_METHODS:
+                raise ValueError(
+                    f"method {name!r} reads calibrated rotations: pass --rotations <folder, file or Hub id> (made by "
+                    f"oscar-calibrate), or use {DATA_FREE_ALTERNATIVE[name]!r}, the same settings with the data-free "
+                    "Hadamard rotation")
+    return [available[n] for n in chosen]
 
 
 # ------------------------------------------------------------------------------------------------ storage

@@ -183,16 +183,15 @@ def report_table(results: dict[str, NeedleAttention], top: int = 12) -> str:
 
 def plot(results: dict[str, NeedleAttention], path: str) -> str | None:
     """Heatmaps (layers × query heads) per method: BF16 fact mass, mass lost to the quantized keys, value error.
-    Returns the path, or None without matplotlib."""
+    Returns the path, or None without matplotlib. An explicit `Figure`, saved without pyplot: no backend is chosen
+    or changed."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     names = list(results)
-    fig, axes = plt.subplots(len(names), 3, figsize=(12, 3.2 * len(names) + 0.6), squeeze=False)
+    fig = Figure(figsize=(12, 3.2 * len(names) + 0.9))
+    axes = fig.subplots(len(names), 3, squeeze=False)
     for row, name in enumerate(names):
         stats = results[name]
         mass = stats.tensor("mass_bf16")
@@ -203,15 +202,15 @@ def plot(results: dict[str, NeedleAttention], path: str) -> str | None:
                   ("fact value read-out error", stats.tensor("value_error"), "magma", None))
         for col, (title, data, cmap, limits) in enumerate(panels):
             ax = axes[row][col]
-            image = ax.imshow(data.T, aspect="auto", cmap=cmap, origin="lower",
+            image = ax.imshow(data.T.numpy(), aspect="auto", cmap=cmap, origin="lower",
                               vmin=None if limits is None else limits[0], vmax=None if limits is None else limits[1])
             ax.set_title(f"{name}: {title}", fontsize=9)
             ax.set_xlabel("layer")
             ax.set_ylabel("query head")
             fig.colorbar(image, ax=ax)
+    fig.suptitle("Where retrieval breaks: the fact's attention per layer and query head")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
