@@ -103,8 +103,8 @@ def test_oscar_lm_eval_runs_the_needle_task_from_any_directory(tiny_llama_model,
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     metadata = {"lengths": [600], "depths": [0.5], "kinds": ["number"], "distractors": [0]}
     result = subprocess.run(
-        [sys.executable, "-m", "oscar_hf.eval.lm_eval", "--model_args",
-         f"pretrained={tmp_path / 'model'},method=hadamard,sink_tokens=8,recent_tokens=16,demote_block=4",
+        [sys.executable, "-m", "oscar_hf.eval.lm_eval", "--model", str(tmp_path / "model"), "--model_args",
+         "method=hadamard,sink_tokens=8,recent_tokens=16,demote_block=4",
          "--tasks", "oscar_needles", "--metadata", json.dumps(metadata), "--batch_size", "1", "--device", "cpu",
          "--output_path", str(tmp_path / "results")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
