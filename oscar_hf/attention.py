@@ -66,7 +66,7 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     if segment is not None and segment.counted and query.shape[2] == 1 and kwargs.get(HOOK_ARGUMENT) is None:
         out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
                                                segment.history, segment.key_rotation, segment.value_rotation,
-                                               scaling, kwargs.get("softcap"))
+                                               scaling, kwargs.get("softcap"), segment.history_start)
         segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
     return _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, segment, kwargs)
@@ -87,9 +87,11 @@ def _eager_attention_forward(module, query, key, value, attention_mask, dropout,
 
 
 def _attend(module, query, key, value, attention_mask, dropout, scaling, softcap, segment, kwargs) -> torch.Tensor:
-    dense_start = None
+    dense_start = history_start = None
     if segment is not None and segment.mask_free_decode and query.shape[2] == 1:
-        attention_mask, dense_start = None, segment.dense_start
+        attention_mask, dense_start, history_start = None, segment.dense_start, segment.history_start
+    elif segment is not None:
+        attention_mask = segment.tier_mask(attention_mask)
     if segment is None or (segment.history_length == 0 and softcap is None and dense_start is None):
         if softcap is None:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -100,7 +102,7 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, softcap
         raise RuntimeError(f"OSCAR segment of layer {segment.layer_idx} reached layer {module.layer_idx}")
     return segment.backend.tiered_attention(query, key, value, attention_mask, segment.history, segment.sink_length,
                                             segment.key_rotation, segment.value_rotation, scaling, softcap,
-                                            dense_start)
+                                            dense_start, history_start)
 
 
 def _softcapped_dense(query, key, value, attention_mask, scaling, softcap):

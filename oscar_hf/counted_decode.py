@@ -5,9 +5,9 @@ C = S + R + b (sink, recent window, demotion block) and the history a fixed capa
 step to step (BF16 rows in use, history rows, tokens) are device tensors. A step
 1. writes the new token's K/V at BF16 row `rows` (an `index_copy_` at a device position);
 2. attends through `kernels.ops.decode_attention`, which reads both counts on the device;
-3. settles: the b oldest recent rows are quantized into history rows `[history, history + b)` every step, and
-   the counts advance only when the window is full (the decode rule of `demotion.tokens_to_demote`, decided on the
-   device). Otherwise it is a no-op: history rows beyond the count are never read. The window shifts down by b
+3. settles: the b oldest recent rows (for left-padded rows, `OscarLayer.demoted_rows`) are quantized into
+   history rows `[history, history + b)` every step, and the counts advance only when the window is full (the
+   decode rule of `demotion.tokens_to_demote`, decided on the device). Otherwise it is a no-op: history rows beyond the count are never read. The window shifts down by b
    the same way (an `index_select` whose source moves by b only when demoting).
 So the host state is the same before every step, and one compiled graph, or one captured CUDA graph, serves every
 phase of the demotion cycle.
@@ -71,7 +71,7 @@ class CountedDecode:
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         layer.history.prepare_staging(self.block)
         _static(layer.keys_buffer, layer.values_buffer, self.rows, self.tokens, self.window,
-                layer.history.device_length, layer.key_rotation, layer.value_rotation, layer.counted_padding,
+                layer.history.device_length, layer.key_rotation, layer.value_rotation, layer.row_start,
                 *layer.history.static_tensors())
 
     def update(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -94,14 +94,21 @@ class CountedDecode:
         step's attention output, which the history write must follow (`kernels.ops.write_rows`)."""
         full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)
         advance = full * self.block
-        first = slice(self.sink, self.sink + self.block)
-        layer.history.append(layer.keys_buffer[:, :, first], layer.values_buffer[:, :, first], layer.key_rotation,
-                             layer.value_rotation, backend, advance=advance, after=after)
+        keys, values = layer.demoted_rows(self.history_count(), self.block, full)
+        layer.history.append(keys, values, layer.key_rotation, layer.value_rotation, backend, advance=advance,
+                             after=after)
         source = self.window + advance.long()
         window = slice(self.sink, self.sink + self.recent)
         for buffer in (layer.keys_buffer, layer.values_buffer):
             buffer[:, :, window] = buffer.index_select(2, source)
         self.rows.sub_(advance)
+
+    def history_count(self) -> torch.Tensor:
+        """History tokens before this step's demotion (int64 `[1]`), from the token and BF16 counts. The history's
+        own `device_length` says the same, but `write_rows` advances it in place inside the step, and inductor may
+        schedule a fused read of it after that write (observed: the padded rows' sink update read the advanced
+        count); these counts change only through plain in-place ops that functionalization orders."""
+        return self.tokens - self.rows.long()
 
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_hf.compat import attention_kwargs_of_update
+from oscar_hf.demotion import padded_starts
 from oscar_hf.kernels.interface import Backend, HistoryTensors
 
 SEGMENT_ARGUMENT = "oscar_segment"
@@ -30,9 +31,14 @@ class HistorySegment:
     Mask columns `[0, sink_length)` and `[sink_length + history_length, kv_len)` are the BF16 tensors;
     `[sink_length, sink_length + history_length)` is the history (`history`, None while it is empty).
 
+    `row_start` (int32 `[B]`, or None without left padding): each row's leading pad columns. Once the history holds
+    tokens, a padded row's sink and history are not in time order (`demotion`, left padding): `tier_mask` restates
+    the mask transformers built for that layout.
+
     `mask_free_decode`: a single-token forward attends to every cached token except each row's first
-    `dense_start[b]` (int32 `[B]`, left padding, or None), and the mask transformers built is ignored (graph decode:
-    a mask captured in a CUDA graph keeps its width while the history grows).
+    `dense_start[b]` BF16 rows and `history_start[b]` history rows (int32 `[B]`, left padding, or None), and the
+    mask transformers built is ignored (graph decode: a mask captured in a CUDA graph keeps its width while the
+    history grows).
     """
 
     layer_idx: int
@@ -48,11 +54,32 @@ class HistorySegment:
     # (`length_ptr`), the key/value tensors are the whole BF16 buffer of which `dense_length` rows are in use
     counted: bool = False
     dense_length: torch.Tensor | None = None
+    history_start: torch.Tensor | None = None
+    row_start: torch.Tensor | None = None
 
     @property
     def history_length(self) -> int:
         """Host-known history tokens (a counted segment's count lives on the device: see `history.length_ptr`)."""
         return self.history.length if self.history is not None else 0
+
+    def tier_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """`mask` (over the sink, history and BF16 columns, bool or additive) with the sink and history columns
+        restated from `row_start`: there a padded row holds its tokens in the order of `demotion`'s layout, not in
+        time order. Later columns, and masks of unpadded or history-less layers, are returned as they are."""
+        history = self.history_length
+        if mask is None or self.row_start is None or not history:
+            return mask
+        sink = self.sink_length
+        dense, first_history = padded_starts(self.row_start.to(mask.device), history)
+        columns = torch.arange(sink + history, device=mask.device)[None]
+        allowed = torch.where(columns < sink, columns >= dense[:, None], columns - sink >= first_history[:, None])
+        batch, q_len = allowed.shape[0], mask.shape[2]
+        allowed = allowed[:, None, None, :].expand(batch, 1, q_len, sink + history)
+        if mask.dtype != torch.bool:
+            allowed = torch.zeros(allowed.shape, dtype=mask.dtype, device=mask.device).masked_fill_(
+                ~allowed, torch.finfo(mask.dtype).min)
+        rest = mask[..., sink + history :].expand(batch, 1, q_len, -1)
+        return torch.cat([allowed, rest], dim=-1)
 
     def close(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         """The attention is done with this forward's tiers: the cache may demote (it reads the leading padding of

@@ -15,8 +15,10 @@ BF16. The rule is `demotion.tokens_to_demote`: with S = sink size, R = `recent_t
   prompt of L tokens leaves min(L, S) sink, max(L - S - R, 0) history and min(L - S, R) recent tokens;
 - after a single-token (decode) forward, tokens are demoted only once the recent window exceeds R + b - 1, then
   down to R: b tokens every b steps.
-The sink size is fixed at the first demotion to `sink_tokens` plus the batch's largest left padding, so every row
-keeps `sink_tokens` real sink tokens.
+Left padding: each row keeps its own first `sink_tokens` real tokens as its sink, and its pads go into the history
+ahead of its real history tokens (`demotion`, left padding; `row_start` holds each row's pad count, read from the
+mask of the first forward that is settled). So a mixed-length batch stores about what its rows would alone, plus
+the codes of the padding.
 
 After a forward the "oscar" attention consumed (a prefill, or any eager step), single-token forwards run
 device-counted (`counted_decode.CountedDecode`): fixed buffers and counts on the device, so that a compiled step
@@ -35,7 +37,7 @@ from transformers.cache_utils import CacheLayerMixin
 from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
-from oscar_hf.demotion import tokens_to_demote
+from oscar_hf.demotion import demotion_index, padded_starts, time_order_index, tokens_to_demote
 from oscar_hf.handoff import HistorySegment
 from oscar_hf.history import make_history
 from oscar_hf.kernels.interface import Backend, HistoryTensors
@@ -52,12 +54,6 @@ def row_leading_padding(mask: torch.Tensor | None) -> torch.Tensor | None:
     last_row = mask[:, 0, -1, :]
     allowed = last_row if last_row.dtype == torch.bool else last_row == 0
     return (allowed.int().cumsum(dim=-1) == 0).sum(dim=-1).to(torch.int32)
-
-
-def leading_padding(mask: torch.Tensor | None) -> int:
-    """Largest number of leading masked-out key columns over the batch, read from the last query row."""
-    pads = row_leading_padding(mask)
-    return 0 if pads is None else int(pads.max().item())
 
 
 class OscarLayer(CacheLayerMixin):
@@ -79,10 +75,8 @@ class OscarLayer(CacheLayerMixin):
         self.value_rotation = value_rotation
         self.backend = backend
         # `set_mask_free_decode`: single-token forwards attend to every cached token but their row's leading pads
-        # (`row_padding`, skipped by count) instead of reading the mask
+        # (skipped by count) instead of reading the mask
         self.mask_free_decode = False
-        self.row_padding: torch.Tensor | None = None  # int32 [B]: leading pad columns per row
-        self.max_row_padding = 0
         # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
         # (`counted_decode`); graph decode turns it off for its own captured steps
         self.allow_counted_decode = True
@@ -95,10 +89,10 @@ class OscarLayer(CacheLayerMixin):
         self.length = 0  # logical tokens: sink + history + recent
         self.bf16_length = 0  # tokens in the BF16 buffers: sink + recent
         self.sink_size: int | None = None  # fixed at the first demotion
+        self.row_start: torch.Tensor | None = None  # int32 [B]: leading pad columns per row; None: no padding
         self.unsettled = 0  # tokens appended by forwards not settled yet
         self.segment_open = False
         self.counted: CountedDecode | None = None
-        self.counted_padding: torch.Tensor | None = None  # int32 [B]: leading pads per row, for counted decode
         self.updates = 0  # `update` calls since the last reset (eager ones: a compiled step does not count)
         self.is_initialized = False
 
@@ -193,17 +187,32 @@ class OscarLayer(CacheLayerMixin):
         if self.counted is not None:
             h = self.history
             history = HistoryTensors(*h.kernel_buffers(), h.capacity, self.config.bits, h.device_length)
+            dense_start, history_start = self._padded_starts(self.counted.history_count())
             return HistorySegment(self.layer_idx, self.op_backend, history, self.counted.sink, self.key_rotation,
                                   self.value_rotation, on_close=self._close_counted, counted=True,
-                                  dense_start=self.counted_padding, dense_length=self.counted.rows)
+                                  dense_start=dense_start, dense_length=self.counted.rows,
+                                  history_start=history_start)
+        dense_start = history_start = None
+        if self.mask_free_decode:
+            length = self.history.device_length
+            dense_start, history_start = self._padded_starts(self.history_length if length is None else length)
         return HistorySegment(
             self.layer_idx, self.backend, self.history.kernel_view(),
             self.sink_length, self.key_rotation, self.value_rotation, on_close=self._close_segment,
-            mask_free_decode=self.mask_free_decode, dense_start=self.row_padding if self.mask_free_decode else None,
+            mask_free_decode=self.mask_free_decode, dense_start=dense_start, history_start=history_start,
+            row_start=self.row_start,
         )
 
+    def _padded_starts(self, history_length) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each row's leading pad rows among its BF16 rows and its history rows (`demotion.padded_starts`), or
+        (None, None) without padding."""
+        if self.row_start is None:
+            return None, None
+        return padded_starts(self.row_start, history_length)
+
     def _close_segment(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
-        self.settle(attention_mask)
+        self.note_padding(attention_mask)
+        self.settle()
         if self._counts_decode() and not torch.compiler.is_compiling():
             self.start_counted_decode(attention_mask)
             if query is not None and query.is_cuda:
@@ -216,7 +225,7 @@ class OscarLayer(CacheLayerMixin):
         segment = self.open_segment()
         self.backend.decode_attention(step, self.keys_buffer, self.values_buffer, segment.dense_length,
                                       segment.dense_start, segment.history, self.key_rotation, self.value_rotation,
-                                      1.0, None)
+                                      1.0, None, segment.history_start)
         self.segment_open = False
 
     def _counts_decode(self) -> bool:
@@ -233,15 +242,29 @@ class OscarLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------ counted decode
     def start_counted_decode(self, attention_mask: torch.Tensor | None = None) -> None:
         """From the next single-token forward on, decode with the counts on the device (`counted_decode`); the
-        sink size is fixed now (as at the first demotion: `sink_tokens` plus the batch's largest left padding,
-        read from the prefill's `attention_mask`)."""
-        pads = row_leading_padding(attention_mask)
-        if pads is not None and pads.shape[0] != self.batch_size:
-            pads = pads.expand(self.batch_size).contiguous()
+        sink size is fixed now, as at the first demotion (the rows' left padding is read from `attention_mask` if
+        it is not known yet: `note_padding`)."""
+        self.note_padding(attention_mask)
         if self.sink_size is None:
-            self.sink_size = self.config.sink_tokens + (0 if pads is None else int(pads.max()))
-        self.counted_padding = pads.contiguous() if pads is not None and bool(pads.any()) else None
+            self.sink_size = self.config.sink_tokens
         self.counted = CountedDecode(self, self._decode_reserve(), bucket=self.max_cache_len is None)
+
+    def note_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Read each row's left padding from `attention_mask` (its leading masked columns).
+
+        A row's padding only grows while every column seen so far was padding (a prompt fed in chunks): its tiers
+        then hold pads alone, laid out alike for any larger padding (`demotion`), so taking the maximum is exact.
+        Padding that first shows after tokens were demoted as unpadded is not taken: those tokens were real to
+        the cache, as they are to DynamicCache without a mask."""
+        if attention_mask is None or not self.is_initialized or (self.row_start is None and self.history_length):
+            return
+        pads = row_leading_padding(attention_mask).to(self.keys_buffer.device)
+        if pads.shape[0] != self.batch_size:
+            pads = pads.expand(self.batch_size)
+        if self.row_start is not None:
+            torch.maximum(self.row_start, pads, out=self.row_start)
+        elif bool(pads.any()):
+            self.row_start = pads.contiguous()
 
     def stop_counted_decode(self) -> None:
         """Back to host-counted storage (before a multi-token forward, a batch operation, a crop, ...)."""
@@ -249,38 +272,30 @@ class OscarLayer(CacheLayerMixin):
             return
         self._refresh_host_counts()
         self.counted = None
-        self.counted_padding = None
 
     def _refresh_host_counts(self) -> None:
         self.length, self.bf16_length, self.history.length = self.counted.host_counts(self)
 
-    def _pending_demotion(self, attention_mask: torch.Tensor | None = None) -> tuple[int | None, int]:
+    def _pending_demotion(self) -> tuple[int | None, int]:
         """(sink size, tokens to demote) that settling the unsettled tokens would give, changing nothing: the rule
-        of `demotion.tokens_to_demote`, with the sink fixed at the first demotion to `sink_tokens` plus the largest
-        left padding (read from `attention_mask` only then). The sink is None while it is not fixed yet."""
+        of `demotion.tokens_to_demote`, with the sink fixed at the first demotion. The sink is None while it is not
+        fixed yet."""
         cfg = self.config
-
-        def to_demote(sink: int) -> int:
-            recent = self.bf16_length - min(self.bf16_length, sink)
-            return tokens_to_demote(recent, self.unsettled, cfg.recent_tokens, cfg.demote_block)
-
         if not self.unsettled:
             return self.sink_size, 0
-        if self.sink_size is not None:
-            return self.sink_size, to_demote(self.sink_size)
-        if not to_demote(cfg.sink_tokens):
-            return None, 0
-        sink = cfg.sink_tokens + max(leading_padding(attention_mask), self.max_row_padding)
-        return sink, to_demote(sink)
+        sink = cfg.sink_tokens if self.sink_size is None else self.sink_size
+        recent = self.bf16_length - min(self.bf16_length, sink)
+        demote = tokens_to_demote(recent, self.unsettled, cfg.recent_tokens, cfg.demote_block)
+        return (sink if demote or self.sink_size is not None else None), demote
 
-    def settle(self, attention_mask: torch.Tensor | None = None) -> None:
+    def settle(self) -> None:
         """Demote the oldest recent tokens once the window overflows (see module docstring)."""
         if self.counted is not None:
             self.stop_counted_decode()
         self.segment_open = False
         if not self.unsettled:
             return
-        sink, demote = self._pending_demotion(attention_mask)
+        sink, demote = self._pending_demotion()
         self.unsettled = 0
         if sink is not None:
             self.sink_size = sink
@@ -292,16 +307,34 @@ class OscarLayer(CacheLayerMixin):
             target = history_capacity(self.history_length + demote, self._decode_reserve(), cfg.demote_block,
                                       bucket=self.max_cache_len is None)
             self.history.reserve(target - self.history_length)
-        self.history.append(
-            self.keys_buffer[:, :, sink : sink + demote], self.values_buffer[:, :, sink : sink + demote],
-            self.key_rotation, self.value_rotation, self.backend,
-        )
+        # a pinned history (graph decode) counts on the device too: a captured demotion must read that count
+        stored = self.history.device_length if self.history.device_length is not None else self.history_length
+        self.history.append(*self.demoted_rows(stored, demote), self.key_rotation, self.value_rotation, self.backend)
         for name in ("keys_buffer", "values_buffer"):
             buffer = getattr(self, name)
             buffer[:, :, sink : sink + cfg.recent_tokens] = buffer[:, :, keep].clone()
         self.bf16_length = sink + cfg.recent_tokens
         if self.keys_buffer.shape[2] > 2 * self._steady_capacity():
             self._resize_buffers(self._steady_capacity())
+
+    def demoted_rows(self, history_length, tokens: int, demoting: torch.Tensor | None = None):
+        """(keys, values) `[B, H, tokens, d]`: the rows a demotion of `tokens` tokens appends to the history, with
+        `history_length` (an int, or an int32 `[1]` on the device) tokens stored before it. Unpadded: the oldest
+        recent rows. Left-padded rows hand pads from their sink to the history and take real tokens into the sink
+        in their place (`demotion.demotion_index`; the sink slots are rewritten here, where `demoting`, a device
+        flag, holds 1 or is None)."""
+        sink = self.sink_size
+        if self.row_start is None:
+            return (self.keys_buffer[:, :, sink : sink + tokens], self.values_buffer[:, :, sink : sink + tokens])
+        appended, kept = demotion_index(self.row_start, history_length, sink, tokens, demoting)
+        rows = []
+        for buffer in (self.keys_buffer, self.values_buffer):
+            head = buffer[:, :, : sink + tokens]
+            heads, dim = buffer.shape[1], buffer.shape[3]
+            block = head.gather(2, appended[:, None, :, None].expand(-1, heads, -1, dim))
+            buffer[:, :, :sink] = head.gather(2, kept[:, None, :, None].expand(-1, heads, -1, dim))
+            rows.append(block)
+        return rows
 
     # ------------------------------------------------------------------------------------------ graph replay
     def at_cycle_start(self) -> bool:
@@ -311,14 +344,14 @@ class OscarLayer(CacheLayerMixin):
                 and self.bf16_length - self.sink_length == self.config.recent_tokens)
 
     def set_mask_free_decode(self, enabled: bool, row_padding: torch.Tensor | None = None) -> None:
-        """From now on (`enabled`), single-token forwards attend to every cached token but each row's first
-        `row_padding[b]` (int `[B]`, left padding; None: no padding) and ignore the mask they are given: what graph
-        decode needs, since a mask captured in a CUDA graph keeps its width. The sink grows to hold the largest
-        padding, as it does from a mask."""
+        """From now on (`enabled`), single-token forwards attend to every cached token but each row's pads and
+        ignore the mask they are given: what graph decode needs, since a mask captured in a CUDA graph keeps its
+        width. `row_padding` (int `[B]`): each row's left padding, when the cache holds no tokens yet (else the
+        padding the cache read from the prompt's mask stays)."""
         self.stop_counted_decode()
         self.mask_free_decode = enabled
-        self.row_padding = None if row_padding is None else row_padding.to(torch.int32).contiguous()
-        self.max_row_padding = 0 if row_padding is None else int(row_padding.max())
+        if row_padding is not None and self.row_start is None and not self.history_length and bool(row_padding.any()):
+            self.row_start = row_padding.to(torch.int32).contiguous()
 
     def host_state(self) -> tuple:
         """The host-side counters (what a replayed CUDA graph cannot update)."""
@@ -346,8 +379,14 @@ class OscarLayer(CacheLayerMixin):
         hist_k = rotate(hist_k, self.key_rotation, transpose=True).to(self.dtype)
         hist_v = rotate(hist_v, self.value_rotation, transpose=True).to(self.dtype)
         s = self.sink_length
-        return (torch.cat([keys[:, :, :s], hist_k, keys[:, :, s:]], dim=2),
-                torch.cat([values[:, :, :s], hist_v, values[:, :, s:]], dim=2))
+        out = []
+        for tiers, history in ((keys, hist_k), (values, hist_v)):
+            older = torch.cat([tiers[:, :, :s], history], dim=2)
+            if self.row_start is not None:  # padded rows: back to time order, the order of the mask's columns
+                order = time_order_index(self.row_start.to(older.device), self.history_length, s)
+                older = older.gather(2, order[:, None, :, None].expand(-1, older.shape[1], -1, older.shape[3]))
+            out.append(torch.cat([older, tiers[:, :, s:]], dim=2))
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
         """Tokens cached; in counted decode a 0-d device tensor (as `StaticLayer` gives), so that reading it
@@ -374,14 +413,14 @@ class OscarLayer(CacheLayerMixin):
         self.keys_buffer = fn(self.keys_buffer)
         self.values_buffer = fn(self.values_buffer)
         self.history.map_batch(fn)
-        if self.row_padding is not None:
-            self.row_padding = fn(self.row_padding)
+        if self.row_start is not None:
+            self.row_start = fn(self.row_start).contiguous()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.counted is not None and beam_idx.shape[0] == self.batch_size:
             # in place: counted decode's buffers keep their addresses (a compiled step keeps its graph)
             index = beam_idx.to(self.keys_buffer.device)
-            tensors = [self.keys_buffer, self.values_buffer, self.counted_padding,
+            tensors = [self.keys_buffer, self.values_buffer, self.row_start,
                        *(getattr(self.history, name) for name in self.history._names)]
             for t in tensors:
                 if t is not None:

@@ -60,8 +60,18 @@ def test_left_padded_batch_matches_dynamic_cache(family):
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(scores_of(out), scores_of(ref), atol=ATOL, rtol=0)
     layer = cache.layers[0]
-    assert layer.sink_size == TIERS["sink_tokens"] + 10  # every row keeps 4 real sink tokens
+    assert layer.sink_size == TIERS["sink_tokens"] and layer.row_start.tolist() == [10, 0, 3]
     assert_history_used(cache)
+    # each row's sink slots hold its own first real tokens; in time order the tiers are DynamicCache's
+    seen = out.sequences[:, :-1]
+    real = (torch.arange(seen.shape[1])[None] >= torch.tensor([10, 0, 3])[:, None]).long()
+    dense = DynamicCache(config=model.config)
+    forward(model, seen, dense, attention_mask=real, position_ids=(real.cumsum(-1) - 1).clamp_min(0))
+    keys, _ = layer.dense_kv()
+    for row, pad in enumerate((10, 0, 3)):  # pads' keys depend on the release's pad positions: compare real ones
+        expected = dense.layers[0].keys[row, :, pad:]
+        torch.testing.assert_close(keys[row, :, pad:], expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.keys_buffer[row, :, :4], expected[:, :4], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

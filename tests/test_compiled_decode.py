@@ -76,7 +76,7 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
     model = tiny_model("llama", seed=2)
     ids = torch.randint(1, 96, (2, 30))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # a left-padded row
+    mask[1, :25] = 0  # a left-padded row: its sink holds pads until decoding demotes its first real tokens
     name = cache_argument_name(model)
 
     def run(compile_config):
@@ -91,6 +91,7 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     compiled, cache = run(config)
     assert cache.layers[0].counted is not None  # decoded device-counted
+    assert cache.layers[0].sink_length == 4 and cache.layers[0].row_start.tolist() == [0, 25]
     assert hasattr(model, "_compiled_call")
     assert torch.equal(compiled, eager)
 

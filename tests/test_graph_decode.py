@@ -76,7 +76,8 @@ def test_left_padded_rows_skip_their_pads_by_count(lengths):
     ref, ref_cache = _reference_tokens(model, ids, 30, attention_mask=mask, min_new_tokens=30)
     assert torch.equal(got, ref)
     assert [layer.sink_length for layer in cache.layers] == [layer.sink_length for layer in ref_cache.layers]
-    assert cache.layers[0].sink_length == OPTIONS["sink_tokens"] + max(lengths) - min(lengths)
+    assert cache.layers[0].sink_length == OPTIONS["sink_tokens"]  # each row's own first real tokens
+    assert cache.layers[0].row_start.tolist() == [max(lengths) - n for n in lengths]
 
 
 def test_continues_a_cache_that_holds_the_prompt_start():

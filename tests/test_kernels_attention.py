@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import FullPrecisionHistory, QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.interface import HistoryTensors  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
@@ -441,3 +442,42 @@ def test_rotate_query_rejects_a_rotation_of_another_size():
 
     with pytest.raises(ValueError, match="does not fit"):
         rotate_query(torch.randn(1, 4, 1, 64, device=DEVICE), _orthogonal(128))
+
+
+def _padded_layout_mask(dense_len, dense_start, history_start):
+    """bool `[B, 1, 1, SINK + HISTORY + dense_len - SINK]` that masks each row's first `dense_start[b]` BF16 rows
+    (sink slots, then the recent rows) and first `history_start[b]` history rows: what the row starts mean."""
+    dense_cols = torch.arange(dense_len, device=DEVICE)[None] >= torch.tensor(dense_start, device=DEVICE)[:, None]
+    hist_cols = torch.arange(HISTORY, device=DEVICE)[None] >= torch.tensor(history_start, device=DEVICE)[:, None]
+    return torch.cat([dense_cols[:, :SINK], hist_cols, dense_cols[:, SINK:]], dim=1)[:, None, None]
+
+
+@pytest.mark.parametrize("token_major,quantize", [(False, True), (True, True), (False, False)])
+def test_decode_step_with_history_starts(token_major, quantize):
+    """Left-padded rows of a cache skip leading BF16 rows (`dense_start`) and leading history rows
+    (`history_start`, some inside a split, one past the whole history): the same attention as a mask over those
+    rows, through `tiered_attention` and through the counted `decode_attention` (lengths on the device)."""
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
+
+    launch = LaunchConfig(token_major=True, block_m=8) if token_major else None
+    rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared", quantize=quantize)
+    dense_pads = [0, 0, SINK] + [SINK + 3] * (BATCH - 3) if BATCH > 3 else [0, SINK + 3]
+    history_pads = [0, 37, HISTORY] + [HISTORY] * (BATCH - 3) if BATCH > 3 else [37, HISTORY]
+    dense_start = torch.tensor(dense_pads, dtype=torch.int32, device=DEVICE)
+    history_start = torch.tensor(history_pads, dtype=torch.int32, device=DEVICE)
+    scaling = 128**-0.5
+    mask = _padded_layout_mask(keys.shape[2], dense_pads, history_pads)
+    ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling)
+    ref_starts = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling,
+                                                     dense_start=dense_start, history_start=history_start)
+    _assert_close(ref_starts, ref, 1e-6, "reference: row starts vs mask")
+    got = _kernel_backend(launch).tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling,
+                                                   dense_start=dense_start, history_start=history_start)
+    _assert_close(got, ref, TOLERANCE["dense"][0], "tiered attention, row starts")
+    # counted decode: sink slots then recent rows in one buffer, both lengths read on the device
+    counted = HistoryTensors(history.keys, history.values, history.key_scale_zero, history.value_scale_zero,
+                             history.length, history.bits, torch.tensor([HISTORY], dtype=torch.int32, device=DEVICE))
+    dense_length = torch.tensor([keys.shape[2]], dtype=torch.int32, device=DEVICE)
+    got = _kernel_backend(launch).decode_attention(query, keys, values, dense_length, dense_start, counted,
+                                                   *rotations, scaling, None, history_start)
+    _assert_close(got, ref, TOLERANCE["dense"][0], "counted decode step, row starts")

@@ -8,15 +8,15 @@ and then called through these operations only:
   rows `[B, H, n, d]` of keys and values into the given output views (`encoder`: `OscarConfig.encoder`; `only_if`:
   an integer `[1]` on the device, or None: where it holds 0, nothing is written);
 - `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling, softcap,
-  dense_start) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model basis) and its
-  history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
-  `sink_length + history.length`; `dense_start` (int32 `[B]` or None): leading dense keys of each row to ignore
-  (left padding);
+  dense_start, history_start) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model
+  basis) and its history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
+  `sink_length + history.length`; `dense_start` / `history_start` (int32 `[B]` or None): leading dense keys and
+  leading history rows of each row to ignore (left padding, `demotion.padded_starts`);
 - `decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
-  scaling, softcap) -> [B, 1, Hq, D]`: a single-token step over the first `dense_length` rows of `keys`/`values`
-  (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows of the
-  history, every one of them visible (no mask): what a compiled or graph-captured decode step runs
-  (`kernels.ops`);
+  scaling, softcap, history_start) -> [B, 1, Hq, D]`: a single-token step over the first `dense_length` rows of
+  `keys`/`values` (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows
+  of the history (row b from `history_start[b]`), every one of them visible (no mask): what a compiled or
+  graph-captured decode step runs (`kernels.ops`);
 - `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of
   these sizes and formats cannot be captured in a CUDA graph, or None when it can.
 
@@ -89,13 +89,14 @@ class Backend(Protocol):
     def tiered_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
                          key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,
-                         softcap: float | None = None, dense_start: torch.Tensor | None = None) -> torch.Tensor: ...
+                         softcap: float | None = None, dense_start: torch.Tensor | None = None,
+                         history_start: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          dense_length: torch.Tensor, dense_start: torch.Tensor | None,
                          history: HistoryTensors | None, key_rotation: torch.Tensor | None,
-                         value_rotation: torch.Tensor | None, scaling: float,
-                         softcap: float | None = None) -> torch.Tensor: ...
+                         value_rotation: torch.Tensor | None, scaling: float, softcap: float | None = None,
+                         history_start: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None: ...

@@ -4,8 +4,8 @@ Two operations cross the boundary (`torch.library.custom_op`, each with a fake i
 shapes):
 - `oscar_hf::decode_attention`: one layer's single-token attention over its BF16 rows (the first `dense_length`
   of `keys`/`values`, minus each row's `dense_start` leading pads) and its history (the first `history_length`
-  rows). Both lengths are int32 `[1]` device tensors, so one compiled graph, or one captured CUDA graph, serves
-  every step of a demotion cycle;
+  rows, minus each row's `history_start` leading pads). Both lengths are int32 `[1]` device tensors, so one
+  compiled graph, or one captured CUDA graph, serves every step of a demotion cycle;
 - `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them), or
   nothing where the device flag `only_if` holds 0.
 
@@ -43,6 +43,7 @@ def decode_attention(
     history_values: torch.Tensor | None, history_value_scale_zero: torch.Tensor | None,
     history_length: torch.Tensor | None, bits: int, key_rotation: torch.Tensor | None,
     value_rotation: torch.Tensor | None, scaling: float, softcap: float | None, backend: str,
+    history_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[B, 1, Hq, D]` in the query dtype (see the module docstring)."""
     history = None
@@ -50,12 +51,13 @@ def decode_attention(
         history = HistoryTensors(history_keys, history_values, history_key_scale_zero, history_value_scale_zero,
                                  history_keys.shape[2], bits, history_length)
     return _backend(backend).decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                              value_rotation, scaling, softcap)
+                                              value_rotation, scaling, softcap, history_start)
 
 
 @decode_attention.register_fake
 def _(query, keys, values, dense_length, dense_start, history_keys, history_key_scale_zero, history_values,
-      history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap, backend):
+      history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap, backend,
+      history_start=None):
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
 
@@ -119,12 +121,12 @@ class OpBackend:
                                      encoder, self.key, only_if)
 
     def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
-                         key_rotation, value_rotation, scaling, softcap=None) -> torch.Tensor:
+                         key_rotation, value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
         h = history
         return torch.ops.oscar_hf.decode_attention(
             query, keys, values, dense_length, dense_start,
             None if h is None else h.keys, None if h is None else h.key_scale_zero,
             None if h is None else h.values, None if h is None else h.value_scale_zero,
             None if h is None else h.length_ptr, 2 if h is None else h.bits, key_rotation, value_rotation,
-            float(scaling), None if softcap is None else float(softcap), self.key,
+            float(scaling), None if softcap is None else float(softcap), self.key, history_start,
         )

@@ -130,14 +130,14 @@ def split_mask(mask: torch.Tensor | None, sink: int, history: int):
 
 
 def tiered_reference(backend, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                     softcap=None, dense_start=None) -> torch.Tensor:
+                     softcap=None, dense_start=None, history_start=None) -> torch.Tensor:
     """Attention over BF16 tiers + quantized history through `backend`'s partial ops; `[B, Lq, Hq, D]`, query dtype.
 
     `key`/`value` `[B, Hkv, Ld, D]` are the sink followed by the recent and new tokens (model basis); the history
     (`history.length` tokens, possibly 0) sits between mask columns `sink_length` and `sink_length + length`.
     Without a mask and with several queries, a bottom-right causal mask over all columns is used.
-    `dense_start` (int `[B]`, optional): row b ignores its first `dense_start[b]` dense keys (left padding, which
-    always lies in the sink), on top of the mask.
+    `dense_start` / `history_start` (int `[B]`, optional): row b ignores its first `dense_start[b]` dense keys and
+    its first `history_start[b]` history rows (left padding, `demotion.padded_starts`), on top of the mask.
     """
     hist_len = history.length if history is not None else 0
     q_len = query.shape[2]
@@ -148,6 +148,10 @@ def tiered_reference(backend, query, key, value, mask, history, sink_length, key
         real = torch.arange(key.shape[2], device=key.device)[None, :] >= dense_start.to(key.device)[:, None]
         real = real[:, None, None, :]
         dense_mask = real if dense_mask is None else _and_masks(dense_mask, real)
+    if history_start is not None and hist_len:
+        real = torch.arange(hist_len, device=key.device)[None, :] >= history_start.to(key.device)[:, None]
+        real = real[:, None, None, :]
+        history_mask = real if history_mask is None else _and_masks(history_mask, real)
     parts = [backend.dense_attention(query, key, value, dense_mask, scaling, softcap)]
     if hist_len:
         parts.append(backend.history_attention(query, history, key_rotation, value_rotation, history_mask, scaling,

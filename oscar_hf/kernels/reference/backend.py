@@ -50,21 +50,22 @@ class ReferenceBackend:
         return merge_partials(parts)
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                         softcap=None, dense_start=None):
+                         softcap=None, dense_start=None, history_start=None):
         return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                                scaling, softcap, dense_start)
+                                scaling, softcap, dense_start, history_start)
 
     def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
-                         scaling, softcap=None):
+                         scaling, softcap=None, history_start=None):
         """One query per row over the first `dense_length` rows of `keys`/`values` (row b from `dense_start[b]`)
-        and the first `history.length_ptr` history rows (`kernels.interface`); reads the lengths on the host."""
+        and the first `history.length_ptr` history rows (row b from `history_start[b]`; `kernels.interface`);
+        reads the lengths on the host."""
         dense = int(dense_length)
         if history is not None:
             length = int(history.length_ptr)
             history = HistoryTensors(history.keys, history.values, history.key_scale_zero, history.value_scale_zero,
                                      length, history.bits) if length else None
         return tiered_reference(self, query, keys[:, :, :dense], values[:, :, :dense], None, history, 0,
-                                key_rotation, value_rotation, scaling, softcap, dense_start)
+                                key_rotation, value_rotation, scaling, softcap, dense_start, history_start)
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None:

@@ -124,34 +124,36 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                         scaling, softcap=None, dense_start=None):
+                         scaling, softcap=None, dense_start=None, history_start=None):
         """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
         `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (`kernels.interface`)."""
         hist_len = history.length if history is not None else 0
         tensors = history if hist_len else None
         if not self._supported(query, key, value, mask, tensors):
             return super().tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
-                                            value_rotation, scaling, softcap, dense_start)
+                                            value_rotation, scaling, softcap, dense_start, history_start)
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
         out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
         self._run(query, key, value, tensors, key_rotation, value_rotation if hist_len else None, mask, scaling, softcap,
                   causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
-                  kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start)
+                  kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start,
+                  history_start=history_start)
         return out
 
     def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
-                         value_rotation, scaling, softcap=None):
+                         value_rotation, scaling, softcap=None, history_start=None):
         """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
         for the buffers' capacities and the kernels read the lengths, so nothing synchronizes the host."""
         if not self._supported(query, keys, values, None, history):
             return super().decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                            value_rotation, scaling, softcap)
+                                            value_rotation, scaling, softcap, history_start)
         batch, q_heads, q_len, dim = query.shape
         out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
         self._run(query, keys, values, history, key_rotation, value_rotation if history is not None else None, None,
                   scaling, softcap, causal=False, gap_start=0, hist_col0=0, kv_heads=keys.shape[1], out=out,
-                  out_layout="blhd", lse_out=None, dense_start=dense_start, dense_length=dense_length)
+                  out_layout="blhd", lse_out=None, dense_start=dense_start, dense_length=dense_length,
+                  history_start=history_start)
         return out
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -169,13 +171,15 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
-             gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None, dense_length=None):
+             gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None, dense_length=None,
+             history_start=None):
         batch, q_heads, q_len, dim = query.shape
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
-        cuda = self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
+        # the CUDA history kernel reads every history row of a batch row: padded rows go through Triton's
+        cuda = history_start is None and self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
         if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
             plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
                                              self._cuda_slots(query.device, dim), self.cuda_history_config)
@@ -216,7 +220,7 @@ class TritonBackend(ReferenceBackend):
             attention_partials(query, key, value, tensors, history_query, mask, plan, scaling, softcap, causal,
                                gap_start, hist_col0, partial_out, partial_lse, kv_heads, launch, dense_start,
                                launch_dependents=dependent, wait_for_rotation=dependent and rotating,
-                               dense_length=dense_length)
+                               dense_length=dense_length, history_start=history_start)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
 

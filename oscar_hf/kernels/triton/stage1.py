@@ -385,11 +385,11 @@ def _attention_partials_kernel(
     hk_ptr, shkb, shkh, shkt, hkz_ptr, shzb, shzh, shzt,
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
-    o_ptr, lse_ptr, n_ptr, ds_ptr, ld_ptr,
+    o_ptr, lse_ptr, n_ptr, ds_ptr, ld_ptr, hs_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
     scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
-    HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr, HAS_HIST_START: tl.constexpr,
     BLOCK_N: tl.constexpr, LD_FROM_PTR: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
@@ -435,6 +435,8 @@ def _attention_partials_kernel(
             gdc_wait()
         lo = (split - dense_splits) * hist_split_len
         hi = tl.minimum(lo + hist_split_len, N)
+        if HAS_HIST_START:  # the row's leading history rows are left padding (`demotion.padded_starts`)
+            lo = tl.maximum(lo, tl.load(hs_ptr + b))
         if HIST_QUANT:
             if TOKEN_MAJOR:
                 acc0, acc1, acc2, acc3, l_i, m_i = _quant_split_token_major(
@@ -499,6 +501,7 @@ def attention_partials(
     dense_only: bool = False,
     overlap_prior: bool = False,
     dense_length: torch.Tensor | None = None,
+    history_start: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
@@ -514,7 +517,8 @@ def attention_partials(
     `dense_only`): launch as a programmatic dependent of the kernel queued just before, which writes none of this
     call's inputs (the CUDA history kernel): the dense programs run beside its tail, then wait for it to finish, so
     that a dependent merge queued after them sees both kernels' partials. `dense_length` (int32 `[1]`, optional):
-    only the first `dense_length` dense rows are keys (read on the device; the splits are cut for all of them)."""
+    only the first `dense_length` dense rows are keys (read on the device; the splits are cut for all of them).
+    `history_start` (int32 `[B]`, optional): row b skips its first `history_start[b]` history rows (left padding)."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -522,10 +526,9 @@ def attention_partials(
     for t in (query, keys, values, rotated_query):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("attention_partials needs a unit stride along head_dim")
-    if dense_start is not None and (dense_start.dtype != torch.int32 or dense_start.shape != (batch,)
-                                    or not dense_start.is_contiguous()):
-        raise ValueError(f"dense_start must be a contiguous int32 [{batch}], got {dense_start.dtype} "
-                         f"{tuple(dense_start.shape)}")
+    for name, start in (("dense_start", dense_start), ("history_start", history_start)):
+        if start is not None and (start.dtype != torch.int32 or start.shape != (batch,) or not start.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int32 [{batch}], got {start.dtype} {tuple(start.shape)}")
     if keys is None:
         keys = values = query
     sz_dt = tl.float16
@@ -570,11 +573,13 @@ def attention_partials(
             hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
             m, *m_strides,
             partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
-            partial_lse if dense_length is None else dense_length, q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
+            partial_lse if dense_length is None else dense_length,
+            partial_lse if history_start is None else history_start, q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
             scaling, 1.0 if softcap is None else softcap,
             D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
-            HAS_DENSE_START=dense_start is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
+            HAS_DENSE_START=dense_start is not None, HAS_HIST_START=history_start is not None and hist_len > 0,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
             LD_FROM_PTR=dense_length is not None,
             BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
             HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS,
