@@ -133,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         write_results_json(results, out, command, meta, title)
 
     names = ", ".join(m.name for m in methods if m.name != "bf16")
-    with timed(f"BF16 reference and {names} on {settings.tokens} tokens", logger):
+    if not args.quick:
+        logger.info("%d method(s) after the BF16 reference, %d tokens (oscar-diagnostics --quick: a one-minute check)",
+                    sum(m.name != "bf16" for m in methods), settings.tokens)
+    with timed(f"BF16 reference and {names or 'nothing else'} on {settings.tokens} tokens", logger):
         results = run_methods(model, ids, methods, settings, on_result=save_partial)
     path = write_report(results, out, title, command, meta)
     print(terminal_table(results))

@@ -103,7 +103,8 @@ def terminal_table(results: list[MethodResult], width: int | None = None) -> str
     lines.append("-" * min(used, width))
     for i, r in enumerate(results):
         if r.error:
-            lines.append(textwrap.shorten(f"{r.name.ljust(name_width)}  failed: {r.error}", width, placeholder="…"))
+            line = f"{r.name.ljust(name_width)}  failed: {' '.join(r.error.split())}"
+            lines.append(line if len(line) <= width else line[: width - 1] + "…")
             continue
         lines.append("  ".join([r.name.ljust(name_width)] + [cells[c.attribute][i].rjust(w) for c, w in chosen]))
     left_out = [c.short for c in measured[len(chosen):]]
