@@ -18,7 +18,7 @@ SHIPPED = os.path.join(os.path.dirname(__file__), "..", "rotations", "smollm2-13
 def test_left_padded_smollm2_batch_gives_generates_tokens(smollm2):
     model, tokenizer = smollm2
     text = play_tokens(tokenizer, "lear_gut.txt", 900)[0]
-    lengths = (900, 610)  # the sink grows by the 290 pads: 290 history tokens after the prefill, 5 demotions after
+    lengths = (900, 610)  # row 1's 290 pads lead its history; each row's sink is its own first 64 real tokens
     ids = torch.full((2, max(lengths)), tokenizer.pad_token_id or 0, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
@@ -29,6 +29,7 @@ def test_left_padded_smollm2_batch_gives_generates_tokens(smollm2):
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False,
                                pad_token_id=tokenizer.pad_token_id,
                                **{cache_argument_name(model): OscarCache(model, rotations=SHIPPED)})
-    assert cache.layers[0].sink_length == 64 + 290
-    assert cache.layers[0].history_length == 900 - (64 + 290) - 256 + 5 * 8
+    assert cache.layers[0].sink_length == 64
+    assert cache.layers[0].row_start.tolist() == [0, 290]
+    assert cache.layers[0].history_length == 900 - 64 - 256 + 5 * 8  # 5 demotions of 8 during the 48 steps
     assert torch.equal(got, reference)
