@@ -22,7 +22,7 @@ from oscar_hf import OscarCache
 from oscar_hf.compat import cache_argument_name
 
 VOCAB = 512
-MODES = {"eager": dict(disable_compile=True), "compiled": {}}
+MODES = {"eager": {"disable_compile": True}, "compiled": {}}
 
 
 def random_qwen3(dtype: torch.dtype, seed: int = 0) -> Qwen3ForCausalLM:
@@ -179,17 +179,17 @@ def main(argv=None) -> int:
     ]
     rows, failed = [], 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    print(f"| defect / check | mode | ok | s | measured |\n|---|---|---|---:|---|", flush=True)
+    print("| defect / check | mode | ok | s | measured |\n|---|---|---|---:|---|", flush=True)
     for name, check in checks:
         for mode in MODES:
             torch._dynamo.reset()
             start = time.time()
             try:
                 ok, text = check(mode)
-            except Exception as e:  # a crash is a failed check, reported in the table like the others
+            except Exception as e:  # noqa: BLE001 -- a crash is a failed check, reported in the table like the others
                 ok, text = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             failed += not ok
-            rows.append(dict(check=name, mode=mode, ok=ok, seconds=round(time.time() - start, 1), measured=text))
+            rows.append({"check": name, "mode": mode, "ok": ok, "seconds": round(time.time() - start, 1), "measured": text})
             print(f"| {name} | {mode} | {'yes' if ok else 'NO'} | {time.time() - start:.0f} | {text} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -40,9 +40,9 @@ def main():
                 f"{None if codes is None else codes.shape[2]} unsettled {layer.unsettled} "
                 f"counted {layer.counted is not None}")
 
-    modes = {"eager": dict(disable_compile=True), "compiled": {},
-             "compiled-no-graphs": dict(compile_config=CompileConfig(mode="default")),
-             "compiled-fullgraph": dict(compile_config=CompileConfig(fullgraph=True))}
+    modes = {"eager": {"disable_compile": True}, "compiled": {},
+             "compiled-no-graphs": {"compile_config": CompileConfig(mode="default")},
+             "compiled-fullgraph": {"compile_config": CompileConfig(fullgraph=True)}}
     runs = {}
     for label, make in (("forwarded", forwarded), ("filled", filled)):
         for mode, options in modes.items():
