@@ -13,11 +13,15 @@ import sys
 import time
 
 import torch
+from transformers.utils import logging
 
 from oscar_hf.eval.assets import SMOLLM2_ALIASES, SMOLLM2_PROVENANCE, load_model
+from oscar_hf.eval.cli_options import add_model_arguments, add_progress_argument, resolve_device, resolve_dtype
 from oscar_hf.rotations.rotations import DEFAULT_CLIP_BITS
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.get_logger(__name__)
+
+ADVISED_TOKENS = 1024  # below this the second moments are too noisy to trust (the reference uses 10k-30k)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,34 +31,40 @@ def build_parser() -> argparse.ArgumentParser:
         prog="oscar-calibrate",
         description="Fit attention-aware OSCAR KV-cache rotations (R = U·H·P_bitrev) for a transformers causal LM.",
     )
-    p.add_argument("--model", required=True,
-                   help=f"local folder or Hub repo id of a causal LM ({' or '.join(map(repr, SMOLLM2_ALIASES))}: the "
-                        "offline SmolLM2-135M)")
+    add_model_arguments(p)
     p.add_argument("--data", required=True,
                    help="a .txt or .jsonl file, a datasets name, or 'shakespeare' (bundled calibration plays)")
-    p.add_argument("--tokens", type=int, default=20000, help="calibration tokens for the statistics (default 20000)")
+    p.add_argument("--tokens", type=int, default=20000,
+                   help=f"calibration tokens for the statistics (default 20000; fewer than {ADVISED_TOKENS} warns)")
     p.add_argument("--out", required=True, help="output folder")
+    add_progress_argument(p)
     data = p.add_argument_group("data")
     data.add_argument("--context", type=int, default=2048, help="tokens per calibration sequence (default 2048)")
     data.add_argument("--text-field", default="text", help="text field of .jsonl records / dataset rows")
     data.add_argument("--split", default="train", help="datasets split (default train)")
     data.add_argument("--data-config", default=None, help="datasets configuration name")
-    data.add_argument("--chat-template", action="store_true", help="render plain texts as a user turn of the chat template")
+    data.add_argument("--chat-template", action="store_true",
+                      help="render plain texts as a user turn of the chat template")
     fit = p.add_argument_group("objective")
     fit.add_argument("--key-objective", default="qqt", choices=sorted(KEY_OBJECTIVES))
     fit.add_argument("--value-objective", default="sst", choices=sorted(VALUE_OBJECTIVES),
                      help="sst = the reference's logit²-weighted form; softmax_diag / softmax_sv = true causal softmax")
-    fit.add_argument("--per-head", action="store_true", help="one rotation per KV head (format v2) instead of per layer")
+    fit.add_argument("--per-head", action="store_true",
+                     help="one rotation per KV head (format v2) instead of per layer")
     fit.add_argument("--tiered", action="store_true",
-                     help="count only what the cache quantizes: keys after the sink, query-key pairs beyond the recent window")
-    fit.add_argument("--sink", type=int, default=64, help="sink tokens of the target cache (with --tiered / clip search)")
-    fit.add_argument("--recent", type=int, default=256, help="recent tokens of the target cache (with --tiered / clip search)")
+                     help="count only what the cache quantizes: keys after the sink, query-key pairs beyond the "
+                          "recent window")
+    fit.add_argument("--sink", type=int, default=64,
+                     help="sink tokens of the target cache (with --tiered / clip search)")
+    fit.add_argument("--recent", type=int, default=256,
+                     help="recent tokens of the target cache (with --tiered / clip search)")
     fit.add_argument("--skip-tokens", type=int, default=0, help="drop the first positions of every sequence")
     fit.add_argument("--chunk-tokens", type=int, default=2048,
                      help="feed longer sequences in chunks of this many tokens (bounded memory)")
     clip = p.add_argument_group("clip ratios")
     clip.add_argument("--clip-search", default="none", choices=["none", "model", "layer"],
-                      help="search clip ratios on held-out calibration tokens (attention-output error)")
+                      help="search clip ratios on held-out calibration tokens (attention-output error); needs "
+                           "--context and --clip-tokens above --sink + --recent + 1")
     clip.add_argument("--clip-tokens", type=int, default=4096, help="held-out calibration tokens for the clip search")
     clip.add_argument("--clip-lowest", type=float, default=0.6,
                       help="lowest clip ratio searched (every order statistic from there up to no clip)")
@@ -62,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the cache's row encoder the clip search assumes (OscarConfig.encoder; recorded)")
     clip.add_argument("--clip-bits", type=int, choices=(2, 4), default=2,
                       help="code width the clip search measures (caches of another width ignore the ratios)")
-    clip.add_argument("--key-clip-ratio", type=float, default=0.96, help="key clip ratio without a search (default 0.96)")
-    clip.add_argument("--value-clip-ratio", type=float, default=0.92, help="value clip ratio without a search (default 0.92)")
+    clip.add_argument("--key-clip-ratio", type=float, default=0.96,
+                      help="key clip ratio without a search (default 0.96)")
+    clip.add_argument("--value-clip-ratio", type=float, default=0.92,
+                      help="value clip ratio without a search (default 0.92)")
     rank = p.add_argument_group("retrieval ranking (the oscar-hifi preset)")
     rank.add_argument("--rank-retrieval-layers", action="store_true",
                       help="rank the layers by how much retrieval their 2-bit history loses, on needle probes in the "
@@ -72,43 +84,134 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--format", default="safetensors", choices=["safetensors", "zoo", "both"],
                      help="oscar_rotations.safetensors, RotationZoo .pt pair, or both")
-    out.add_argument("--push-to-hub", metavar="REPO", help="upload the folder with a model card to this Hub repo")
-    out.add_argument("--subfolder", default=None, help="path inside the Hub repo")
-    out.add_argument("--private", action="store_true", help="create the Hub repo as private")
-    out.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
+    out.add_argument("--push-to-hub", metavar="REPO",
+                     help="upload the folder with a model card to this Hub repo (repo id and token checked first)")
+    out.add_argument("--subfolder", default=None, help="path inside the Hub repo (with --push-to-hub)")
+    out.add_argument("--private", action="store_true", help="create the Hub repo as private (with --push-to-hub)")
+    out.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the one `hf auth login` stored)")
     run = p.add_argument_group("model loading")
-    run.add_argument("--dtype", default="float32", choices=sorted(DTYPES) + ["auto"])
-    run.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     run.add_argument("--device-map", default=None, help="e.g. 'auto' to spread a large model over GPUs (accelerate)")
     run.add_argument("--revision", default=None, help="model revision")
     run.add_argument("--trust-remote-code", action="store_true")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every check that needs no model and no data, so that a bad setting fails before any work starts
+    (`parser.error`: the usage line and the message, exit status 2)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from oscar_hf.calibrate.clip_search import shortest_search_sequence
+
+    for name in ("tokens", "context", "chunk_tokens", "clip_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("sink", "recent", "skip_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.skip_tokens >= args.context:
+        parser.error(f"--skip-tokens {args.skip_tokens} drops every token of a {args.context}-token sequence "
+                     "(--context)")
+    for name in ("key_clip_ratio", "value_clip_ratio"):
+        if not 0.0 < getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
+    if args.clip_search != "none":
+        if not 0.0 < args.clip_lowest < 1.0:
+            parser.error(f"--clip-lowest must be in (0, 1), got {args.clip_lowest}")
+        needed = shortest_search_sequence(args.sink, args.recent)
+        short = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("context", "clip_tokens")
+                 if getattr(args, n) < needed]
+        if short:
+            parser.error(
+                f"--clip-search {args.clip_search} needs held-out sequences of at least {needed} tokens "
+                f"(--sink {args.sink} + --recent {args.recent} + 2: only then does a query see quantized history), "
+                f"but {' and '.join(short)} {'is' if len(short) == 1 else 'are'} shorter: raise "
+                f"{'them' if len(short) > 1 else 'it'} to {needed} or more, or lower --sink / --recent"
+            )
+    if args.rank_retrieval_layers:
+        try:
+            lengths = [int(n) for n in args.rank_lengths.split(",")]
+        except ValueError:
+            parser.error(f"--rank-lengths {args.rank_lengths!r}: expected comma-separated token counts")
+        if any(n <= args.sink + args.recent for n in lengths):
+            parser.error(f"--rank-lengths {args.rank_lengths}: each probe must be longer than --sink + --recent = "
+                         f"{args.sink + args.recent} tokens, or no needle reaches the 2-bit history")
+    if args.device_map is not None and args.device is not None:
+        parser.error("--device and --device-map exclude each other: give one")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            parser.error(f"--device {args.device!r}: {e}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA GPU is visible")
+    if args.model not in SMOLLM2_ALIASES and not os.path.exists(args.model):
+        if args.model.startswith((".", "/", "~")):
+            parser.error(f"--model {args.model}: no such local folder")
+        try:
+            validate_repo_id(args.model)
+        except HFValidationError:
+            parser.error(f"--model {args.model!r}: no such local folder, and not a Hub repo id; the offline "
+                         f"SmolLM2-135M is {' or '.join(map(repr, SMOLLM2_ALIASES))}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out}: exists and is not a folder")
+    if not args.push_to_hub and (args.subfolder or args.private):
+        parser.error("--subfolder and --private apply only with --push-to-hub")
+    if args.tokens < ADVISED_TOKENS:
+        logger.warning(f"oscar-calibrate: --tokens {args.tokens} is very few: the rotations are eigenbases of "
+                       f"second moments, which are noisy below about {ADVISED_TOKENS} tokens (the reference "
+                       "calibrates on 10,000-30,000)")
+
+
+def check_hub(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The `--push-to-hub` pre-flight: repo id and token (fatal), and whether the Hub answers (a warning: the
+    folder is saved anyway and the upload tried at the end)."""
+    from oscar_hf.calibrate.hub import preflight
+
+    try:
+        unreachable = preflight(args.push_to_hub, args.token)
+    except ValueError as e:
+        parser.error(f"--push-to-hub: {e}")
+    if unreachable:
+        logger.warning(f"oscar-calibrate: the Hub is unreachable now ({unreachable}); calibrating anyway: the folder "
+                       f"is saved to {args.out} and the upload tried at the end")
 
 
 def load_calibration_model(args):
     """(model, tokenizer, device description) for the parsed arguments."""
-    dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
-    device = None if args.device_map else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(args.model, dtype, device, device_map=args.device_map, revision=args.revision,
-                                  trust_remote_code=args.trust_remote_code)
+    device = None if args.device_map else resolve_device(args.device)
+    model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), device, device_map=args.device_map,
+                                  revision=args.revision, trust_remote_code=args.trust_remote_code)
     return model, tokenizer, f"device_map={args.device_map}" if args.device_map else device
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    if args.push_to_hub:
+        check_hub(parser, args)
+    bars = logging.is_progress_bar_enabled()
+    if args.no_progress:
+        logging.disable_progress_bar()  # transformers' own bars (loading weights) too
+    try:
+        return _run(args, argv)
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     import oscar_hf
     from oscar_hf.calibrate import clip_search
     from oscar_hf.calibrate.data import load_documents, token_sequences
-    from oscar_hf.calibrate.hub import push_to_hub, write_model_card
-    from oscar_hf.calibrate.objectives import file_objective
+    from oscar_hf.calibrate.hub import one_line, push_later_command, push_to_hub, write_model_card
     from oscar_hf.calibrate.pipeline import CalibrationSettings, calibrate, calibration_layers
     from oscar_hf.calibrate.statistics import Tiers
+    from oscar_hf.rotations.io import SAFETENSORS_NAME
 
-    for name in ("tokens", "context", "chunk_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"oscar-calibrate: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.manual_seed(args.seed)
     start = time.time()
     documents = load_documents(args.data, args.text_field, args.split, args.data_config)
@@ -117,15 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     held_out = args.clip_tokens if args.clip_search != "none" else 0
     sequences = token_sequences(tokenizer, documents, args.tokens + held_out, args.context, args.chat_template)
     statistics, search = _split_held_out(sequences, held_out)
+    if held_out:
+        try:
+            clip_search.check_search_sequences(search, args.sink, args.recent)
+        except ValueError as e:
+            raise SystemExit(f"oscar-calibrate: {e}: the calibration text is too short for --clip-tokens "
+                             f"{args.clip_tokens} at --context {args.context}") from e
     progress = not args.no_progress
     tiers = Tiers(args.sink, args.recent, args.skip_tokens) if args.tiered else Tiers(skip_tokens=args.skip_tokens)
     settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
+    revision = args.revision or getattr(model.config, "_commit_hash", None)
     metadata = {
-        "model": args.model, "model_revision": args.revision or "", "data": args.data,
+        "model": args.model, **({"model_revision": revision} if revision else {}), "data": args.data,
         **(SMOLLM2_PROVENANCE if args.model in SMOLLM2_ALIASES else {}),
+        "model_type": str(getattr(model.config, "model_type", "")),
         "context": str(args.context), "chat_template": str(args.chat_template),
         "library": f"oscar-hf {oscar_hf.__version__}", "device": str(device), "dtype": args.dtype,
-        "created_with": "oscar-calibrate " + " ".join(sys.argv[1:] if argv is None else argv),
+        "created_with": "oscar-calibrate " + " ".join(_redacted(sys.argv[1:] if argv is None else argv)),
     }
     rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
     if args.clip_search != "none":
@@ -156,18 +267,24 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     written = []
     if args.format in ("safetensors", "both"):
-        written.append(rotations.save_pretrained(args.out))
+        rotations.save_pretrained(args.out)
+        written.append(os.path.join(args.out, SAFETENSORS_NAME))
     if args.format in ("zoo", "both"):
-        written += list(rotations.save_zoo(args.out, file_objective(args.key_objective),
-                                           file_objective(args.value_objective)))
+        written += list(rotations.save_zoo(args.out))
     written.append(write_model_card(args.out, rotations.metadata, args.push_to_hub, args.subfolder))
     print(f"{rotations!r} from {rotations.metadata['tokens']} tokens in {rotations.metadata['seconds']} s")
     for path in written:
         print(f"  wrote {path}")
-    print(f"  use: OscarCache(model, rotations={args.out!r}{_clip_hint(rotations.metadata, args.format)})")
+    print(f"  use: OscarCache(model, rotations={args.out!r}{_encoder_hint(rotations.metadata)})")
     if args.push_to_hub:
-        url = push_to_hub(args.out, args.push_to_hub, rotations.metadata, args.subfolder, args.private or None,
-                          args.token)
+        try:
+            url = push_to_hub(args.out, args.push_to_hub, rotations.metadata, args.subfolder,
+                              args.private or None, args.token)
+        except Exception as e:  # whatever the Hub client raises offline or on refusal: the folder is saved
+            later = push_later_command(args.out, args.push_to_hub, args.subfolder, args.private)
+            print(f"oscar-calibrate: saved the rotations to {args.out} but did not upload them to "
+                  f"{args.push_to_hub} ({one_line(e)}); upload them later with: {later}", file=sys.stderr)
+            return 1
         print(f"  uploaded to {args.push_to_hub}: {url}")
     return 0
 
@@ -185,14 +302,19 @@ def _split_held_out(sequences, held_out: int):
     return sequences[:index], sequences[index:]
 
 
-def _clip_hint(metadata, file_format: str) -> str:
-    """Extra `OscarCache` arguments the printed usage line needs (recorded clip ratios load with the safetensors)."""
-    hint = f", encoder={metadata['encoder']!r}" if metadata.get("encoder", "minmax") != "minmax" else ""
-    if file_format == "zoo" and "key_clip_ratio" in metadata:
-        hint += f", key_clip_ratio={metadata['key_clip_ratio']}, value_clip_ratio={metadata['value_clip_ratio']}"
-    elif file_format == "zoo" and "key_clip_ratios" in metadata:
-        hint += ") -- per-layer clip ratios are kept only in the safetensors format (--format both"
-    return hint
+def _encoder_hint(metadata) -> str:
+    """The `encoder=` argument the printed usage line needs: the recorded encoder is not applied by `OscarCache`
+    itself (clip ratios are, from either format)."""
+    return f", encoder={metadata['encoder']!r}" if metadata.get("encoder", "minmax") != "minmax" else ""
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line as recorded in the metadata and the model card: the value of `--token` hidden."""
+    words, hide = [], False
+    for word in argv:
+        words.append("***" if hide else "--token=***" if word.startswith("--token=") else word)
+        hide = word == "--token"
+    return words
 
 
 if __name__ == "__main__":

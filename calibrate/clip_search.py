@@ -56,6 +56,23 @@ class ClipChoice:
         return {"key_clip_ratio": json.dumps(self.key), "value_clip_ratio": json.dumps(self.value), **width}
 
 
+def shortest_search_sequence(sink: int, recent: int) -> int:
+    """The fewest tokens a held-out sequence needs for the search to measure anything: a query sees quantized
+    history only beyond `sink + recent + 1` tokens."""
+    return sink + recent + 2
+
+
+def check_search_sequences(sequences: Sequence[torch.Tensor], sink: int, recent: int) -> None:
+    """Raise ValueError unless one of the held-out `[1, L]` sequences is long enough to search on (cheap: run it
+    before any forward pass)."""
+    if not sequences or max(s.shape[-1] for s in sequences) < shortest_search_sequence(sink, recent):
+        longest = max((s.shape[-1] for s in sequences), default=0)
+        raise ValueError(
+            f"clip search needs a held-out sequence longer than sink + recent + 1 = {sink + recent + 1} tokens "
+            f"(only then does a query see quantized history); the longest is {longest}"
+        )
+
+
 def _probe(model, sequences, candidates, layer_ids, sink, recent, chunk_tokens, progress, label, query_stride):
     probe = AttentionErrorProbe(candidates, layer_ids, sink, recent, query_stride=query_stride)
     feed(model, sequences, chunk_tokens, progress=label if progress else False,
@@ -93,11 +110,7 @@ def search_clip_ratios(
     Errors are measured on every `query_stride`-th query position (all keys count); `encoder` is the cache's
     `OscarConfig.encoder` ("minmax" or "lloyd").
     """
-    if not sequences or max(s.shape[-1] for s in sequences) <= sink + recent + 1:
-        raise ValueError(
-            f"clip search needs held-out sequences longer than sink + recent + 1 = {sink + recent + 1} tokens "
-            "(only then does a query see quantized history)"
-        )
+    check_search_sequences(sequences, sink, recent)
     key_grid = list(key_grid if key_grid is not None else clip_grid(head_dim))
     value_grid = list(value_grid if value_grid is not None else clip_grid(head_dim))
     base = Candidate(rotations, bits=bits, scale_dtype=scale_dtype, quantizer=encoder_fake_quantizer(encoder))

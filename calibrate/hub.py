@@ -1,76 +1,62 @@
-"""Model card and Hub upload for a folder of calibrated rotations (`huggingface_hub` upload APIs)."""
+"""Model card and Hub upload for a folder of calibrated rotations (`huggingface_hub` cards and upload APIs).
+
+`oscar-calibrate --push-to-hub` checks the repo id and the token before calibrating (`preflight`), saves the folder
+whatever happens, and reports a failed upload in one line that says how to upload the saved folder later
+(`push_later_command`).
+"""
 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
+
+from transformers.utils import logging
+
+from oscar_hf.rotations.card import model_card
+from oscar_hf.rotations.hub import check_push_target
 
 CARD_NAME = "README.md"
 
-_PROVENANCE_ROWS = (
-    ("model", "Model"),
-    ("model_revision", "Model revision"),
-    ("model_source", "Model source"),
-    ("data", "Calibration data"),
-    ("tokens", "Calibration tokens"),
-    ("sequences", "Sequences"),
-    ("context", "Context per sequence (tokens)"),
-    ("chat_template", "Chat template"),
-    ("key_objective", "Key objective"),
-    ("value_objective", "Value objective"),
-    ("grouping", "Grouping (layer = format v1, kv_head = format v2)"),
-    ("tiers", "Counted tokens"),
-    ("skip_tokens", "Skipped warm-up tokens per sequence"),
-    ("key_clip_ratio", "Key clip ratio"),
-    ("value_clip_ratio", "Value clip ratio"),
-    ("key_clip_ratios", "Key clip ratios per layer"),
-    ("value_clip_ratios", "Value clip ratios per layer"),
-    ("encoder", "Row encoder (OscarConfig.encoder)"),
-    ("library", "Library"),
-    ("seconds", "Calibration time (s)"),
-    ("device", "Device"),
-)
+logger = logging.get_logger(__name__)
 
-
-def model_card(metadata: Mapping[str, str], repo_id: str | None = None, subfolder: str | None = None) -> str:
-    """A README.md recording the provenance of the rotations (every metadata entry appears)."""
-    model = metadata.get("model", "unknown")
-    lines = ["---", "library_name: oscar-hf", "tags:", "- oscar", "- kv-cache-quantization", "- rotations"]
-    if "/" in model and not os.path.exists(model):
-        lines.append(f"base_model: {model}")
-    lines += ["---", "", f"# OSCAR KV-cache rotations for {model}", ""]
-    lines += [
-        "Attention-aware rotations for 2-bit KV-cache quantization with "
-        "[oscar-hf](https://github.com/) (`R = U · H · P_bitrev`, one per layer or per KV head). Load them with:",
-        "",
-        "```python",
-        "from oscar_hf import OscarCache",
-        f"cache = OscarCache(model, rotations={repo_id or 'path/to/this/folder'!r}"
-        + (f", subfolder={subfolder!r}" if subfolder else "") + ")",
-        "```",
-        "",
-        "## Provenance",
-        "",
-        "| | |",
-        "|---|---|",
-    ]
-    known = set()
-    for key, label in _PROVENANCE_ROWS:
-        if key in metadata:
-            lines.append(f"| {label} | `{metadata[key]}` |")
-            known.add(key)
-    for key in sorted(set(metadata) - known):
-        lines.append(f"| {key} | `{metadata[key]}` |")
-    lines.append("")
-    return "\n".join(lines)
+__all__ = ["CARD_NAME", "check_push_target", "model_card", "one_line", "preflight", "push_later_command",
+           "push_to_hub", "write_model_card"]
 
 
 def write_model_card(folder: str | os.PathLike, metadata: Mapping[str, str], repo_id: str | None = None,
                      subfolder: str | None = None) -> str:
+    """Write (or overwrite) `folder/README.md`; returns its path."""
     path = os.path.join(folder, CARD_NAME)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(model_card(metadata, repo_id, subfolder))
+    model_card(metadata, repo_id, subfolder, local_folder=folder).save(path)
     return path
+
+
+def preflight(repo_id: str, token: str | None = None, api=None) -> str | None:
+    """Check an upload before a long job: the repo id and the token (`check_push_target`, raises ValueError), then
+    whether the Hub accepts the token (raises ValueError when it refuses it).
+
+    Returns None when the Hub answered, or a one-line reason when it could not be reached (offline, no network):
+    the job can still run and save its folder, and the upload is tried at the end.
+    """
+    token = check_push_target(repo_id, token)
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        api.whoami(token=token)
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status == 401:
+            raise ValueError(f"the Hub refuses the token for uploading to {repo_id!r} (401): run `hf auth login` "
+                             "again or pass another token") from e
+        return one_line(e)
+    except Exception as e:  # offline mode, DNS or connection errors: whatever the HTTP client raises
+        return one_line(e)
+    return None
 
 
 def push_to_hub(folder: str | os.PathLike, repo_id: str, metadata: Mapping[str, str], subfolder: str | None = None,
@@ -80,6 +66,7 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, metadata: Mapping[str, 
 
     The card goes to the repo root when `subfolder` is None, else into the subfolder next to the files.
     """
+    token = check_push_target(repo_id, token)
     if api is None:
         from huggingface_hub import HfApi
 
@@ -92,3 +79,16 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, metadata: Mapping[str, 
         repo_type="model",
     )
     return str(getattr(info, "commit_url", info))
+
+
+def push_later_command(folder: str | os.PathLike, repo_id: str, subfolder: str | None = None,
+                       private: bool = False) -> str:
+    """The `hf upload` command (huggingface_hub's CLI) that uploads a saved folder as `push_to_hub` would."""
+    words = ["hf", "upload", repo_id, os.fspath(folder)] + ([subfolder] if subfolder else [])
+    return " ".join(shlex.quote(w) for w in words) + (" --private" if private else "")
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

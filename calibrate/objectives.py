@@ -56,4 +56,6 @@ def passes_needed(key_objectives, value_objectives) -> tuple[frozenset[str], fro
 
 def file_objective(name: str) -> str:
     """Objective string in the RotationZoo file (`<hessian>_<composition>`, e.g. "qqt_r_h_pbr")."""
-    return "hadamard" if name == "hadamard" else f"{name}_r_h_pbr"
+    from oscar_hf.rotations.io import zoo_objective
+
+    return zoo_objective(name)

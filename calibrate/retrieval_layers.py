@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Sequence
 
@@ -34,6 +35,7 @@ from oscar_hf.eval.assets import CALIBRATION_PLAYS
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets, layer_sensitivity, needle_attention
 from oscar_hf.eval.needles import KINDS, make_needle_suite
+from oscar_hf.rotations.io import SAFETENSORS_NAME
 from oscar_hf.rotations.rotations import RETRIEVAL_LAYERS_KEY, Rotations
 
 DEFAULT_LENGTHS = (1024, 2048)
@@ -74,37 +76,48 @@ def record_retrieval_layers(rotations: Rotations, ranking: Sequence[int]) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    from oscar_hf.eval.cli_options import add_model_arguments, add_progress_argument, resolve_device, resolve_dtype
+
     p = argparse.ArgumentParser(prog="python -m oscar_hf.calibrate.retrieval_layers",
                                 description="Rank a model's layers by retrieval sensitivity for method='oscar-hifi'.")
-    p.add_argument("--model", required=True, help='"smollm2" (offline SmolLM2-135M) or a path / Hub id')
+    add_model_arguments(p)
     p.add_argument("--rotations", required=True, help='a rotations folder (rewritten in place) or "hadamard"')
     p.add_argument("--out", default=None, help="folder to write (required for hadamard; default: --rotations)")
-    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="needle probe lengths in tokens")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_progress_argument(p)
     args = p.parse_args(argv)
     if args.rotations == "hadamard" and not args.out:
         p.error("--rotations hadamard needs --out")
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        p.error(f"--lengths {args.lengths!r}: expected comma-separated token counts")
+    if args.sink < 0 or args.recent < 0:
+        p.error(f"--sink {args.sink} and --recent {args.recent} must be >= 0")
+    if any(n <= args.sink + args.recent for n in lengths):
+        p.error(f"--lengths {args.lengths}: each probe must be longer than --sink + --recent = "
+                f"{args.sink + args.recent} tokens, or no needle reaches the 2-bit history")
     from oscar_hf import OscarCache
     from oscar_hf.eval.assets import load_model
     from oscar_hf.model_support import attention_shape
 
     start = time.time()
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
-    if args.rotations == "hadamard":
+    rotations = None if args.rotations == "hadamard" else Rotations.from_pretrained(args.rotations)
+    model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+    if rotations is None:
         shape = attention_shape(model.config)
         rotations = Rotations.hadamard(shape.oscar_layer_ids, shape.head_dim)
         rotations.metadata.update(model=args.model, objective="hadamard")
-    else:
-        rotations = Rotations.from_pretrained(args.rotations)
     template = OscarCache(model.config, rotations=rotations, method="hadamard" if args.rotations == "hadamard" else
                           "oscar", sink_tokens=args.sink, recent_tokens=args.recent)
-    ranking = rank_retrieval_layers(model, tokenizer, template, [int(n) for n in args.lengths.split(",")])
+    ranking = rank_retrieval_layers(model, tokenizer, template, lengths, progress=not args.no_progress)
     record_retrieval_layers(rotations, ranking)
-    path = rotations.save_pretrained(args.out or args.rotations)
-    print(f"retrieval ranking (most sensitive first): {ranking}\n  wrote {path} in {time.time() - start:.0f} s")
+    folder = args.out or args.rotations
+    rotations.save_pretrained(folder)
+    print(f"retrieval ranking (most sensitive first): {ranking}\n  wrote {os.path.join(folder, SAFETENSORS_NAME)} in "
+          f"{time.time() - start:.0f} s")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import os
 import pathlib
 import pickle
@@ -43,7 +44,8 @@ def assert_same(a: Rotations, b: Rotations):
 @pytest.mark.parametrize("heads", [None, 2])
 def test_zoo_round_trip_is_bit_exact_in_reference_schema(tmp_path, heads):
     rot = random_rotations(heads=heads)
-    key_file, value_file = rot.save_zoo(tmp_path)
+    key_file, value_file = rot.save_zoo(tmp_path, "qqt_r_h_pbr", "sst_r_h_pbr")
+    assert os.path.basename(key_file) == "k_rotation_qqt_r_h_pbr.pt"
     state = torch.load(key_file, weights_only=True)
     assert state["format_version"] == (2 if heads else 1)
     assert state["source_grouping"] == ("kv_head" if heads else "layer")
@@ -66,8 +68,8 @@ def test_zoo_file_with_string_layer_keys_loads(tmp_path):
 
 def test_safetensors_round_trip_keeps_tensors_and_metadata(tmp_path):
     rot = random_rotations(heads=2)
-    path = rot.save_pretrained(tmp_path)
-    assert os.path.basename(path) == "oscar_rotations.safetensors"
+    assert rot.save_pretrained(tmp_path) is None  # as huggingface_hub's ModelHubMixin.save_pretrained
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "oscar_rotations.safetensors"]
     back = Rotations.from_pretrained(tmp_path)
     assert_same(back, rot)
     assert back.metadata["objective"] == "test" and back.per_head
@@ -398,7 +400,7 @@ def test_any_safetensors_content_loads_or_fails_as_rotation_file_errors(tensors,
 
 # ------------------------------------------------------------------------------------------- local path or Hub
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "local_files_only"])
-def test_missing_relative_path_is_reported_as_neither_local_nor_on_the_hub(monkeypatch, tmp_path, offline):
+def test_missing_relative_path_says_no_such_local_folder_first(monkeypatch, tmp_path, offline):
     monkeypatch.chdir(tmp_path)
     options = {"local_files_only": True} if offline == "local_files_only" else {}
     if offline == "HF_HUB_OFFLINE":
@@ -407,21 +409,133 @@ def test_missing_relative_path_is_reported_as_neither_local_nor_on_the_hub(monke
         Rotations.from_pretrained("rotations/no-such-model", cache_dir=str(tmp_path / "hub"), **options)
     message = str(error.value)
     tried = os.path.join(os.getcwd(), "rotations", "no-such-model")
-    assert f"not found as a local path (no file or folder at {tried})" in message
-    assert "not available from the Hub" in message and "offline mode is on" in message
+    assert message.startswith(f"rotations 'rotations/no-such-model': no such local folder or file ({tried}); as a "
+                              "Hub repo id it is not available either: ")
+    assert "offline mode is on" in message
+    assert message.index("no such local folder") < message.index("Hub")
 
 
-def test_cache_with_a_missing_relative_rotations_path_says_local_and_hub(monkeypatch, tmp_path):
+def test_cache_with_a_missing_relative_rotations_path_says_no_such_local_folder_first(monkeypatch, tmp_path):
     from conftest import tiny_config
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(OSError, match=r"not found as a local path \(no file or folder at .*rotations/none\).*"
-                                      r"not available from the Hub"):
+    with pytest.raises(OSError, match=r"^rotations 'rotations/none': no such local folder or file "
+                                      r"\(.*rotations/none\); as a Hub repo id it is not available either"):
         OscarCache(tiny_config("llama"), rotations="rotations/none", local_files_only=True)
 
 
-def test_path_that_is_no_valid_repo_id_says_local_and_hub(monkeypatch, tmp_path):
+def test_path_that_is_no_valid_repo_id_says_no_such_local_folder_first(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"not found as a local path .*'rotations/x.git' is not a valid Hub "
-                                                "repo id"):
+    with pytest.raises(FileNotFoundError, match=r"^rotations 'rotations/x.git': no such local folder or file .*"
+                                                r"'rotations/x.git' is not a valid Hub repo id"):
         resolve_rotation_folder("rotations/x.git", local_files_only=True)
+    with pytest.raises(FileNotFoundError, match=r"^rotations './no/such/../folder': no such local folder or file .*"
+                                                "not a Hub repo id of the form 'owner/name'"):
+        resolve_rotation_folder("./no/such/../folder")
+
+
+# ------------------------------------------------------------------------ RotationZoo names, metadata, clip ratios
+def calibrated(layers=(0, 1, 2), heads=None, **metadata):
+    rot = random_rotations(layers, heads=heads)
+    rot.metadata.update({"key_objective": "ktk", "value_objective": "vtv", "objective": "key=ktk,value=vtv",
+                         **metadata})
+    return rot
+
+
+@pytest.mark.parametrize("metadata, names", [
+    ({"key_objective": "ktk", "value_objective": "softmax_diag"}, ("ktk_r_h_pbr", "softmax_diag_r_h_pbr")),
+    ({"key_objective": "hadamard", "value_objective": "sst"}, ("hadamard", "sst_r_h_pbr")),
+    ({"objective": "hadamard"}, ("hadamard", "hadamard")),
+    ({"objective": "key=qqt_r_h_pbr,value=uresidual"}, ("qqt_r_h_pbr", "uresidual")),
+    ({}, ("unknown", "unknown")),
+])
+def test_zoo_files_are_named_after_the_recorded_objective(tmp_path, metadata, names):
+    rot = random_rotations(layers=(0,))
+    rot.metadata = dict(metadata)
+    key_file, value_file = rot.save_zoo(tmp_path)
+    assert (os.path.basename(key_file), os.path.basename(value_file)) == (f"k_rotation_{names[0]}.pt",
+                                                                          f"v_rotation_{names[1]}.pt")
+    assert torch.load(key_file, weights_only=True)["objective"] == names[0]
+    assert torch.load(value_file, weights_only=True)["objective"] == names[1]
+
+
+def test_a_loaded_zoo_pair_saves_under_its_own_names(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    random_rotations().save_zoo(first, "ktk_r_h_pbr", "vtv_r_h_pbr")
+    Rotations.from_pretrained(first).save_zoo(second)
+    assert sorted(os.listdir(second)) == ["k_rotation_ktk_r_h_pbr.pt", "v_rotation_vtv_r_h_pbr.pt"]
+
+
+@pytest.mark.parametrize("clips", [
+    {"key_clip_ratios": json.dumps({"0": 0.75, "1": None, "2": 0.9}),
+     "value_clip_ratios": json.dumps({"0": 0.6, "1": 0.95, "2": None})},
+    {"key_clip_ratio": "0.8", "value_clip_ratio": "null"},
+])
+@pytest.mark.parametrize("heads", [None, 2])
+def test_searched_clip_ratios_survive_the_zoo_round_trip(tmp_path, clips, heads):
+    rot = calibrated(heads=heads, clip_bits="4", encoder="lloyd", **clips)
+    rot.save_zoo(tmp_path)
+    back = Rotations.from_pretrained(tmp_path)
+    assert_same(back, rot)
+    for i in rot.layer_ids:
+        assert back.clip_ratios(i) == rot.clip_ratios(i) and back.clip_ratios(i, bits=4) == rot.clip_ratios(i)
+    assert back.clip_ratios(0, bits=2) is None  # chosen for 4-bit rows
+    assert {k: back.metadata[k] for k in rot.metadata if k != "objective"} == {
+        k: v for k, v in rot.metadata.items() if k != "objective"}
+    assert back.metadata["objective"] == "key=ktk_r_h_pbr,value=vtv_r_h_pbr"
+
+
+def reference_loader(path, layer_ids, head_dim):
+    """What SGLang's `load_oscar_rotations` (FutureMLS-Lab/OSCAR) does with a file: `layers[i]["rotation"]`,
+    int or str keys, `[d, d]` or `[Hkv, d, d]`, nothing else read."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if "layers" not in state:
+        raise ValueError("missing 'layers' key")
+    mats = []
+    for i in layer_ids:
+        entry = state["layers"].get(i, state["layers"].get(str(i)))
+        rotation = entry["rotation"]
+        assert rotation.shape[-2:] == (head_dim, head_dim) and rotation.dim() in (2, 3)
+        mats.append(rotation.to(torch.bfloat16))
+    return torch.stack(mats)
+
+
+@pytest.mark.parametrize("heads", [None, 2])
+def test_zoo_files_with_metadata_load_in_the_reference_loader(tmp_path, heads):
+    rot = calibrated(heads=heads, key_clip_ratio="0.8", value_clip_ratio="0.7")
+    key_file, value_file = rot.save_zoo(tmp_path)
+    for path, table in ((key_file, rot.key), (value_file, rot.value)):
+        assert torch.equal(reference_loader(path, [0, 1, 2], 16),
+                           torch.stack([table[i] for i in (0, 1, 2)]).to(torch.bfloat16))
+        state = torch.load(path, weights_only=True)
+        assert set(state) == {"format_version", "objective", "source_grouping", "layers", "metadata"}
+        assert set(state["layers"][0]) == {"layer_id", "rotation", "eigenvalues"}
+
+
+def test_reference_zoo_files_without_metadata_load_without_clip_ratios(tmp_path):
+    write_zoo(tmp_path, GOOD_ZOO, GOOD_ZOO)
+    rot = Rotations.from_pretrained(tmp_path)
+    assert rot.clip_ratios(0) is None and rot.metadata == {"objective": "key=unknown,value=unknown",
+                                                           "source": "rotationzoo"}
+
+
+def test_a_mixed_pair_keeps_each_sides_clip_ratios_or_warns(tmp_path, caplog):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    calibrated(layers=(0,), key_clip_ratio="0.8", value_clip_ratio="0.7", model="a").save_zoo(ours)
+    calibrated(layers=(0,), key_clip_ratio="0.9", value_clip_ratio="0.6", model="b").save_zoo(theirs)
+    mixed = Rotations.from_zoo(ours / "k_rotation_ktk_r_h_pbr.pt", theirs / "v_rotation_vtv_r_h_pbr.pt")
+    assert mixed.clip_ratios(0) == (0.8, 0.6) and mixed.metadata["model"] == "a"
+    reference = {"format_version": 1, "layers": {0: {"layer_id": 0, "rotation": torch.eye(16)}}}
+    _, reference_value = write_zoo(tmp_path / "reference", reference, reference)
+    with caplog.at_level(logging.WARNING):
+        mixed = Rotations.from_zoo(ours / "k_rotation_ktk_r_h_pbr.pt", reference_value)
+    assert mixed.clip_ratios(0) is None
+    assert "the key file records clip ratios ['key_clip_ratio']" in caplog.text
+    assert "the value file none" in caplog.text and "none are kept" in caplog.text
+
+
+@pytest.mark.parametrize("metadata", [["a"], {"clip": 0.8}, {1: "x"}])
+def test_malformed_zoo_metadata_fails_as_a_rotation_file_error(tmp_path, metadata):
+    write_zoo(tmp_path, {**GOOD_ZOO, "metadata": metadata}, GOOD_ZOO)
+    with pytest.raises(RotationFileError, match="metadata is .*; expected a dict {str: str}"):
+        Rotations.from_pretrained(tmp_path)

@@ -1,4 +1,5 @@
-"""Turning a rotation source (local path or Hugging Face Hub repo id) into a local folder."""
+"""Turning a rotation source (local path or Hugging Face Hub repo id) into a local folder, and the pre-flight
+check of an upload (repo id and token, no network)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ def resolve_rotation_folder(
     cache_dir: str | None = None,
     token: str | bool | None = None,
     local_files_only: bool = False,
+    force_download: bool = False,
 ) -> str:
     """A local path to the rotations: the argument itself if it exists, else a Hub download (cached).
 
     Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only=True`) uses the local Hub cache only. A relative path
-    such as `rotations/qwen3` also reads as a repo id, so when neither exists the error says both what was tried
-    on disk and why the Hub did not have it: a mistyped local path should not look like a Hub outage.
+    such as `rotations/qwen3` also reads as a repo id, so when neither exists the error says first that there is
+    no such local folder, then why the Hub did not have it: a mistyped local path should not look like a Hub outage.
     """
     source = os.fspath(path_or_repo_id)
     local = os.path.join(source, subfolder) if subfolder else source
@@ -34,21 +36,17 @@ def resolve_rotation_folder(
         return local
     if os.path.exists(source):
         raise FileNotFoundError(f"{source} exists but has no subfolder {subfolder!r}")
+    missing = f"rotations {source!r}: no such local folder or file ({os.path.abspath(local)})"
     if not looks_like_repo_id(source):
-        raise FileNotFoundError(
-            f"rotations {source!r}: no such file or folder, and it is not a Hub repo id of the form 'owner/name'"
-        )
+        raise FileNotFoundError(f"{missing}, and it is not a Hub repo id of the form 'owner/name'")
     try:
-        return _download(source, subfolder, revision, cache_dir, token, local_files_only)
+        return _download(source, subfolder, revision, cache_dir, token, local_files_only, force_download)
     except OSError as error:
         kind = FileNotFoundError if isinstance(error, FileNotFoundError) else OSError
-        raise kind(
-            f"rotations {source!r}: not found as a local path (no file or folder at {os.path.abspath(local)}), and "
-            f"not available from the Hub: {error}"
-        ) from error
+        raise kind(f"{missing}; as a Hub repo id it is not available either: {error}") from error
 
 
-def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) -> str:
+def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only, force_download) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -64,8 +62,8 @@ def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) 
     where = f"Hub repo {repo_id!r}" + (f" (subfolder {subfolder!r})" if subfolder else "")
     try:
         root = snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, token=token,
-            local_files_only=local_files_only, allow_patterns=patterns,
+            repo_id, revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only,
+            force_download=force_download, allow_patterns=patterns,
         )
     except LocalEntryNotFoundError as e:
         raise OSError(
@@ -91,3 +89,25 @@ def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only) 
             f"the {where} holds no rotation files ({SAFETENSORS_NAME}, {ZOO_KEY_PATTERN}, {ZOO_VALUE_PATTERN})"
         )
     return folder
+
+
+def check_push_target(repo_id: str, token: str | bool | None = None) -> str:
+    """The token an upload to `repo_id` would use, after checking without the network that `repo_id` is a valid Hub
+    repo id and that a token is at hand (`token`, else `HF_TOKEN` or the one `hf auth login` stored).
+
+    Raises ValueError naming what to fix, so that a long job fails before it starts rather than after.
+    """
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"{repo_id!r} is not a valid Hub repo id ('owner/name' or 'name'): {e}") from e
+    found = get_token() if token is None or token is True else token
+    if not found:
+        raise ValueError(
+            f"uploading to {repo_id!r} needs a Hub token: run `hf auth login`, set HF_TOKEN, or pass a token"
+        )
+    return found

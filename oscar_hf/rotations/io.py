@@ -4,7 +4,14 @@ RotationZoo schema (one file for keys, one for values)::
 
     {"format_version": 1 | 2, "objective": str, "source_grouping": "layer" | "kv_head",
      "layers": {layer_id: {"layer_id": int, "rotation": float32 [d, d] (v1) or [Hkv, d, d] (v2),
-                           "eigenvalues": float32 [d] or [Hkv, d] (ascending)}}}
+                           "eigenvalues": float32 [d] or [Hkv, d] (ascending)}},
+     "metadata": {str: str}}  # optional, written by oscar-hf
+
+Files are named `k_rotation_<objective>.pt` / `v_rotation_<objective>.pt`, the objective being
+`<hessian>_<composition>` (`qqt_r_h_pbr`, `sst_r_h_pbr`, ...) or `hadamard`. `metadata` is oscar-hf's extension:
+the provenance and clip ratios that our safetensors metadata holds, in both files of a pair. The reference loader
+(SGLang's `load_oscar_rotations`) reads only `layers[i]["rotation"]`, so it loads these files unchanged; it takes
+one clip pair from its environment (`SGLANG_OSCAR_K_CLIP_RATIO` / `SGLANG_OSCAR_V_CLIP_RATIO`), never from the file.
 
 Our format: `oscar_rotations.safetensors` with tensors `key.<layer>`, `value.<layer>` (and optionally
 `key_eigenvalues.<layer>`, `value_eigenvalues.<layer>`); provenance in the safetensors metadata.
@@ -24,6 +31,9 @@ import re
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 SAFETENSORS_NAME = "oscar_rotations.safetensors"
 FORMAT_TAG = "oscar-hf-rotations"
@@ -31,6 +41,9 @@ ZOO_KEY_PATTERN = "k_rotation*.pt"
 ZOO_VALUE_PATTERN = "v_rotation*.pt"
 TABLES = ("key", "value", "key_eigenvalues", "value_eigenvalues")
 ZOO_GROUPINGS = ("layer", "kv_head")
+ZOO_COMPOSITION = "r_h_pbr"  # R = U · H · P_bitrev, the only composition this library fits
+ZOO_METADATA = "metadata"
+_CLIP_FIELDS = {"key": ("key_clip_ratio", "key_clip_ratios"), "value": ("value_clip_ratio", "value_clip_ratios")}
 _LAYER_INDEX = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
 
 # {"key": {layer: tensor}, "value": ..., "key_eigenvalues": ..., "value_eigenvalues": ..., "metadata": {str: str}}
@@ -93,7 +106,9 @@ def load_safetensors(path: str) -> RotationTables:
     except (SafetensorError, OSError, ValueError) as e:
         raise RotationFileError(f"{path} is not a readable safetensors file: {e}") from e
     if metadata.get("format") != FORMAT_TAG:
-        raise RotationFileError(f"{path} is a safetensors file but not an oscar-hf rotation file (no '{FORMAT_TAG}' tag)")
+        raise RotationFileError(
+            f"{path} is a safetensors file but not an oscar-hf rotation file (no '{FORMAT_TAG}' tag)"
+        )
     if metadata.get("format_version", "1") != "1":
         raise RotationFileError(
             f"{path}: unsupported format_version {metadata['format_version']!r} (this library reads version '1'); "
@@ -140,8 +155,9 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {text}" if text else f"{type(error).__name__} (truncated, or not a torch file)"
 
 
-def load_zoo_file(path: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], str]:
-    """(rotations by layer, eigenvalues by layer, objective) from one RotationZoo `.pt` file.
+def load_zoo_file(path: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], str, dict[str, str]]:
+    """(rotations by layer, eigenvalues by layer, objective, metadata) from one RotationZoo `.pt` file (metadata
+    `{}` for the reference's files, which have none).
 
     The file's structure is checked here (what the schema says each field is); the tensors' shapes, dtypes and
     orthogonality are checked by `Rotations`.
@@ -152,6 +168,7 @@ def load_zoo_file(path: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.T
     version = _zoo_version(path, state)
     objective = _zoo_text(path, state, "objective")
     grouping = _zoo_text(path, state, "source_grouping")
+    metadata = _zoo_metadata(path, state)
     if grouping is not None and grouping not in ZOO_GROUPINGS:
         raise RotationFileError(f"{path}: source_grouping {grouping!r} is not one of {ZOO_GROUPINGS}")
     layers = state["layers"]
@@ -172,12 +189,23 @@ def load_zoo_file(path: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.T
         rotation = entry["rotation"]
         if version == 1 and rotation.dim() != 2:
             raise RotationFileError(
-                f"{path}: format_version 1 stores one [d, d] rotation per layer, layer {layer} has {tuple(rotation.shape)}"
+                f"{path}: format_version 1 stores one [d, d] rotation per layer, layer {layer} has "
+                f"{tuple(rotation.shape)}"
             )
         rotations[layer] = rotation
         if entry.get("eigenvalues") is not None:
             eigenvalues[layer] = entry["eigenvalues"]
-    return rotations, eigenvalues, "unknown" if objective is None else objective
+    return rotations, eigenvalues, "unknown" if objective is None else objective, metadata
+
+
+def _zoo_metadata(path: str, state: dict) -> dict[str, str]:
+    metadata = state.get(ZOO_METADATA)
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise RotationFileError(f"{path}: {ZOO_METADATA} is {metadata!r:.80}; expected a dict {{str: str}}")
+    return dict(metadata)
 
 
 def _zoo_version(path: str, state: dict) -> int:
@@ -217,14 +245,65 @@ def _zoo_layer(path: str, key, entry) -> int:
 
 def load_zoo(key_file: str, value_file: str) -> RotationTables:
     """The tables of a RotationZoo pair of files."""
-    key, key_ev, key_objective = load_zoo_file(key_file)
-    value, value_ev, value_objective = load_zoo_file(value_file)
-    metadata = {"objective": f"key={key_objective},value={value_objective}", "source": "rotationzoo"}
+    key, key_ev, key_objective, key_metadata = load_zoo_file(key_file)
+    value, value_ev, value_objective, value_metadata = load_zoo_file(value_file)
+    metadata = pair_metadata(key_metadata, value_metadata, key_objective, value_objective, f"{key_file}, {value_file}")
     return {"key": key, "value": value, "key_eigenvalues": key_ev, "value_eigenvalues": value_ev,
             "metadata": metadata}
 
 
-def zoo_state(rotations: dict[int, torch.Tensor], eigenvalues: dict[int, torch.Tensor], objective: str) -> dict:
+def pair_metadata(key_metadata: dict[str, str], value_metadata: dict[str, str], key_objective: str,
+                  value_objective: str, source: str) -> dict[str, str]:
+    """The metadata of a key file and a value file read as one set.
+
+    The files' own `objective` fields say what they hold (`objective`: `key=<k>,value=<v>`); a recorded calibration
+    objective (`key_objective`, `value_objective`) that names another one is dropped. A pair written together
+    carries the same metadata in both files, and that is the set's. A pair mixed from two calibrations keeps the
+    key file's provenance; clip ratios are kept only when both files record them in the same form for the same
+    code width, and dropped with a warning otherwise (the cache then applies its preset's ratios).
+    """
+    own = {"key": (key_metadata, key_objective), "value": (value_metadata, value_objective)}
+    if key_metadata == value_metadata:
+        merged = dict(key_metadata)
+    else:
+        clip_fields = {name for names in _CLIP_FIELDS.values() for name in names} | {"clip_bits"}
+        merged = {k: v for k, v in {**value_metadata, **key_metadata}.items() if k not in clip_fields}
+        for side, (metadata, _) in own.items():
+            merged.pop(f"{side}_objective", None)
+            if f"{side}_objective" in metadata:
+                merged[f"{side}_objective"] = metadata[f"{side}_objective"]
+        merged.update(_pair_clip_ratios(key_metadata, value_metadata, source))
+    for side, (_, objective) in own.items():
+        if f"{side}_objective" in merged and zoo_objective(merged[f"{side}_objective"]) != objective:
+            del merged[f"{side}_objective"]
+    return {**merged, "objective": f"key={key_objective},value={value_objective}", "source": "rotationzoo"}
+
+
+def _pair_clip_ratios(key_metadata: dict[str, str], value_metadata: dict[str, str], source: str) -> dict[str, str]:
+    """The clip-ratio entries of a mixed pair: the key side's from the key file, the value side's from the value
+    file, when they make one pair; none (with a warning) when they do not."""
+    key_clip = [name for name in _CLIP_FIELDS["key"] if name in key_metadata]
+    value_clip = [name for name in _CLIP_FIELDS["value"] if name in value_metadata]
+    same_form = [n.replace("key_", "", 1) for n in key_clip] == [n.replace("value_", "", 1) for n in value_clip]
+    if key_clip and same_form and key_metadata.get("clip_bits") == value_metadata.get("clip_bits"):
+        ratios = {name: key_metadata[name] for name in key_clip}
+        ratios.update({name: value_metadata[name] for name in value_clip})
+        if "clip_bits" in key_metadata:
+            ratios["clip_bits"] = key_metadata["clip_bits"]
+        return ratios
+    if key_clip or value_clip:
+        logger.warning(
+            f"{source}: the key file records clip ratios {key_clip or 'none'} (clip_bits "
+            f"{key_metadata.get('clip_bits', 'unset')}), the value file {value_clip or 'none'} (clip_bits "
+            f"{value_metadata.get('clip_bits', 'unset')}); they do not make one pair, so none are kept and the "
+            "cache applies its preset's clip ratios"
+        )
+    return {}
+
+
+def zoo_state(rotations: dict[int, torch.Tensor], eigenvalues: dict[int, torch.Tensor], objective: str,
+              metadata: dict[str, str] | None = None) -> dict:
+    """One RotationZoo file's contents (format v1 for shared rotations, v2 per KV head), with `metadata` when given."""
     per_head = any(r.dim() == 3 for r in rotations.values())
     layers = {}
     for i, r in sorted(rotations.items()):
@@ -236,20 +315,58 @@ def zoo_state(rotations: dict[int, torch.Tensor], eigenvalues: dict[int, torch.T
             "rotation": r.detach().to("cpu", torch.float32).contiguous().clone(),
             "eigenvalues": ev.detach().to("cpu", torch.float32).contiguous().clone(),
         }
-    return {
+    state = {
         "format_version": 2 if per_head else 1,
         "objective": objective,
         "source_grouping": "kv_head" if per_head else "layer",
         "layers": layers,
     }
+    if metadata:
+        state[ZOO_METADATA] = {str(k): str(v) for k, v in metadata.items()}
+    return state
 
 
-def save_zoo(tables: RotationTables, folder: str | os.PathLike, key_objective: str,
-             value_objective: str) -> tuple[str, str]:
-    """Write RotationZoo-format `k_rotation_<obj>.pt` / `v_rotation_<obj>.pt`; returns both paths."""
+def zoo_objective(name: str) -> str:
+    """The RotationZoo objective of a calibration objective: `<name>_r_h_pbr` (`qqt` -> `qqt_r_h_pbr`), or the
+    name itself for `hadamard` and for names that already carry the composition."""
+    if name == "hadamard" or name.endswith(f"_{ZOO_COMPOSITION}"):
+        return name
+    return f"{name}_{ZOO_COMPOSITION}"
+
+
+def zoo_objectives(metadata: dict[str, str]) -> tuple[str, str]:
+    """(key objective, value objective) of the RotationZoo files for rotations with this metadata.
+
+    From the calibration objectives (`key_objective` / `value_objective`) when recorded, else from `objective`
+    (`key=<k>,value=<v>` as a loaded pair records it, or one name for both sides, e.g. `hadamard`), else "unknown".
+    """
+    if "key_objective" in metadata and "value_objective" in metadata:
+        return zoo_objective(metadata["key_objective"]), zoo_objective(metadata["value_objective"])
+    objective = metadata.get("objective", "")
+    pair = re.fullmatch(r"key=(.+),value=(.+)", objective)
+    if pair:
+        return pair.group(1), pair.group(2)
+    return (objective, objective) if objective else ("unknown", "unknown")
+
+
+def save_zoo(tables: RotationTables, folder: str | os.PathLike, key_objective: str | None = None,
+             value_objective: str | None = None) -> tuple[str, str]:
+    """Write RotationZoo-format `k_rotation_<obj>.pt` / `v_rotation_<obj>.pt`; returns both paths.
+
+    The objectives default to what the metadata records (`zoo_objectives`); both files carry the metadata.
+    """
+    recorded = zoo_objectives(tables.get("metadata", {}))
+    key_objective = recorded[0] if key_objective is None else key_objective
+    value_objective = recorded[1] if value_objective is None else value_objective
+    metadata = tables.get("metadata", {})
     os.makedirs(folder, exist_ok=True)
-    key_path = os.path.join(folder, f"k_rotation_{key_objective}.pt")
-    value_path = os.path.join(folder, f"v_rotation_{value_objective}.pt")
-    torch.save(zoo_state(tables["key"], tables.get("key_eigenvalues", {}), key_objective), key_path)
-    torch.save(zoo_state(tables["value"], tables.get("value_eigenvalues", {}), value_objective), value_path)
+    key_path = os.path.join(folder, f"k_rotation_{_file_name(key_objective)}.pt")
+    value_path = os.path.join(folder, f"v_rotation_{_file_name(value_objective)}.pt")
+    torch.save(zoo_state(tables["key"], tables.get("key_eigenvalues", {}), key_objective, metadata), key_path)
+    torch.save(zoo_state(tables["value"], tables.get("value_eigenvalues", {}), value_objective, metadata), value_path)
     return key_path, value_path
+
+
+def _file_name(objective: str) -> str:
+    """An objective as a file-name part: characters other than letters, digits, `_`, `.` and `-` become `-`."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", objective).strip("-.") or "unknown"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import operator
 import os
+import tempfile
 from collections.abc import Mapping
 
 import torch
 
-from oscar_hf.rotations.hub import resolve_rotation_folder
+from oscar_hf.rotations.hub import check_push_target, resolve_rotation_folder
 from oscar_hf.rotations.io import (
     RotationFileError,
     RotationTables,
@@ -33,6 +34,13 @@ class Rotations:
     Each rotation is `[d, d]` (shared by the KV heads of the layer; RotationZoo format v1) or `[Hkv, d, d]` (one
     per KV head; format v2), used as `x_rot = x @ R`. Eigenvalues (ascending, as `eigh` returns them) and a
     string metadata dict (provenance) are optional.
+
+    `from_pretrained` / `save_pretrained` / `push_to_hub` follow `huggingface_hub.ModelHubMixin`: the same
+    arguments and return values, a model card (`README.md`) written beside the file unless one exists, pushes
+    that save to a temporary folder and upload it in one commit. The class does not inherit the mixin: its
+    `save_pretrained` deletes any `config.json` in the folder (rotations are often saved beside a model), and its
+    `from_pretrained` asks the Hub for a `config.json` before looking at a relative local path; both also lack
+    the `subfolder` that one repo of rotations for several models needs.
     """
 
     def __init__(
@@ -73,21 +81,25 @@ class Rotations:
     @classmethod
     def from_pretrained(
         cls,
-        path_or_repo_id: str | os.PathLike,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
         subfolder: str | None = None,
-        revision: str | None = None,
-        cache_dir: str | None = None,
+        force_download: bool = False,
         token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
         local_files_only: bool = False,
+        revision: str | None = None,
     ) -> "Rotations":
         """Load from a local folder or file, or from a Hugging Face Hub repo (downloaded and cached).
 
         A folder holds `oscar_rotations.safetensors` (this library's format) or one `k_rotation*.pt` and one
         `v_rotation*.pt` (OSCAR RotationZoo format). `.pt` files are read with `torch.load(weights_only=True)`.
+        A local path is tried first; a missing one is reported as "no such local folder" before any Hub error.
         """
         local = resolve_rotation_folder(
-            path_or_repo_id, subfolder, revision=revision, cache_dir=cache_dir, token=token,
-            local_files_only=local_files_only,
+            pretrained_model_name_or_path, subfolder, revision=revision,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir), token=token,
+            local_files_only=local_files_only, force_download=force_download,
         )
         return cls._from_tables(load_rotation_path(local), local)
 
@@ -159,13 +171,77 @@ class Rotations:
         return {"key": self.key, "value": self.value, "key_eigenvalues": self.key_eigenvalues,
                 "value_eigenvalues": self.value_eigenvalues, "metadata": self.metadata}
 
-    def save_pretrained(self, folder: str | os.PathLike) -> str:
-        """Write `folder/oscar_rotations.safetensors`; returns the file path."""
-        return save_safetensors(self.tables(), folder)
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        repo_id: str | None = None,
+        push_to_hub: bool = False,
+        model_card_kwargs: dict | None = None,
+        **push_to_hub_kwargs,
+    ) -> str | None:
+        """Write `save_directory/oscar_rotations.safetensors`, and a model card (`README.md`) unless the folder
+        has one. With `push_to_hub=True`, also upload to `repo_id` (default: the folder's name) and return the
+        commit URL; else return None (as `ModelHubMixin.save_pretrained`)."""
+        save_safetensors(self.tables(), save_directory)
+        card = os.path.join(save_directory, "README.md")
+        if not os.path.exists(card):
+            self.generate_model_card(**{"local_folder": save_directory, **(model_card_kwargs or {})}).save(card)
+        if push_to_hub:
+            repo_id = repo_id or os.path.basename(os.path.normpath(os.fspath(save_directory)))
+            return self.push_to_hub(repo_id, model_card_kwargs=model_card_kwargs, **push_to_hub_kwargs)
+        return None
 
-    def save_zoo(self, folder: str | os.PathLike, key_objective: str = "qqt_r_h_pbr",
-                 value_objective: str = "sst_r_h_pbr") -> tuple[str, str]:
-        """Write RotationZoo-format `k_rotation_<obj>.pt` / `v_rotation_<obj>.pt` (v1 shared, v2 per head)."""
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        subfolder: str | None = None,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | None = None,
+        branch: str | None = None,
+        create_pr: bool | None = None,
+        allow_patterns: list[str] | str | None = None,
+        ignore_patterns: list[str] | str | None = None,
+        delete_patterns: list[str] | str | None = None,
+        model_card_kwargs: dict | None = None,
+    ) -> str:
+        """Upload the rotations and a model card to `repo_id` (created if missing), in `subfolder` when given, in
+        one commit; returns the commit URL (`huggingface_hub.CommitInfo`, a str).
+
+        The repo id and the token are checked before anything is sent (`check_push_target`).
+        """
+        from huggingface_hub import HfApi
+
+        token = check_push_target(repo_id, token)
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id=repo_id, private=private, exist_ok=True).repo_id
+        card = {"repo_id": repo_id, "subfolder": subfolder, **(model_card_kwargs or {})}
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, model_card_kwargs=card)
+            return api.upload_folder(
+                repo_id=repo_id, repo_type="model", folder_path=folder, path_in_repo=subfolder or "",
+                commit_message=commit_message or f"OSCAR rotations for {self.metadata.get('model', 'a model')}",
+                revision=branch, create_pr=create_pr, allow_patterns=allow_patterns,
+                ignore_patterns=ignore_patterns, delete_patterns=delete_patterns,
+            )
+
+    def generate_model_card(self, repo_id: str | None = None, subfolder: str | None = None,
+                            local_folder: str | os.PathLike | None = None):
+        """The `huggingface_hub.ModelCard` of these rotations (`oscar_hf.rotations.card.model_card`)."""
+        from oscar_hf.rotations.card import model_card
+
+        return model_card(self.metadata, repo_id, subfolder, local_folder)
+
+    def save_zoo(self, folder: str | os.PathLike, key_objective: str | None = None,
+                 value_objective: str | None = None) -> tuple[str, str]:
+        """Write RotationZoo-format `k_rotation_<obj>.pt` / `v_rotation_<obj>.pt` (v1 shared, v2 per head).
+
+        The objectives default to the recorded ones (`qqt` -> `qqt_r_h_pbr`, `hadamard`; `io.zoo_objectives`).
+        Both files carry the metadata, so the clip ratios a search recorded load back with them; the reference
+        loader reads only the rotations and takes its clip ratios from its environment.
+        """
         return save_zoo(self.tables(), folder, key_objective, value_objective)
 
     # ------------------------------------------------------------------------------------------- checks
