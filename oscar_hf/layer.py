@@ -272,6 +272,11 @@ class OscarLayer(CacheLayerMixin):
             return
         self._refresh_host_counts()
         self.counted = None
+        if self.segment_open:
+            # the last step's token was never settled (an `update` outside a forward: no attention closed its
+            # segment); it becomes an unsettled host token, which the host rule settles as the step's close would
+            self.segment_open = False
+            self.unsettled += 1
 
     def _refresh_host_counts(self) -> None:
         self.length, self.bf16_length, self.history.length = self.counted.host_counts(self)

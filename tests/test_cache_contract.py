@@ -55,6 +55,33 @@ def test_update_twice_outside_a_forward_settles_the_first():
     assert cache.layers[0].get_seq_length() == 10
 
 
+def test_updates_outside_a_forward_during_decode_settle_alike_after_a_read():
+    """Single-token `update()`s after a prefill take the device-counted step path, whose demotion waits for the
+    next update. Reading the cache in between (`dense_kv`, as an export does; host counts from there on) must keep
+    that pending demotion: the next forward then sees the tiers the step path would give (found by
+    tests/test_cache_properties.py)."""
+    model = tiny_model("llama", seed=4)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 96, (2, 25), generator=generator)
+    steps = [torch.randn(2, 2, 1, 16, generator=generator) for _ in range(2)]
+    logits, tiers = [], []
+    for read in (False, True):
+        cache = OscarCache(model, method="hadamard", **TIERS)
+        with torch.no_grad():
+            forward(model, ids, cache)
+        for k in steps:
+            for i in range(len(cache.layers)):
+                cache.update(k, k, i)
+        if read:
+            for layer in cache.layers:
+                layer.dense_kv()
+        with torch.no_grad():
+            logits.append(forward(model, ids[:, :1], cache).logits)
+        tiers.append([repr(x) for x in cache.layers])
+    assert tiers[0] == tiers[1]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+
+
 def test_forward_that_fails_in_one_layer_is_named_and_appends_nothing_on_retry(monkeypatch):
     model = tiny_model("llama")
     cache = OscarCache(model, method="hadamard", **TIERS)
