@@ -116,7 +116,7 @@ def fill_oscar(model, batch, context, chunk=8192):
             layer.update(k[:, :, :n], v[:, :, :n])
             if done == 0:  # one allocation, as a one-shot prefill makes, with the decode reserve
                 layer.history.reserve(history_capacity(context, DECODE_RESERVE, layer.config.demote_block))
-            layer.settle(None)
+            layer.settle()
             done += n
     return cache
 
@@ -150,11 +150,25 @@ def fill_static(model, batch, context):
 
 
 FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar, "graphs": fill_oscar,
-           "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static}
+           "oscar-noguards": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static}
 # how each kind decodes through `generate`: sampling options, and whether generate may compile the step itself
 # (it does for caches that say they are compileable, on CUDA: StaticCache, OscarCache)
 GENERATE_OPTIONS = {"oscar-topp": dict(do_sample=True, top_p=0.9, temperature=1.0),
                     "oscar-eager": dict(disable_compile=True)}
+
+
+def _no_guards_options() -> dict:
+    """`oscar-noguards`, an experiment: generate's compile with every dynamo guard dropped
+    (as `torch.compiler.skip_all_guards_unsafe`; `reduce-overhead` spelled as its option, since torch.compile takes a
+    mode or options, not both). Correct only while nothing a guard would check changes, as in this benchmark's
+    fixed decode loop: it bounds what guard evaluation costs a step, it is not a setting to ship."""
+    from transformers import CompileConfig
+
+    return dict(compile_config=CompileConfig(mode=None, options={
+        "triton.cudagraphs": True, "guard_filter_fn": lambda entries: [False] * len(entries)}))
+
+
+GENERATE_OPTIONS["oscar-noguards"] = _no_guards_options()
 
 
 def set_attention(model, kind):
