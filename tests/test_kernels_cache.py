@@ -145,7 +145,7 @@ def test_decode_path_never_synchronizes_the_host():
     layer = cache.layers[0]
     batch, heads, dim = 2, 2, 64
     layer.update(torch.randn(batch, heads, 500, dim, device=DEVICE), torch.randn(batch, heads, 500, dim, device=DEVICE))
-    layer.settle(None)  # the first demotion reads the padding once (a sync by design)
+    layer.settle()  # the first demotion (a sync by design)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
