@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
+import json
 import math
 import os
 import weakref
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.config import RANKED_LAYER_SHARES, OscarConfig
+from oscar_hf.config import CONFIG_NAME, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.handoff import publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
@@ -27,8 +28,12 @@ from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention
 from oscar_hf.parallel import local_heads, tensor_parallel_position
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
+from oscar_hf.rotations.hub import resolve_rotation_folder
+from oscar_hf.rotations.io import SAFETENSORS_NAME
+from oscar_hf.verbosity import follow_transformers_verbosity
 
-logger = logging.getLogger(__name__)
+follow_transformers_verbosity()
+logger = logging.get_logger(__name__)
 
 NAMED_ROTATIONS = ("hadamard", "identity")
 
@@ -54,12 +59,17 @@ class OscarCache(Cache):
         backend: the kernel backend of every layer (`kernels.interface.Backend`, e.g.
             `oscar_hf.kernels.reference.backend.ReferenceBackend()`); default: `kernels.select.backend_for` of each
             layer's device, on first use.
+        recorded_clip_ratios: whether clip ratios recorded in the rotations replace the config's (see below);
+            default: unless `key_clip_ratio`/`value_clip_ratio` or a full `config` are given.
         subfolder, revision, token, local_files_only: passed to the Hub when `rotations` is a repo id.
         **options: `OscarConfig` fields overriding the preset (e.g. `recent_tokens=128`, `bits=4`).
 
     Clip ratios recorded in the rotations (by `oscar-calibrate --clip-search`) replace the preset's, per layer,
-    unless `key_clip_ratio`/`value_clip_ratio` or a full `config` are given, or the cache's `bits` differ from the
-    code width they were chosen for (`Rotations.clip_ratios`).
+    unless `recorded_clip_ratios` is False, or the cache's `bits` differ from the code width they were chosen for
+    (`Rotations.clip_ratios`).
+
+    `save_pretrained(folder)` writes the setup (config, rotations, the options above that change what is stored)
+    and `OscarCache.from_pretrained(model, folder)` rebuilds it.
     """
 
     def __init__(
@@ -72,6 +82,7 @@ class OscarCache(Cache):
         fold_value_rotation: bool = False,
         max_cache_len: int | None = None,
         backend: Backend | None = None,
+        recorded_clip_ratios: bool | None = None,
         subfolder: str | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
@@ -83,7 +94,9 @@ class OscarCache(Cache):
             raise ValueError(f"max_cache_len={max_cache_len}: expected a positive number of tokens (or None)")
         model_config = getattr(model, "config", model)
         shape = attention_shape(model_config)
-        explicit_clip = config is not None or "key_clip_ratio" in options or "value_clip_ratio" in options
+        if recorded_clip_ratios is None:
+            recorded_clip_ratios = not (config is not None or "key_clip_ratio" in options
+                                        or "value_clip_ratio" in options)
         if config is None:
             config = OscarConfig.from_method(method or _infer_method(rotations), **options)
         elif method is not None or options:
@@ -92,8 +105,9 @@ class OscarCache(Cache):
             if config.quantize and shape.head_dim % (8 // bits):
                 raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
                                             f"packed per byte at {bits} bits")
+        source = rotations if rotations is not None else config.default_rotation
         resolved = _resolve_rotations(
-            rotations if rotations is not None else config.default_rotation, shape,
+            source, shape,
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
         )
         if config.method in RANKED_LAYER_SHARES and not config.high_precision_layers:
@@ -111,7 +125,7 @@ class OscarCache(Cache):
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
                 key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
                 layer_config = config.for_layer(i)
-                if not explicit_clip and i not in config.high_precision_layers:
+                if recorded_clip_ratios and i not in config.high_precision_layers:
                     layer_config = _recorded_clip_config(layer_config, resolved, i)
                 layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend,
                                          max_cache_len=max_cache_len))
@@ -121,6 +135,12 @@ class OscarCache(Cache):
         self.oscar_config = config
         self.rotations = resolved
         self.shape = shape
+        # what `save_pretrained` records besides the config: a named rotation needs no file
+        self._rotations_name = ("identity" if resolved is None else
+                                "hadamard" if isinstance(source, str) and source == "hadamard" else None)
+        self._recorded_clip_ratios = recorded_clip_ratios
+        self._folds_value_rotation = bool(folded)
+        self._max_cache_len = max_cache_len
         self._model_config = text_config_of(model_config)
         self._warned_fallback = False
         if not shape.oscar_layer_ids:
@@ -206,6 +226,72 @@ class OscarCache(Cache):
             _live_caches(model).add(clone)
         return clone
 
+    # ------------------------------------------------------------------------------------------ saving
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write the setup to `save_directory`: `oscar_config.json` (the `OscarConfig`, the rotations' name or
+        file, the constructor options that change what is stored, the model's attention shape) and, for calibrated
+        or other non-named rotations, `oscar_rotations.safetensors` with a model card (`Rotations.save_pretrained`).
+        The stored tokens are not saved; neither is `backend`."""
+        os.makedirs(save_directory, exist_ok=True)
+        if self._rotations_name is None:
+            self.rotations.save_pretrained(save_directory)
+        setup = {
+            "oscar_config": self.oscar_config.to_dict(),
+            "rotations": self._rotations_name or SAFETENSORS_NAME,
+            "recorded_clip_ratios": self._recorded_clip_ratios,
+            "fold_value_rotation": self._folds_value_rotation,
+            "max_cache_len": self._max_cache_len,
+            "attention_shape": _shape_record(self.shape),
+        }
+        with open(os.path.join(save_directory, CONFIG_NAME), "w", encoding="utf-8") as f:
+            f.write(json.dumps(setup, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        backend: Backend | None = None,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        force_download: bool = False,
+    ) -> "OscarCache":
+        """The cache `save_pretrained` wrote, for `model` (its attention switched, its value rotations folded if
+        the saved cache folded them), from a local folder or a Hub repo (JSON and safetensors only). Raises
+        ValueError when `model`'s attention shape differs from the one the setup was saved for."""
+        folder = resolve_rotation_folder(
+            pretrained_model_name_or_path, subfolder, revision=revision,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir), token=token,
+            local_files_only=local_files_only, force_download=force_download, what="OSCAR setup",
+        )
+        path = os.path.join(folder, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist: {os.fspath(pretrained_model_name_or_path)!r} holds no "
+                                    f"OSCAR setup (OscarCache.save_pretrained writes {CONFIG_NAME})")
+        with open(path, encoding="utf-8") as f:
+            setup = json.load(f)
+        expected = {"oscar_config", "rotations", "recorded_clip_ratios", "fold_value_rotation", "max_cache_len",
+                    "attention_shape"}
+        if not isinstance(setup, dict) or set(setup) != expected:
+            found = sorted(setup) if isinstance(setup, dict) else type(setup).__name__
+            raise ValueError(f"{path} holds {found}; an OSCAR setup has the keys {sorted(expected)}")
+        saved_shape, shape = setup["attention_shape"], _shape_record(attention_shape(getattr(model, "config", model)))
+        if saved_shape != shape:
+            raise ValueError(f"{path} was saved for a model with attention shape {saved_shape}, and this model's is "
+                             f"{shape}: the setup belongs to another model")
+        name = setup["rotations"]
+        if name not in (*NAMED_ROTATIONS, SAFETENSORS_NAME):
+            raise ValueError(f"{path}: rotations={name!r}; expected one of {[*NAMED_ROTATIONS, SAFETENSORS_NAME]}")
+        rotations = name if name in NAMED_ROTATIONS else Rotations.from_pretrained(os.path.join(folder, name))
+        return cls(model, rotations, config=OscarConfig.from_dict(setup["oscar_config"]),
+                   recorded_clip_ratios=setup["recorded_clip_ratios"],
+                   fold_value_rotation=setup["fold_value_rotation"], max_cache_len=setup["max_cache_len"],
+                   backend=backend)
+
     # ------------------------------------------------------------------------------------------ memory
     def nbytes(self) -> int:
         """Bytes of the stored tokens over all layers (BF16 tiers, quantized history, sliding layers)."""
@@ -230,12 +316,21 @@ class OscarCache(Cache):
 
 def use_oscar_attention(model) -> None:
     """Switch `model` to the "oscar" attention implementation (registering it first), for good."""
-    switch_to_oscar_attention(model)
+    previous = switch_to_oscar_attention(model)
+    if previous != OSCAR_ATTENTION:
+        logger.info("OscarCache: switched %s's attention implementation from %r to %r (the cache's history is read "
+                    "by it)", type(model).__name__, previous, OSCAR_ATTENTION)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(generation_config, "cache_implementation", None):
         logger.info("clearing generation_config.cache_implementation=%r so OscarCache can be passed",
                     generation_config.cache_implementation)
         generation_config.cache_implementation = None
+
+
+def _shape_record(shape) -> dict:
+    """The parts of an `AttentionShape` a saved setup must match, as JSON types."""
+    return {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+            "full_attention_layers": shape.oscar_layer_ids}
 
 
 def _live_caches(model) -> weakref.WeakSet:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,9 @@ RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE, "oscar-next": 0.1}
 # "compact": one byte each for the scale and the zero point (`kernels.reference.quantize`, 7)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "compact": torch.uint8}
+SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
+
+CONFIG_NAME = "oscar_config.json"  # what `OscarCache.save_pretrained` writes beside the rotations
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,41 @@ class OscarConfig:
         return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
                                    encoder="minmax" if self.encoder == "sigma" else self.encoder,
                                    high_precision_layers=())
+
+    # ------------------------------------------------------------------------------------------ as data
+    def to_dict(self) -> dict:
+        """Every field as a JSON type: `scale_dtype` by its `SCALE_DTYPES` name, `high_precision_layers` a list."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "scale_dtype": SCALE_DTYPE_NAMES[self.scale_dtype],
+                "high_precision_layers": list(self.high_precision_layers)}
+
+    @classmethod
+    def from_dict(cls, config_dict: dict) -> "OscarConfig":
+        """The config `to_dict` gave; missing fields take their defaults, unknown ones raise ValueError."""
+        if not isinstance(config_dict, dict):
+            raise ValueError(f"an OscarConfig dict is expected, got {type(config_dict).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in config_dict if k not in known]
+        if unknown:
+            hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
+                     else repr(k) for k in unknown]
+            raise ValueError(f"unknown OscarConfig field(s) {', '.join(hints)}; valid fields: {', '.join(known)}")
+        return cls(**config_dict)
+
+    def to_json_string(self) -> str:
+        """`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def to_json_file(self, json_file_path: str | os.PathLike) -> None:
+        """Write `to_json_string` to `json_file_path`."""
+        with open(json_file_path, "w", encoding="utf-8") as f:
+            f.write(self.to_json_string())
+
+    @classmethod
+    def from_json_file(cls, json_file_path: str | os.PathLike) -> "OscarConfig":
+        """The config a `to_json_file` wrote."""
+        with open(json_file_path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
 
     @property
     def code_widths(self) -> tuple[int, ...]:

@@ -19,11 +19,10 @@ cannot (growing changes the buffers' shapes).
 
 from __future__ import annotations
 
-import logging
-
 import torch
+from transformers.utils import logging
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
 CAPACITY_BUCKET = 4096  # history capacities are multiples of this, so prompts of similar length share one graph

@@ -1,11 +1,12 @@
-"""Turning a rotation source (local path or Hugging Face Hub repo id) into a local folder, and the pre-flight
-check of an upload (repo id and token, no network)."""
+"""Turning a rotation source or a saved OSCAR setup (local path or Hugging Face Hub repo id) into a local folder, and
+the pre-flight check of an upload (repo id and token, no network)."""
 
 from __future__ import annotations
 
 import os
 import re
 
+from oscar_hf.config import CONFIG_NAME
 from oscar_hf.rotations.io import SAFETENSORS_NAME, ZOO_KEY_PATTERN, ZOO_VALUE_PATTERN
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -23,8 +24,10 @@ def resolve_rotation_folder(
     token: str | bool | None = None,
     local_files_only: bool = False,
     force_download: bool = False,
+    what: str = "rotations",
 ) -> str:
-    """A local path to the rotations: the argument itself if it exists, else a Hub download (cached).
+    """A local path to the rotations: the argument itself if it exists, else a Hub download (cached). `what`
+    names the files in error messages ("rotations", or "OSCAR setup" for `OscarCache.from_pretrained`).
 
     Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only=True`) uses the local Hub cache only. A relative path
     such as `rotations/qwen3` also reads as a repo id, so when neither exists the error says first that there is
@@ -36,17 +39,17 @@ def resolve_rotation_folder(
         return local
     if os.path.exists(source):
         raise FileNotFoundError(f"{source} exists but has no subfolder {subfolder!r}")
-    missing = f"rotations {source!r}: no such local folder or file ({os.path.abspath(local)})"
+    missing = f"{what} {source!r}: no such local folder or file ({os.path.abspath(local)})"
     if not looks_like_repo_id(source):
         raise FileNotFoundError(f"{missing}, and it is not a Hub repo id of the form 'owner/name'")
     try:
-        return _download(source, subfolder, revision, cache_dir, token, local_files_only, force_download)
+        return _download(source, subfolder, revision, cache_dir, token, local_files_only, force_download, what)
     except OSError as error:
         kind = FileNotFoundError if isinstance(error, FileNotFoundError) else OSError
         raise kind(f"{missing}; as a Hub repo id it is not available either: {error}") from error
 
 
-def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only, force_download) -> str:
+def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only, force_download, what) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -67,7 +70,7 @@ def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only, 
         )
     except LocalEntryNotFoundError as e:
         raise OSError(
-            f"could not fetch rotations from the {where}: the Hub is unreachable or offline mode is on "
+            f"could not fetch {what} from the {where}: the Hub is unreachable or offline mode is on "
             "(HF_HUB_OFFLINE=1 / local_files_only=True), and no copy is in the local Hub cache. Connect and retry, "
             "or pass a local folder."
         ) from e
@@ -78,15 +81,17 @@ def _download(repo_id, subfolder, revision, cache_dir, token, local_files_only, 
     except RevisionNotFoundError as e:
         raise OSError(f"the {where} has no revision {revision!r}") from e
     except HfHubHTTPError as e:
-        raise OSError(f"downloading rotations from the {where} failed: {e}") from e
+        raise OSError(f"downloading {what} from the {where} failed: {e}") from e
     except HFValidationError as e:
         raise FileNotFoundError(f"{repo_id!r} is not a valid Hub repo id: {e}") from e
     folder = os.path.join(root, subfolder) if subfolder else root
+    # a setup saved with named ("hadamard", "identity") rotations is its oscar_config.json alone
     if not os.path.isdir(folder) or not any(
-        f.endswith((".safetensors", ".pt")) for f in os.listdir(folder)
+        f.endswith((".safetensors", ".pt")) or f == CONFIG_NAME for f in os.listdir(folder)
     ):
         raise FileNotFoundError(
-            f"the {where} holds no rotation files ({SAFETENSORS_NAME}, {ZOO_KEY_PATTERN}, {ZOO_VALUE_PATTERN})"
+            f"the {where} holds no rotation files ({SAFETENSORS_NAME}, {ZOO_KEY_PATTERN}, {ZOO_VALUE_PATTERN}) "
+            f"and no {CONFIG_NAME}"
         )
     return folder
 

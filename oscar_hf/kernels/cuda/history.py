@@ -19,16 +19,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import triton
+from transformers.utils import logging
 
 from oscar_hf.kernels.cuda import nvrtc
 from oscar_hf.kernels.reference.quantize import row_bytes
 from oscar_hf.kernels.triton.common import launch_device, multiprocessors
 from oscar_hf.kernels.triton.launch_plan import SplitPlan
+
+logger = logging.get_logger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "int2_history.cu")
 DIMS = (64, 128)
@@ -130,8 +132,8 @@ def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()
             for rows in ROW_VARIANTS:
                 load_kernel(device_index, dim, config, rows)
     except (OSError, RuntimeError) as error:
-        warnings.warn(f"OSCAR's CUDA history kernel is unavailable ({error}); the Triton kernel is used instead",
-                      stacklevel=2)
+        logger.warning_once("OSCAR's CUDA history kernel is unavailable (%s); the Triton kernel is used instead",
+                            str(error))
         return False
     return True
 
