@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
-from conftest import VOCAB, forward, tiny_model
 
 from oscar_hf import OscarCache, OscarConfig, RotationFileError, Rotations
 from oscar_hf.config import CONFIG_NAME, PRESETS, SCALE_DTYPES
+
+from conftest import VOCAB, forward, tiny_model
 
 TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=4)
 
@@ -187,3 +188,16 @@ def test_a_setup_on_the_hub_is_downloaded_with_its_options(monkeypatch, tmp_path
     assert rebuilt.oscar_config == cache.oscar_config
     assert calls["repo_id"] == "me/oscar-setups" and calls["revision"] == "v2" and calls["token"] == "hf_test"
     assert "llama/*.json" in calls["allow_patterns"]  # oscar_config.json comes down with the rotations
+
+
+def test_the_readme_snippet_for_transformers_users_runs(tmp_path, monkeypatch):
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme.split("## Coming from transformers' `cache_implementation`", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model()
+    scope = {"model": model, "ids": prompt()}
+    exec(snippet, scope)
+    assert scope["out"].shape == (1, 60) and (tmp_path / "oscar-setup" / CONFIG_NAME).is_file()
+    with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
+        model.generate(prompt(), cache_implementation="oscar", max_new_tokens=1)
