@@ -7,9 +7,10 @@ import logging
 
 import pytest
 import transformers
-from conftest import tiny_model
 
 from oscar_hf import OscarCache
+
+from conftest import tiny_model
 
 SWITCH = "OscarCache: switched LlamaForCausalLM's attention implementation from 'sdpa' to 'oscar'"
 ALL_SLIDING = "every layer of this model uses sliding-window attention"
