@@ -478,6 +478,8 @@ class OscarLayer(CacheLayerMixin):
         self.settle()
         self.bf16_length -= remove
         self.length -= remove
+        if self.row_start is not None:  # a row cropped back into its padding holds padding only
+            self.row_start.clamp_(max=self.length)
 
     def reset(self) -> None:
         self._clear()

@@ -119,3 +119,25 @@ def test_chunked_prefill_of_padded_rows_matches_dynamic_cache():
     assert caches[0].layers[0].history_length > 0 and caches[0].layers[0].row_start.tolist() == [0, 19, 6]
     real = mask.bool()
     torch.testing.assert_close(outputs[0][real], outputs[1][real], atol=1e-5, rtol=0)
+
+
+def test_a_row_cropped_back_into_its_padding_continues_like_dynamic_cache():
+    """A row whose real tokens are all cropped away is padding only; the tokens after the crop are real (found
+    by tests/test_cache_properties.py: the row kept its old padding count, and decode steps, which read each row's
+    padding instead of the mask, hid the first token after the crop)."""
+    model = tiny_model("llama", seed=4)
+    ids, mask = _left_padded([4, 1, 4], seed=6)
+    caches = OscarCache(model, method="none", **TIERS), DynamicCache(config=model.config)
+    steps = torch.randint(1, VOCAB, (3, 2), generator=torch.Generator().manual_seed(7))
+    logits = []
+    for cache in caches:
+        step_mask = mask[:, :2]
+        with torch.no_grad():
+            forward(model, ids, cache, attention_mask=mask)
+            cache.crop(-2)
+            for t in range(2):
+                step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=torch.long)], 1)
+                out = forward(model, steps[:, t:t + 1], cache, attention_mask=step_mask).logits
+        logits.append(out)
+    assert caches[0].layers[0].row_start.tolist() == [0, 2, 0]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
