@@ -58,7 +58,7 @@ step "b. tensor parallel" tp_single 60 "$py" "${mg[@]}" tp-generate "$work" "$ou
 step "b. tensor parallel" tp_tp2 90 "${torchrun[@]}" "${mg[@]}" tp-generate "$work" "$out" "${flags[@]}"
 step "b. tensor parallel" tp_compare 30 "$py" "${mg[@]}" tp-compare "$work" "$out" "${flags[@]}"
 if "$py" -c "import lm_eval" 2>/dev/null; then
-  lm_args=(--model_args "pretrained=$work/lm,method=hadamard,sink_tokens=4,recent_tokens=8,demote_block=2"
+  lm_args=(--model "$work/lm" --model_args "method=hadamard,sink_tokens=4,recent_tokens=8,demote_block=2"
            --tasks tiny_oscar_mc,tiny_oscar_ppl,tiny_oscar_gen --include_path tests/lm_eval_task --batch_size 2
            --log_samples)
   step "d. lm-eval DP" lm_eval_single 90 "$py" "${mg[@]}" lm-eval "$out/lm-eval-single" -- "${lm_args[@]}" \
