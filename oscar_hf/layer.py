@@ -68,9 +68,6 @@ class OscarLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
-        # compact pairs are read by the PyTorch reference, whose counted step reads the counts on the host: a CUDA
-        # graph cannot hold it, so transformers must not compile these steps
-        self.is_compileable = not (config.quantize and config.scale_dtype == torch.uint8)
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
         self.backend = backend

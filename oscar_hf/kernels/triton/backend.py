@@ -8,11 +8,11 @@ covering the BF16 tiers and the quantized history (`stage1.py`) and one stage-2 
 un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`merge.py`); where the GPU has
 programmatic dependent launch (Hopper and newer), each is launched as a dependent of the one before, so that its
 launch and prologue overlap the previous kernel's tail. On CUDA, where the call qualifies
-(`kernels.cuda.history.history_kernel_supports`: 2-bit history, no mask, head_dim 64/128, <= 8 rows per KV head,
-a history of at least `CudaHistoryConfig.min_history_bytes`), the history splits come from the hand-written kernel
-instead and the Triton stage 1 covers the BF16 tiers alone, queued behind it as a dependent that runs beside its
-tail. The scratch (split partials, rotated query) is reused across calls (no allocation that grows with the
-history), and nothing synchronizes the host.
+(`kernels.cuda.history.history_kernel_supports`: 2-bit history with float16 pairs, no mask, head_dim 64/128, <= 8
+rows per KV head, no left padding, a history of at least `CudaHistoryConfig.min_history_bytes`), the history splits
+come from the hand-written kernel instead and the Triton stage 1 covers the BF16 tiers alone, queued behind it as a
+dependent that runs beside its tail. The scratch (split partials, rotated query) is reused across calls (no
+allocation that grows with the history), and nothing synchronizes the host.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from oscar_hf.kernels.cuda import history as cuda_history
 from oscar_hf.kernels.interface import HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
+from oscar_hf.kernels.reference.quantize import COMPACT
 from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
 from oscar_hf.kernels.triton.demote import KERNEL_ENCODERS, demote_rows
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
@@ -33,8 +34,8 @@ from oscar_hf.kernels.triton.stage1 import attention_partials
 # batch 1, latency-bound), splits are cut down to one history tile and two dense tiles (`plan_splits`'
 # `min_programs`): half of the 8 programs that fit one SM at d=128.
 SMALL_GRID_PROGRAMS_PER_SM = 4
-# (scale, zero) dtypes the kernels read; compact (uint8) pairs go through the PyTorch reference for now
-KERNEL_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (scale, zero) dtypes the kernels write and read: float pairs and compact (uint8) codes
+KERNEL_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, COMPACT)
 
 
 class TritonBackend(ReferenceBackend):
@@ -72,7 +73,7 @@ class TritonBackend(ReferenceBackend):
         if encoder not in KERNEL_ENCODERS:
             return f"encoder {encoder!r} demotes through the PyTorch reference"
         if scale_dtype not in KERNEL_SCALE_DTYPES:
-            return "compact (scale, zero) pairs are read by the PyTorch reference"
+            return f"(scale, zero) pairs in {scale_dtype} are read by the PyTorch reference"
         if key_dim != value_dim or not kernel_head_dim(key_dim):
             return "the kernels do not take its head sizes (powers of two from 64 to 256, keys and values alike)"
         return None
@@ -178,8 +179,11 @@ class TritonBackend(ReferenceBackend):
         hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
-        # the CUDA history kernel reads every history row of a batch row: padded rows go through Triton's
-        cuda = history_start is None and self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
+        # the CUDA history kernel reads every history row of a batch row, and float16 pairs: padded rows and
+        # compact pairs go through Triton's
+        compact = tensors is not None and tensors.quantized and tensors.key_scale_zero.dtype == COMPACT
+        cuda = (history_start is None and not compact
+                and self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len))
         if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
             plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
                                              self._cuda_slots(query.device, dim), self.cuda_history_config)

@@ -1,5 +1,5 @@
 """Packed quantization codes inside the kernels: 2- and 4-bit planes as exact small-integer values, and the
-per-row (scale, zero) words.
+per-row (scale, zero) words (float pairs, or compact one-byte codes: `quantize`, 7).
 
 Layout (`oscar_hf.quantize.pack_codes`): a row of D codes is packed as quarters, quarter c (elements
 [c*D/4, (c+1)*D/4)) at bit 2c of bytes [0, D/4) for 2 bits, and at bit 4*(c//2) of bytes [0, D/4) (c even) or
@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from oscar_hf.kernels.reference.quantize import COMPACT_SCALE_BIAS, COMPACT_SCALE_STEPS
+
+_COMPACT_SCALE_BIAS = tl.constexpr(COMPACT_SCALE_BIAS)
+_COMPACT_SCALE_STEPS = tl.constexpr(COMPACT_SCALE_STEPS)
 
 
 @triton.jit
@@ -189,11 +194,30 @@ def code_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UN
 
 
 @triton.jit
+def compact_scale(code):
+    """The scale of compact scale codes (float32, 0..255): 2^((code - 128) / 16) (`quantize.compact_scale`)."""
+    return tl.exp2((code - _COMPACT_SCALE_BIAS) / _COMPACT_SCALE_STEPS)
+
+
+@triton.jit
+def compact_zero(code, BITS: tl.constexpr):
+    """The zero point of compact zero codes (float32, 0..255) for `BITS`-bit codes: [0, 255] onto [-1, L + 1]
+    (`quantize.compact_zero`)."""
+    SPAN: tl.constexpr = 2**BITS + 1
+    return code * (SPAN / 255.0) - 1.0
+
+
+@triton.jit
 def scale_zero(word, SZ_DT: tl.constexpr, BITS: tl.constexpr):
-    """(scale, zero - 2^(BITS-1)) in float32 from one (scale, zero) pair read as a single integer (int32 for
-    16-bit pairs, int64 for float32 pairs): one load per token instead of two strided ones. The zero point is
-    centred like the codes (`code_plane`)."""
-    if SZ_DT == tl.float32:
+    """(scale, zero - 2^(BITS-1)) in float32 from one (scale, zero) pair read as a single integer (int16 for
+    compact pairs, `SZ_DT` uint8; int32 for 16-bit pairs; int64 for float32 pairs): one load per token instead of
+    two strided ones. The zero point is centred like the codes (`code_plane`)."""
+    if SZ_DT == tl.uint8:
+        # little-endian: the scale code is the low byte
+        codes = word.to(tl.int32) & 0xFFFF
+        scale = compact_scale((codes & 0xFF).to(tl.float32))
+        zero = compact_zero((codes >> 8).to(tl.float32), BITS) - (1 << (BITS - 1))
+    elif SZ_DT == tl.float32:
         scale = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
         zero = ((word >> 32) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) - (1 << (BITS - 1))
     else:

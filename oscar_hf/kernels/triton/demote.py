@@ -3,13 +3,16 @@
 Contract (`demote_rows`): for each input pair (keys, values) `[B, H, n, d]` (model dtype, model basis, any strides
 with a unit last stride), write
 - `codes` `[B, H, n, d * bits / 8]` uint8: split-planar packed codes of `clip(x @ R)`,
-- `scale_zero` `[B, H, n, 2]` (float16 / bfloat16 / float32): the (scale, zero) pair of each row,
+- `scale_zero` `[B, H, n, 2]` (float16 / bfloat16 / float32, or uint8: compact pairs): the pair of each row,
 exactly as `oscar_hf.quantize.quantize_pack(rotate(x, R), ...)` defines them. R is `[d, d]` (one per layer),
 `[H, d, d]` (one per KV head) or None (identity); it is applied in float32 (IEEE products, fp32 accumulation).
 The clip threshold is the order statistic `sort(|x|)[clip_index]`, found exactly by bisection on the float bit
 patterns; every division is IEEE round-to-nearest (`div_rn`), so without a rotation (or with rows already rotated)
-the codes are bit-identical to the reference. With a rotation, `x @ R` sums in a different order than torch's
-matmul, so a row can land on the other side of a rounding boundary (a code off by one at a near-tie).
+the float pairs and the codes are bit-identical to the reference. Compact pairs (`quantize.compact_rows`) also go
+through `log2` and `exp2`, whose float32 results may differ from torch's by an ulp (torch's `exp2` is not
+correctly rounded), so a scale or zero code at a rounding boundary, or a code at a near-tie of the stored grid,
+may come out one apart. With a rotation, `x @ R` sums in a different order than torch's matmul, so a row can
+land on the other side of a rounding boundary (a code off by one at a near-tie).
 
 Finite inputs give finite pairs (the reference's saturation: `quantize.saturate`, `quantize.storable`). The kernel
 also saturates its input rows before the rotation, so that `x @ R` cannot overflow float32 either; rows with an
@@ -27,6 +30,9 @@ import triton.language as tl
 
 from oscar_hf.kernels.interface import kernel_head_dim
 from oscar_hf.kernels.reference.quantize import (
+    COMPACT,
+    COMPACT_SCALE_BIAS,
+    COMPACT_SCALE_STEPS,
     GAUSSIAN_UNIFORM_STEP,
     SCALE_FLOOR,
     VALUE_LIMIT,
@@ -34,12 +40,41 @@ from oscar_hf.kernels.reference.quantize import (
     pair_limit,
     zero_limit,
 )
+from oscar_hf.kernels.triton.codes import compact_scale, compact_zero
 from oscar_hf.kernels.triton.common import launch_device, round_to
 
 _BISECT_STEPS = tl.constexpr(31)  # the bit patterns of |x| lie in [0, 0x7F800000]: 31 halvings isolate one
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
 _VALUE_LIMIT = tl.constexpr(VALUE_LIMIT)
+_COMPACT_SCALE_BIAS = tl.constexpr(COMPACT_SCALE_BIAS)
+_COMPACT_SCALE_STEPS = tl.constexpr(COMPACT_SCALE_STEPS)
 KERNEL_ENCODERS = ("minmax", "sigma")  # `lloyd` demotes through the reference
+
+
+@triton.jit
+def _round_half_even(y):
+    """`torch.round` of float32 `y` in [-1, 256]: there `floor(y)` and `y - floor(y)` are exact."""
+    whole = tl.floor(y)
+    frac = y - whole
+    odd = (whole.to(tl.int32) & 1) == 1
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole)
+
+
+@triton.jit
+def _compact_pair(scale, zero, BITS: tl.constexpr):
+    """The compact codes of float32 pairs (`quantize.compact_rows`) and the grid they store: (scale code, zero
+    code, stored scale, stored zero), all float32."""
+    levels: tl.constexpr = 2**BITS - 1
+    scale_code = tl.ceil(tl.log2(scale) * _COMPACT_SCALE_STEPS - 1e-4) + _COMPACT_SCALE_BIAS
+    scale_code = tl.minimum(tl.maximum(scale_code, 0.0), 255.0)
+    stored_scale = compact_scale(scale_code)
+    # the grid's centre stays where the encoder put it; the clamp keeps `_round_half_even` in its exact range
+    # without changing the clamped code
+    centre = (levels / 2 - zero) * scale
+    wanted_zero = levels / 2 - tl.math.div_rn(centre, stored_scale)
+    fixed = tl.minimum(tl.maximum((wanted_zero + 1.0) * (255.0 / (levels + 2)), -1.0), 256.0)
+    zero_code = tl.minimum(tl.maximum(_round_half_even(fixed), 0.0), 255.0)
+    return scale_code, zero_code, stored_scale, compact_zero(zero_code, BITS)
 
 
 @triton.jit
@@ -105,6 +140,9 @@ def _demote_tensor(
         scale = tl.where(wide, pair_max, scale)
         zero = tl.where(wide, centred, zero)
     zero = tl.minimum(tl.maximum(zero, -pair_max), pair_max)  # `quantize.storable`
+    COMPACT_PAIRS: tl.constexpr = z_ptr.dtype.element_ty == tl.uint8
+    if COMPACT_PAIRS:  # codes on the stored grid, from the clipped row for min-max
+        scale_code, zero_code, scale, zero = _compact_pair(scale, zero, BITS)
     q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
 
@@ -117,8 +155,12 @@ def _demote_tensor(
     c_base = c_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
     tl.store(c_base + offs_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
     z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + offs_t * szt
-    tl.store(z_base, round_to(scale, z_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(z_base + 1, round_to(zero, z_ptr.dtype.element_ty), mask=row_ok)
+    if COMPACT_PAIRS:
+        tl.store(z_base, scale_code.to(tl.uint8), mask=row_ok)
+        tl.store(z_base + 1, zero_code.to(tl.uint8), mask=row_ok)
+    else:
+        tl.store(z_base, round_to(scale, z_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(z_base + 1, round_to(zero, z_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -158,9 +200,11 @@ def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
         rot_row_stride = rotation.stride(-2)
     idx = clip_index(clip_ratio, d)
     levels = 2**bits - 1
-    floor_ratio = levels / zero_limit(scale_zero.dtype)
+    # compact pairs are rounded from the encoder's float32 pair (`quantize.quantize_rows`)
+    pair_dtype = torch.float32 if scale_zero.dtype == COMPACT else scale_zero.dtype
+    floor_ratio = levels / zero_limit(pair_dtype)
     return (x, *x.stride()[:3], rot, rot_head_stride, rot_row_stride, codes, *codes.stride()[:3],
-            scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio, pair_limit(scale_zero.dtype))
+            scale_zero, *scale_zero.stride()[:3], -1 if idx is None else idx, floor_ratio, pair_limit(pair_dtype))
 
 
 def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax",
@@ -169,8 +213,9 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax
 
     `pairs`: a list of one or two tuples `(x, rotation, clip_ratio, codes_out, scale_zero_out)` with `x`
     `[B, H, n, d]` (the same shape for both), `codes_out` `[B, H, n, d * bits // 8]` uint8 and `scale_zero_out`
-    `[B, H, n, 2]`; the outputs are written in place (views into the history buffers are fine). `only_if`
-    (integer `[1]` on the device, optional): the kernel writes nothing where it holds 0.
+    `[B, H, n, 2]` (float, or uint8: compact pairs); the outputs are written in place (views into the history
+    buffers are fine). `only_if` (integer `[1]` on the device, optional): the kernel writes nothing where it holds
+    0.
     """
     if not 1 <= len(pairs) <= 2:
         raise ValueError(f"demote_rows takes one or two tensors, got {len(pairs)}")

@@ -5,9 +5,9 @@ Contract (`attention_partials`): for queries `[B, Hq, Lq, D]` (model basis) and,
 natural log-sum-exp of its scores (float32, -inf where every key of the split is masked; the output is 0 there).
 Splits `[0, dense_splits)` cover the dense keys `[B, Hkv, Ld, D]` (model dtype, model basis); splits
 `[dense_splits, dense_splits + history_splits)` cover the history: packed codes `[B, Hkv, N, D * bits / 8]` and
-(scale, zero) `[B, Hkv, N, 2]` (rotated basis, dequantized on the fly as `(code - zero) * scale`), or rotated
-dense rows for an unquantized history. The history partials stay in the rotated basis: stage 2 (`merge.py`)
-applies `R_Vᵀ`.
+(scale, zero) `[B, Hkv, N, 2]` (float pairs or compact one-byte codes; rotated basis, dequantized on the fly as
+`(code - zero) * scale`), or rotated dense rows for an unquantized history. The history partials stay in the
+rotated basis: stage 2 (`merge.py`) applies `R_Vᵀ`.
 
 Lengths and split sizes are not specialized on (`do_not_specialize`): a decode step must never meet a new
 compilation because a length became a multiple of 16.
@@ -475,7 +475,11 @@ def _attention_partials_kernel(
 _UPCAST_DOTS = interpreting()
 
 
-_SCALE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_SCALE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                 torch.uint8: tl.uint8}
+# a token's (scale, zero) pair read as one integer (`codes.scale_zero`)
+_PAIR_WORDS = {torch.float16: torch.int32, torch.bfloat16: torch.int32, torch.float32: torch.int64,
+               torch.uint8: torch.int16}
 
 
 def attention_partials(
@@ -540,7 +544,7 @@ def attention_partials(
         hk, hv, quantized, bits = history.keys, history.values, history.quantized, history.bits
         if quantized:
             sz_dt = _SCALE_DTYPES[history.key_scale_zero.dtype]
-            word = torch.int64 if history.key_scale_zero.dtype == torch.float32 else torch.int32
+            word = _PAIR_WORDS[history.key_scale_zero.dtype]
             hkz = history.key_scale_zero.view(word)
             hvz = history.value_scale_zero.view(word)
         else:
