@@ -19,8 +19,7 @@ PRESETS: dict[str, dict] = {
     # the 2-bit history, with the layers the rotations rank most retrieval-sensitive at 4 bits (`OscarCache`)
     "oscar-hifi": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     # candidate for the next 2-bit default, at <= 2.5 bits: sigma rows with one-byte (scale, zero) codes, and the
-    # bits they free spent on the top tenth of the retrieval ranking at 4 bits (the PyTorch reference only, until
-    # the kernels read compact pairs)
+    # bits they free spent on the top tenth of the retrieval ranking at 4 bits
     "oscar-next": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
                        scale_dtype=torch.uint8),
     "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
@@ -65,8 +64,8 @@ class OscarConfig:
             (`from_method` with `bits=4` gives None unless the ratios are passed too).
         scale_dtype: storage dtype of the per-row (scale, zero) pair: float16 (2.25 bits/element at 2 bits and
             head_dim 128), bfloat16, float32, or "compact" (`torch.uint8`: one byte each, 2.125 bits/element at
-            head_dim 128; `kernels.reference.quantize`, 7; the PyTorch reference demotes and attends to it on every
-            device for now).
+            head_dim 128; `kernels.reference.quantize`, 7; the Triton kernels demote and attend to it, the CUDA
+            history kernel does not).
         quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
         history_chunk: tokens of history dequantized at a time by the PyTorch reference attention.
         encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference),
