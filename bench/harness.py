@@ -100,10 +100,10 @@ def empty_cache():
         torch.cuda.empty_cache()
 
 
-def fill_oscar(model, batch, context, chunk=8192):
+def fill_oscar(model, batch, context, chunk=8192, **options):
     """An OscarCache holding `context` random tokens per layer, filled through its own update and demotion path
-    (the demotion kernel on CUDA), not a prefill forward."""
-    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **OSCAR_OPTIONS)
+    (the demotion kernel on CUDA), not a prefill forward. `options`: more OscarCache options."""
+    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **(OSCAR_OPTIONS | options))
     cfg = model.config
     heads = cfg.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
     shape = (batch, heads, chunk, cfg.head_dim)
@@ -150,7 +150,11 @@ def fill_static(model, batch, context):
 
 
 FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar, "graphs": fill_oscar,
-           "oscar-noguards": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static}
+           "oscar-noguards": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static,
+           # oscar-next's row format (sigma rows, compact pairs) with Hadamard rotations, all layers at 2 bits
+           "oscar-compact": lambda model, batch, context: fill_oscar(model, batch, context, scale_dtype="compact",
+                                                                     encoder="sigma", key_clip_ratio=None,
+                                                                     value_clip_ratio=None)}
 # how each kind decodes through `generate`: sampling options, and whether generate may compile the step itself
 # (it does for caches that say they are compileable, on CUDA: StaticCache, OscarCache)
 GENERATE_OPTIONS = {"oscar-topp": dict(do_sample=True, top_p=0.9, temperature=1.0),
