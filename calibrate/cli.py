@@ -131,13 +131,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                 f"{'them' if len(short) > 1 else 'it'} to {needed} or more, or lower --sink / --recent"
             )
     if args.rank_retrieval_layers:
+        from oscar_hf.calibrate.retrieval_layers import probe_lengths
+
         try:
-            lengths = [int(n) for n in args.rank_lengths.split(",")]
-        except ValueError:
-            parser.error(f"--rank-lengths {args.rank_lengths!r}: expected comma-separated token counts")
-        if any(n <= args.sink + args.recent for n in lengths):
-            parser.error(f"--rank-lengths {args.rank_lengths}: each probe must be longer than --sink + --recent = "
-                         f"{args.sink + args.recent} tokens, or no needle reaches the 2-bit history")
+            probe_lengths(args.rank_lengths, args.sink, args.recent, "--rank-lengths")
+        except ValueError as e:
+            parser.error(str(e))
     if args.device_map is not None and args.device is not None:
         parser.error("--device and --device-map exclude each other: give one")
     if args.device is not None:
@@ -256,10 +255,10 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     rotations.metadata["encoder"] = args.encoder
     if args.rank_retrieval_layers:
         from oscar_hf import OscarCache
-        from oscar_hf.calibrate.retrieval_layers import rank_retrieval_layers, record_retrieval_layers
+        from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_retrieval_layers, record_retrieval_layers
 
         template = OscarCache(model.config, rotations=rotations, sink_tokens=args.sink, recent_tokens=args.recent)
-        lengths = [int(n) for n in args.rank_lengths.split(",")]
+        lengths = probe_lengths(args.rank_lengths, args.sink, args.recent, "--rank-lengths")
         record_retrieval_layers(rotations, rank_retrieval_layers(model, tokenizer, template, lengths,
                                                                  progress=progress))
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"

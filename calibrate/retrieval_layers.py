@@ -44,6 +44,19 @@ ANSWER_TOKENS = 40
 
 
 @torch.no_grad()
+def probe_lengths(text: str, sink: int, recent: int, option: str = "--lengths") -> list[int]:
+    """The probe lengths of a comma-separated `option` value; ValueError (naming `option`) unless every one is a
+    token count longer than the BF16 tiers, so that its needle reaches the 2-bit history."""
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected comma-separated token counts") from None
+    if any(n <= sink + recent for n in lengths):
+        raise ValueError(f"{option} {text}: each probe must be longer than --sink + --recent = {sink + recent} "
+                         "tokens, or no needle reaches the 2-bit history")
+    return lengths
+
+
 def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,
                           depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 1,
                           progress: bool = True, row_format=None) -> list[int]:
@@ -90,15 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rotations == "hadamard" and not args.out:
         p.error("--rotations hadamard needs --out")
-    try:
-        lengths = [int(n) for n in args.lengths.split(",")]
-    except ValueError:
-        p.error(f"--lengths {args.lengths!r}: expected comma-separated token counts")
     if args.sink < 0 or args.recent < 0:
         p.error(f"--sink {args.sink} and --recent {args.recent} must be >= 0")
-    if any(n <= args.sink + args.recent for n in lengths):
-        p.error(f"--lengths {args.lengths}: each probe must be longer than --sink + --recent = "
-                f"{args.sink + args.recent} tokens, or no needle reaches the 2-bit history")
+    try:
+        lengths = probe_lengths(args.lengths, args.sink, args.recent)
+    except ValueError as e:
+        p.error(str(e))
     from oscar_hf import OscarCache
     from oscar_hf.eval.assets import load_model
     from oscar_hf.model_support import attention_shape
