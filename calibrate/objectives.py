@@ -53,9 +53,3 @@ def passes_needed(key_objectives, value_objectives) -> tuple[frozenset[str], fro
             first.add(moment)
     return frozenset(first), frozenset(second)
 
-
-def file_objective(name: str) -> str:
-    """Objective string in the RotationZoo file (`<hessian>_<composition>`, e.g. "qqt_r_h_pbr")."""
-    from oscar_hf.rotations.io import zoo_objective
-
-    return zoo_objective(name)
