@@ -1,5 +1,10 @@
 """oscar-hf: OSCAR near-2-bit KV-cache quantization for Hugging Face transformers."""
 
+from oscar_hf.verbosity import follow_transformers_verbosity
+
+# first, so that every oscar_hf.* module (each one imports this package first) logs under transformers' verbosity
+follow_transformers_verbosity()
+
 from oscar_hf.attention import OSCAR_ATTENTION, oscar_attention_forward, register
 from oscar_hf.cache import OscarCache, use_oscar_attention
 from oscar_hf.config import PRESETS, OscarConfig

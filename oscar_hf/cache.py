@@ -30,9 +30,7 @@ from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
 from oscar_hf.rotations.hub import resolve_rotation_folder
 from oscar_hf.rotations.io import SAFETENSORS_NAME
-from oscar_hf.verbosity import follow_transformers_verbosity
 
-follow_transformers_verbosity()
 logger = logging.get_logger(__name__)
 
 NAMED_ROTATIONS = ("hadamard", "identity")
