@@ -93,10 +93,11 @@ def mixed_batch_bytes(model, mode, all_padding=False):
             generate(model, ids[row:row + 1, real], solo, mode, 8)
             solos += solo.nbytes()
     pad_history = layer.history_length * layer.history.token_bytes() * layer.keys_buffer.shape[1]
-    window = (64 + 256 + 8) * dense_bytes(model, 1)
+    cfg = cache.oscar_config
+    window = (cfg.sink_tokens + cfg.recent_tokens + cfg.demote_block) * dense_bytes(model, 1)
     bound = solos + pad_history * model.config.num_hidden_layers + window
     dynamic = dense_bytes(model, 2008, batch=2)
-    ok = cache.nbytes() <= bound and cache.nbytes() < 0.4 * dynamic and layer.sink_length == 64
+    ok = cache.nbytes() <= bound and cache.nbytes() < 0.4 * dynamic and layer.sink_length == cfg.sink_tokens
     return ok, (f"sink {layer.sink_length}, history {layer.history_length}, {cache.nbytes() / 2**20:.1f} MiB "
                 f"<= bound {bound / 2**20:.1f} MiB, {cache.nbytes() / dynamic:.2f}x DynamicCache")
 
