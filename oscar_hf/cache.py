@@ -203,6 +203,18 @@ class OscarCache(Cache):
             raise
 
     @property
+    def is_compileable(self) -> bool:
+        """Whether transformers' `generate` may compile the decode step: every layer must allow it. A layer not yet
+        filled answers for the device of the model's weights (`OscarLayer.compileable_on`), since `generate`
+        decides before the prefill."""
+        model = self._model_ref() if self._model_ref is not None else None
+        device = getattr(model, "device", None)
+        dim = self.shape.head_dim
+        return all(layer.compileable_on(device, dim, dim)
+                   if isinstance(layer, OscarLayer) and not layer.is_initialized and device is not None
+                   else layer.is_compileable for layer in self.layers)
+
+    @property
     def uses_oscar_attention(self) -> bool:
         return getattr(self._model_config, "_attn_implementation", None) == OSCAR_ATTENTION
 

@@ -278,9 +278,7 @@ def _check_capturable(model, layers: list[OscarLayer], device: torch.device) -> 
         if layer.keys_buffer.device != device:
             reason = f"it lives on {layer.keys_buffer.device}, the inputs on {device} (one graph spans one device)"
         else:
-            encoder = layer.config.encoder if layer.config.quantize else "minmax"
-            reason = layer.backend.graph_capture_problem(layer.keys_buffer.shape[-1], layer.values_buffer.shape[-1],
-                                                         encoder, layer.config.scale_dtype)
+            reason = layer.graph_problem(device, layer.keys_buffer.shape[-1], layer.values_buffer.shape[-1])
         if reason:
             raise GraphDecodeError(f"layer {layer.layer_idx} cannot be captured in a CUDA graph: {reason}; "
                                    "pass use_graphs=False")

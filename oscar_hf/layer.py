@@ -58,7 +58,6 @@ def row_leading_padding(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 class OscarLayer(CacheLayerMixin):
     is_sliding = False
-    is_compileable = True  # decode steps run device-counted (`counted_decode`); prefill runs eagerly
     is_croppable = True
     supports_early_init = False
 
@@ -92,6 +91,28 @@ class OscarLayer(CacheLayerMixin):
         self.counted: CountedDecode | None = None
         self.updates = 0  # `update` calls since the last reset (eager ones: a compiled step does not count)
         self.is_initialized = False
+
+    # ------------------------------------------------------------------------------------------ compiling
+    def graph_problem(self, device: torch.device, key_dim: int, value_dim: int) -> str | None:
+        """Why this layer's decode step cannot run inside a CUDA graph on `device` with heads of these sizes (its
+        backend, or the one `backend_for` picks there, reads counts on the host), or None when it can."""
+        backend = self.backend if self.backend is not None else backend_for(device, self.config.history_chunk)
+        encoder = self.config.encoder if self.config.quantize else "minmax"
+        return backend.graph_capture_problem(key_dim, value_dim, encoder, self.config.scale_dtype)
+
+    def compileable_on(self, device: torch.device, key_dim: int, value_dim: int) -> bool:
+        """Whether transformers may compile this layer's decode steps (device-counted, `counted_decode`; prefill
+        runs eagerly). Compiled on a GPU, they replay from a CUDA graph; elsewhere the backend's host reads
+        simply run inside the compiled step."""
+        return device.type != "cuda" or self.graph_problem(device, key_dim, value_dim) is None
+
+    @property
+    def is_compileable(self) -> bool:
+        """`compileable_on` this layer's device; before the first update the cache answers with the model's
+        device and head size (`OscarCache.is_compileable`)."""
+        if not self.is_initialized:
+            return True
+        return self.compileable_on(self.device, self.keys_buffer.shape[-1], self.values_buffer.shape[-1])
 
     # ------------------------------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -276,3 +276,32 @@ def test_cache_operations_between_counted_steps_match_host_counted_decode(operat
         logits.append(torch.stack(steps))
         assert int(cache.get_seq_length()) == 30 + 9 + 12 - (2 if operation == "crop" else 0)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
+def test_generate_compiles_only_decode_steps_a_cuda_graph_can_hold(monkeypatch):
+    """transformers decides before the prefill, and on a GPU replays the compiled step from a CUDA graph: a layer
+    whose backend reads counts on the host (the reference, or an encoder the kernels do not take) must say no
+    there, and yes on the CPU, where those reads just run inside the compiled step."""
+    pytest.importorskip("triton")
+    from oscar_hf.kernels.reference.backend import ReferenceBackend
+    from oscar_hf.kernels.triton.backend import TritonBackend
+
+    model = kernel_qwen3(device="cpu")
+    dim = model.config.head_dim
+    reference = OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS)
+    kernels = OscarCache(model, method="hadamard", backend=TritonBackend(), **OPTIONS)
+    lloyd = OscarCache(model, method="hadamard", backend=TritonBackend(), encoder="lloyd", **OPTIONS)
+    assert reference.is_compileable and kernels.is_compileable and lloyd.is_compileable  # the model is on the CPU
+    forward(model, torch.randint(3, 256, (1, 40)), reference)
+    assert reference.is_compileable
+
+    cuda = torch.device("cuda")
+    assert not reference.layers[0].compileable_on(cuda, dim, dim)
+    assert kernels.layers[0].compileable_on(cuda, dim, dim)
+    assert not kernels.layers[0].compileable_on(cuda, 48, 48)  # a head size the kernels do not take
+    monkeypatch.setattr(type(model), "device", property(lambda self: cuda))  # the model as if on a GPU
+    assert reference.is_compileable  # filled on the CPU: its layers answer for their own device
+    assert not OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS).is_compileable
+    assert not OscarCache(model, method="hadamard", backend=TritonBackend(), encoder="lloyd",
+                          **OPTIONS).is_compileable
+    assert OscarCache(model, method="hadamard", backend=TritonBackend(), **OPTIONS).is_compileable

@@ -33,10 +33,12 @@ def _tiny_model(device, seed=0):
 
 
 def _generate(model, input_ids, attention_mask, backend, new_tokens, **options):
-    """Greedy tokens through an OscarCache whose layers use `backend`."""
+    """Greedy tokens through an OscarCache whose layers use `backend`, decoded eagerly: a compiled step rounds
+    differently (`tests/test_compiled_decode.py` compares compiled with eager decoding)."""
     cache = OscarCache(model, rotations="hadamard", backend=backend, **options)
     out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, **{cache_argument_name(model): cache})
+                         min_new_tokens=new_tokens, do_sample=False, disable_compile=True,
+                         **{cache_argument_name(model): cache})
     return out[:, input_ids.shape[1]:], cache
 
 
