@@ -129,7 +129,10 @@ def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatc
     steps = 24
     cuda = TritonBackend(cuda_history=True, cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0))
     got, tokens = _decode_logits(model, ids, cuda, steps)
-    assert len(calls) == steps * model.config.num_hidden_layers  # every decode step, every layer
+    layers = model.config.num_hidden_layers
+    # every decode step of every layer, and each layer's warm-up step when the prefill's forward closes
+    # (`OscarLayer._warm_counted_step`: the kernels compile outside any CUDA-graph recording)
+    assert len(calls) == (steps + 1) * layers
     calls.clear()
     ref, _ = _decode_logits(model, ids, TritonBackend(cuda_history=False), steps, tokens)
     assert not calls
@@ -140,7 +143,8 @@ def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatc
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_decode_path_never_synchronizes_the_host():
-    """update + attention + settle (with demotions) for many steps under CUDA's sync debug mode 'error'."""
+    """update + attention + settle (with demotions) for many steps under CUDA's sync debug mode 'error', through
+    the attention function transformers calls."""
     model = _tiny_model(DEVICE)
     cache = OscarCache(model, rotations="hadamard", sink_tokens=8, recent_tokens=32, demote_block=8,
                        backend=TritonBackend())
@@ -148,17 +152,26 @@ def test_decode_path_never_synchronizes_the_host():
     batch, heads, dim = 2, 2, 64
     layer.update(torch.randn(batch, heads, 500, dim, device=DEVICE), torch.randn(batch, heads, 500, dim, device=DEVICE))
     layer.settle()  # the first demotion (a sync by design)
+
+    from oscar_hf.attention import oscar_attention_forward
+    from oscar_hf.handoff import publish_segment
+
+    attention = model.model.layers[0].self_attn
+
+    def step():  # what one layer of a decode forward does: update, then the "oscar" attention (which settles)
+        keys, values = layer.update(torch.randn(batch, heads, 1, dim, device=DEVICE),
+                                    torch.randn(batch, heads, 1, dim, device=DEVICE))
+        publish_segment(keys, {}, layer.open_segment())
+        query = torch.randn(batch, 4, 1, dim, device=DEVICE)
+        oscar_attention_forward(attention, query, keys, values, None, scaling=dim**-0.5)
+
+    step()  # its close starts counted decode: the counts go to the device once (a copy by design)
+    assert layer.counted is not None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(20):
-            keys, values = layer.update(torch.randn(batch, heads, 1, dim, device=DEVICE),
-                                        torch.randn(batch, heads, 1, dim, device=DEVICE))
-            segment = layer.open_segment()
-            query = torch.randn(batch, 4, 1, dim, device=DEVICE)
-            segment.backend.tiered_attention(query, keys, values, None, segment.history, segment.sink_length,
-                                             segment.key_rotation, segment.value_rotation, dim**-0.5)
-            segment.close(None)
+            step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert layer.history_length > 450

@@ -161,3 +161,31 @@ def test_needle_trace_sees_no_loss_without_quantization_and_a_loss_with_it(tiny_
     with pytest.raises(ValueError, match="no probe"):
         needle_attention(model, tokenizer, probes, [answers[0][:3]] * 2,
                          OscarCache(model.config, method="none", **options), progress=False)
+
+
+def test_aligned_probes_have_lengths_a_grouping_cache_takes_and_keep_their_needles():
+    tokenizer = char_tokenizer()
+    for kind, distractors in (("number", 0), ("uuid", 3)):
+        plain = make_needle_probe(tokenizer, 1500, 0.5, kind, distractors, seed=2, sink=SINK, recent=RECENT)
+        aligned = make_needle_probe(tokenizer, 1500, 0.5, kind, distractors, seed=2, sink=SINK, recent=RECENT,
+                                    align=32)
+        assert aligned.length % 32 == 0 and plain.length - 32 < aligned.length <= plain.length
+        assert aligned.answer == plain.answer
+        text = tokenizer.decode(aligned.input_ids[0])
+        assert tokenizer.decode(aligned.input_ids[0, slice(*aligned.value_span)]) == aligned.answer
+        assert text.rstrip().endswith("vault?") and text.count("The secret") == distractors + 1
+    default, = make_needle_suite(tokenizer, [1000], [0.3], ["number"], [0], seed=4)
+    one, = make_needle_suite(tokenizer, [1000], [0.3], ["number"], [0], seed=4, align=1)
+    assert torch.equal(default.input_ids, one.input_ids)  # align=1 leaves the probes of earlier runs
+    with pytest.raises(ValueError, match="align"):
+        make_needle_probe(tokenizer, 1500, 0.5, "number", align=0)
+
+
+def test_a_grouping_peer_refuses_unaligned_probes_before_any_work(tiny_llama_model, monkeypatch, tmp_path):
+    from oscar_hf.eval import needles, retrieval
+
+    monkeypatch.setattr(retrieval, "load_model", lambda *a, **k: (tiny_llama_model, char_tokenizer()))
+    monkeypatch.setattr(retrieval, "run_probes", lambda *a, **k: pytest.fail("ran probes it should refuse"))
+    with pytest.raises(SystemExit, match="--align 32"):
+        needles.main(["--methods", "bf16,kivi2", "--lengths", "1000", "--depths", "0.5", "--kinds", "number",
+                      "--distractors", "0", "--out", str(tmp_path), "--no-progress"])

@@ -91,12 +91,17 @@ def _chat(tokenizer, message: str) -> str:
 
 
 def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distractors: int = 0, seed: int = 0,
-                      play: str = EVALUATION_PLAYS[0], sink: int | None = None, recent: int | None = None) -> Probe:
+                      play: str = EVALUATION_PLAYS[0], sink: int | None = None, recent: int | None = None,
+                      align: int = 1) -> Probe:
     """A chat prompt of at most `length` tokens with one needle of `kind` at `depth` of the quantized span and
     `distractors` others; `Probe.answer` is the asked-for value, `Probe.span` / `Probe.value_span` the tokens of its
-    sentence and of the value."""
+    sentence and of the value. With `align` > 1 the prompt's length is a multiple of it (the last speech loses
+    characters until it is): caches that quantize whole groups of tokens (`kivi2`: 32) take only such prefixes. `align=1`
+    leaves every probe as it was."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth}: expected a fraction in [0, 1]")
+    if align < 1:
+        raise ValueError(f"align={align}: expected a positive number of tokens")
     defaults = OscarConfig()
     sink = defaults.sink_tokens if sink is None else sink
     recent = defaults.recent_tokens if recent is None else recent
@@ -127,10 +132,13 @@ def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distracto
             raise ValueError(f"length={length} leaves no room for a passage around {distractors + 1} needles")
         message, text, span, value_span = _build(tokenizer, chosen, needles, depth, sink, recent, rng.getstate())
         ids = tokenizer(text, add_special_tokens=False).input_ids
-        if len(ids) <= length:
+        if len(ids) <= length and len(ids) % align == 0:
             return Probe(len(ids), depth, target.value, torch.tensor([ids]), kind=kind, distractors=distractors,
                          span=span, value_span=value_span, message=message, requested=length)
-        chosen.pop()
+        if len(ids) <= length and len(chosen[-1].rstrip()) > 1:  # off a multiple of `align`: one character fewer
+            chosen[-1] = chosen[-1].rstrip()[:-1]
+        else:
+            chosen.pop()
 
 
 def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, sink: int, recent: int,
@@ -183,7 +191,8 @@ def _token_span(offsets: Sequence[tuple[int, int]], begin: int, end: int) -> tup
 
 def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float], kinds: Sequence[str] = KINDS,
                       distractors: Sequence[int] = (0,), seed: int = 0, sink: int | None = None,
-                      recent: int | None = None, plays: Sequence[str] = EVALUATION_PLAYS) -> list[Probe]:
+                      recent: int | None = None, plays: Sequence[str] = EVALUATION_PLAYS,
+                      align: int = 1) -> list[Probe]:
     """Every combination of length, depth, kind and distractor count. Each probe's play (one of `plays`, by default
     the held-out ones) follows from its own parameters and the seed, so a probe is the same in every suite that holds
     it. Choices fitted on probes (which layers to keep at higher precision, say) take `assets.CALIBRATION_PLAYS`."""
@@ -191,7 +200,7 @@ def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float]
     grid = ((k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths)
     for kind, count, length, depth in grid:
         play = random.Random(f"{seed}:{kind}:{length}:{depth}:{count}").choice(list(plays))
-        probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent))
+        probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent, align))
     return probes
 
 
@@ -202,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default="0.2,0.5,0.8")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--distractors", default="0,3", help="needle counts besides the asked one, comma-separated")
+    p.add_argument("--align", type=int, default=1,
+                   help="make every prompt's length a multiple of this (32 for kivi2, which quantizes whole groups "
+                        "of 32 tokens); 1 keeps the probes of earlier runs")
     p.add_argument("--attention", action="store_true",
                    help="also trace, per layer and head, the fact's attention and value read-out of every OSCAR "
                         "method on the probes BF16 answers (needs bf16 among the methods; writes needle_attention.*)")
@@ -212,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     def make(tokenizer):
         return make_needle_suite(tokenizer, [int(x) for x in args.lengths.split(",")],
                                  [float(x) for x in args.depths.split(",")], args.kinds.split(","),
-                                 [int(x) for x in args.distractors.split(",")], seed=args.seed)
+                                 [int(x) for x in args.distractors.split(",")], seed=args.seed, align=args.align)
 
     def trace(model, tokenizer, probes, results, methods, command):
         from oscar_hf.eval.diagnostics.needle_attention import needle_attention, write_report

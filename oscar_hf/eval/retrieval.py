@@ -193,6 +193,12 @@ def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: C
     with timed(f"loading {args.model}", logger):
         model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
     probes = make(tokenizer)
+    for method in methods:
+        unfit = sorted({p.length for p in probes if p.length % method.prefix_multiple})
+        if unfit:
+            raise SystemExit(f"{method.name} quantizes whole groups of {method.prefix_multiple} tokens, and prompts "
+                             f"of {', '.join(map(str, unfit[:4]))}{' ...' if len(unfit) > 4 else ''} tokens are not "
+                             f"multiples of it: build the probes with --align {method.prefix_multiple}")
     with timed(f"{len(probes)} probes through {', '.join(m.name for m in methods)}", logger) as watch:
         results = run_probes(model, tokenizer, probes, methods, args.max_new_tokens, not args.no_shared_prefill,
                              progress=not args.no_progress)

@@ -34,6 +34,7 @@ class Method:
     build: Callable[[object], object]
     oscar: bool = False
     note: str = ""
+    prefix_multiple: int = 1  # prompt lengths the cache takes (it quantizes whole groups of this many tokens)
 
     def oscar_template(self, model) -> OscarCache | None:
         """An unused OscarCache with this method's settings (for the decode-equivalent simulation), or None."""
@@ -114,12 +115,12 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
                _oscar("oscar-hifi", rotations, **oscar_options), oscar=True, note=ranked),
         Method("oscar-next", f"OSCAR-next ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
                "layers by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True,
-               note=ranked + "; the PyTorch reference reads its history"),
+               note=ranked),
         Method("hadamard4", "OSCAR 4-bit (Hadamard)", _oscar("hadamard", **{**oscar_options, "bits": 4}), oscar=True),
         Method("oscar4", f"OSCAR 4-bit ({given})", _oscar("oscar", rotations, **{**oscar_options, "bits": 4}),
                oscar=True),
         Method("kivi2", "KIVI-style 2-bit (quanto, per-channel K / per-token V, g32, R128)",
-               _quantized("quanto", **kivi), note="prefix lengths must be multiples of 32 tokens"),
+               _quantized("quanto", **kivi), prefix_multiple=kivi["q_group_size"]),
         Method("quanto2", "HF QuantizedCache quanto 2-bit (default axes, g64, R128)",
                _quantized("quanto", nbits=2, q_group_size=64, residual_length=128)),
         Method("quanto4", "HF QuantizedCache quanto 4-bit (default axes, g64, R128)",
