@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from oscar_hf import OscarCache  # noqa: E402
+from oscar_hf.attention import oscar_attention_forward  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
+from oscar_hf.handoff import publish_segment  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
@@ -152,9 +154,6 @@ def test_decode_path_never_synchronizes_the_host():
     batch, heads, dim = 2, 2, 64
     layer.update(torch.randn(batch, heads, 500, dim, device=DEVICE), torch.randn(batch, heads, 500, dim, device=DEVICE))
     layer.settle()  # the first demotion (a sync by design)
-
-    from oscar_hf.attention import oscar_attention_forward
-    from oscar_hf.handoff import publish_segment
 
     attention = model.model.layers[0].self_attn
 

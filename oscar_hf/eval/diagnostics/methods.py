@@ -33,7 +33,6 @@ class Method:
     label: str
     build: Callable[[object], object]
     oscar: bool = False
-    note: str = ""
     prefix_multiple: int = 1  # prompt lengths the cache takes (it quantizes whole groups of this many tokens)
 
     def oscar_template(self, model) -> OscarCache | None:
@@ -101,7 +100,6 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     """
     given = _rotations_label(rotations)
     kivi = dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=32, residual_length=128)
-    ranked = "needs rotations that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers)"
     methods = [
         Method("bf16", "BF16 (DynamicCache)", lambda m: DynamicCache(config=getattr(m, "config", m))),
         Method("none", "OSCAR layout, unquantized (tiers and merge only)", _oscar("none", **oscar_options), oscar=True),
@@ -112,10 +110,9 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
         Method("hadamard", "OSCAR (Hadamard)", _oscar("hadamard", **oscar_options), oscar=True),
         Method("oscar", f"OSCAR ({given})", _oscar("oscar", rotations, **oscar_options), oscar=True),
         Method("oscar-hifi", f"OSCAR-hifi ({given}; 2-bit, the top fifth of the layers by retrieval ranking at 4 bits)",
-               _oscar("oscar-hifi", rotations, **oscar_options), oscar=True, note=ranked),
+               _oscar("oscar-hifi", rotations, **oscar_options), oscar=True),
         Method("oscar-next", f"OSCAR-next ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
-               "layers by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True,
-               note=ranked),
+               "layers by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True),
         Method("hadamard4", "OSCAR 4-bit (Hadamard)", _oscar("hadamard", **{**oscar_options, "bits": 4}), oscar=True),
         Method("oscar4", f"OSCAR 4-bit ({given})", _oscar("oscar", rotations, **{**oscar_options, "bits": 4}),
                oscar=True),
