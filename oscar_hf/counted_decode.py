@@ -12,6 +12,12 @@ step to step (BF16 rows in use, history rows, tokens) are device tensors. A step
 So the host state is the same before every step, and one compiled graph, or one captured CUDA graph, serves every
 phase of the demotion cycle.
 
+The counts are one int32 tensor per layer, `counts` = (BF16 rows, tokens, demoted tokens dropped by a full history);
+the history's count is derived from them (tokens - rows - dropped). Every tensor a compiled step reads from the
+cache is an input that dynamo guards, and the compiled call checks on every step: one tensor of counts instead of
+four, and the window and staging blocks made inside the graph, leave a layer with seven inputs (its BF16 buffers,
+the four history buffers, the counts) where it had fifteen.
+
 The history holds `reserve` more tokens than it had when decoding started (`OscarCache(max_cache_len=...)` sets
 it), rounded up to a multiple of `CAPACITY_BUCKET`; eager steps grow it when it is about to fill, compiled steps
 cannot (growing changes the buffers' shapes).
@@ -46,6 +52,9 @@ def _static(*tensors: torch.Tensor) -> None:
             torch._dynamo.mark_static_address(t)
 
 
+ROWS, TOKENS, DROPPED = 0, 1, 2  # the entries of `CountedDecode.counts`
+
+
 class CountedDecode:
     """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`)."""
 
@@ -53,14 +62,13 @@ class CountedDecode:
         cfg = layer.config
         self.sink, self.recent, self.block = layer.sink_size, cfg.recent_tokens, cfg.demote_block
         self.capacity = self.sink + self.recent + self.block
-        device = layer.keys_buffer.device
+        self.device = device = layer.keys_buffer.device
         for name in ("keys_buffer", "values_buffer"):
             old = getattr(layer, name)
             fresh = old.new_zeros((old.shape[0], old.shape[1], self.capacity, old.shape[3]))
             fresh[:, :, : layer.bf16_length] = old[:, :, : layer.bf16_length]
             setattr(layer, name, fresh)
-        self.rows = torch.tensor([layer.bf16_length], dtype=torch.int32, device=device)
-        self.tokens = torch.tensor(layer.length, dtype=torch.int64, device=device)
+        self.counts = torch.tensor([layer.bf16_length, layer.length, 0], dtype=torch.int32, device=device)
         self.history_start = layer.history_length
         self.reserve = reserve
         self.bucket = bucket
@@ -69,55 +77,79 @@ class CountedDecode:
         layer.history.pin(history_capacity(self.history_start, reserve, self.block, bucket))
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         layer.history.prepare_staging(self.block)
-        _static(layer.keys_buffer, layer.values_buffer, self.rows, self.tokens, self.window,
-                layer.history.device_length, layer.key_rotation, layer.value_rotation, layer.row_start,
-                *layer.history.static_tensors())
+        _static(layer.keys_buffer, layer.values_buffer, self.counts, self.window, layer.key_rotation,
+                layer.value_rotation, layer.row_start, *layer.history.static_tensors())
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """BF16 rows in use (int32 `[1]`, a view of `counts`)."""
+        return self.counts[ROWS : ROWS + 1]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Tokens cached (int64, 0-d), as `get_seq_length` gives them."""
+        return self.counts[TOKENS].long()
 
     def update(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
         if not torch.compiler.is_compiling():
             self.eager_steps += 1
             if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
                 self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
-                layer.history.length = int(layer.history.device_length)
+                self.sync_history(layer)
                 layer.history.pin(history_capacity(self.history_start, self.reserve, self.block, self.bucket))
                 _static(*layer.history.static_tensors())
         position = self.rows.long()
         layer.keys_buffer.index_copy_(2, position, key_states)
         layer.values_buffer.index_copy_(2, position, value_states)
-        self.rows.add_(1)
-        self.tokens.add_(1)
+        self.counts[ROWS : TOKENS + 1].add_(1)
         return layer.keys_buffer, layer.values_buffer
 
     def settle(self, layer, backend, after: torch.Tensor | None = None) -> None:
         """Demote the window's oldest `block` rows once it holds R + b (see the module docstring); `after`: the
         step's attention output, which the history write must follow (`kernels.ops.write_rows`)."""
-        full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)
+        rows = self.rows
+        full = (rows - self.sink >= self.recent + self.block).to(torch.int32)
         advance = full * self.block
-        keys, values = layer.demoted_rows(self.history_count(), self.block, full)
-        layer.history.append(keys, values, layer.key_rotation, layer.value_rotation, backend, advance=advance,
-                             after=after)
-        source = self.window + advance.long()
+        stored = self.history_count()
+        keys, values = layer.demoted_rows(stored, self.block, full)
+        dropped = layer.history.append(keys, values, layer.key_rotation, layer.value_rotation, backend,
+                                       advance=advance, after=after, at=stored)
+        source = self._window() + advance.long()
         window = slice(self.sink, self.sink + self.recent)
         for buffer in (layer.keys_buffer, layer.values_buffer):
             buffer[:, :, window] = buffer.index_select(2, source)
-        self.rows.sub_(advance)
+        # the demoted rows leave the BF16 buffer whether the history kept them or not
+        self.counts[ROWS : ROWS + 1].sub_(advance)
+        self.counts[DROPPED : DROPPED + 1].add_(dropped)
+
+    def _window(self) -> torch.Tensor:
+        """The recent window's BF16 rows (long `[R]`); a compiled step computes them inside its graph (one guarded
+        input fewer per layer), eager steps reuse `window`."""
+        if torch.compiler.is_compiling():
+            return torch.arange(self.sink, self.sink + self.recent, device=self.device)
+        return self.window
 
     def history_count(self) -> torch.Tensor:
-        """History tokens before this step's demotion (int64 `[1]`), from the token and BF16 counts. The history's
-        own `device_length` says the same, but `write_rows` advances it in place inside the step, and inductor may
-        schedule a fused read of it after that write (observed: the padded rows' sink update read the advanced
-        count); these counts change only through plain in-place ops that functionalization orders."""
-        return self.tokens - self.rows.long()
+        """History tokens stored (int32 `[1]`): tokens - BF16 rows - dropped. Derived rather than kept, so a step
+        changes its counts only through plain in-place ops on `counts`, which functionalization orders (a count
+        that a custom op advanced in place was observed read after that write by a fused kernel)."""
+        c = self.counts
+        return c[TOKENS : TOKENS + 1] - c[ROWS : ROWS + 1] - c[DROPPED : DROPPED + 1]
+
+    def sync_history(self, layer) -> None:
+        """Give the history its length from the counts: the host length (a read from the device) and the pinned
+        device length, which the host-counted path writes at once counted decode stops."""
+        count = self.history_count()
+        layer.history.device_length.copy_(count)
+        layer.history.length = int(count)
 
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
         demoted tokens (compiled steps cannot grow it)."""
-        history = layer.history
-        counts = torch.stack([self.tokens, self.rows[0].long(), history.device_length[0].long(),
-                              history.dropped[0].long()]).tolist()
-        if counts[3] and not self.warned_dropped:
+        rows, tokens, dropped = self.counts.tolist()
+        if dropped and not self.warned_dropped:
             self.warned_dropped = True
             logger.warning(
                 "layer %d: the history was full and %d demoted tokens were dropped (compiled decode steps cannot "
-                "grow it); pass OscarCache(..., max_cache_len=<prompt + new tokens>)", layer.layer_idx, counts[3])
-        return counts[0], counts[1], counts[2]
+                "grow it); pass OscarCache(..., max_cache_len=<prompt + new tokens>)", layer.layer_idx, dropped)
+        return tokens, rows, tokens - rows - dropped

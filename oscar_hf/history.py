@@ -46,7 +46,6 @@ class _History:
         self.batch, self.num_heads, self.device = batch, num_heads, device
         self.length = 0
         self.device_length: torch.Tensor | None = None  # set by `pin`
-        self.dropped: torch.Tensor | None = None  # int32 [1]: demoted tokens a full pinned history had no room for
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         for name in self._names:
             setattr(self, name, None)
@@ -61,8 +60,6 @@ class _History:
         self._reserve(max(capacity - self.length, 0))
         if self.device_length is None:
             self.device_length = torch.tensor([self.length], dtype=torch.int32, device=self.device)
-        if self.dropped is None:
-            self.dropped = torch.zeros_like(self.device_length)
 
     def _targets(self, n: int, reserve: bool = True) -> dict[str, torch.Tensor]:
         """Where an append of `n` tokens writes: the buffers' next rows, or a staging block once pinned
@@ -70,27 +67,33 @@ class _History:
         would also make a compiled step depend on it)."""
         if reserve:
             self._reserve(n)
-        if self.device_length is None:
-            return {name: getattr(self, name)[:, :, self.length : self.length + n] for name in self._names}
+            if self.device_length is None:
+                return {name: getattr(self, name)[:, :, self.length : self.length + n] for name in self._names}
+        if torch.compiler.is_compiling():
+            # a compiled step's block is a buffer of its own graph (a CUDA graph keeps it in its pool), not a graph
+            # input: inputs cost a guard each on every call, and a model has layers times four of these
+            return self._new_staging(n)
         staging = self._staging.get(n)
         if staging is None or staging[self._names[0]].shape[0] != self.batch:
-            staging = {name: torch.empty((self.batch, self.num_heads, n, *tail), dtype=dtype, device=self.device)
-                       for name, (tail, dtype) in self._layout().items()}
-            staging["_offsets"] = torch.arange(n, device=self.device)
-            self._staging[n] = staging
+            staging = self._staging[n] = self._new_staging(n)
+        return staging
+
+    def _new_staging(self, n: int) -> dict[str, torch.Tensor]:
+        staging = {name: torch.empty((self.batch, self.num_heads, n, *tail), dtype=dtype, device=self.device)
+                   for name, (tail, dtype) in self._layout().items()}
+        staging["_offsets"] = torch.arange(n, device=self.device)
         return staging
 
     def _commit(self, n: int, targets: dict[str, torch.Tensor], advance: torch.Tensor | None = None,
-                after: torch.Tensor | None = None) -> None:
-        """Make the `n` rows written into `targets` part of the history. `advance` (int32 `[1]`, pinned histories):
-        write the rows after the device length, but count only `advance` of them (0 or n, decided on the device;
-        the host length is then the caller's to refresh; `after`: a tensor the write must wait for, see
-        `kernels.ops.write_rows`)."""
-        if advance is not None:  # counted decode (a pinned history): one in-place op (`kernels.ops.write_rows`)
-            torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
-                                          [targets[name] for name in self._names], self.device_length, advance,
-                                          self.dropped, after if after is not None else advance)
-            return
+                after: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Make the `n` rows written into `targets` part of the history. Counted decode passes `advance` (int32
+        `[1]`: 0 or n, decided on the device) and `at` (its history count, int32 `[1]`): the rows are written after
+        `at` and the caller's counts advance; returns the tokens a full history had no room for (int32 `[1]`), see
+        `kernels.ops.write_rows` (`after`: a tensor the write must wait for)."""
+        if advance is not None:
+            return torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
+                                                 [targets[name] for name in self._names], at, advance,
+                                                 after if after is not None else advance)
         if self.device_length is not None:
             rows = targets["_offsets"] + self.device_length
             for name in self._names:
@@ -109,7 +112,7 @@ class _History:
     def static_tensors(self) -> list[torch.Tensor]:
         """The buffers and staging blocks a compiled step reads and writes in place."""
         staged = [t for block in self._staging.values() for t in block.values()]
-        return [getattr(self, name) for name in self._names] + staged + [self.dropped]
+        return [getattr(self, name) for name in self._names] + staged
 
     def reserve(self, extra: int) -> None:
         """Make room for `extra` more tokens now (one allocation instead of a growth later)."""
@@ -182,12 +185,13 @@ class QuantizedHistory(_History):
                               self.length, self.config.bits, self.device_length)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend,
-               advance: torch.Tensor | None = None, after: torch.Tensor | None = None) -> None:
-        """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end (`advance`:
-        see `_commit`)."""
+               advance: torch.Tensor | None = None, after: torch.Tensor | None = None,
+               at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Rotate, clip, quantize and pack `keys`/`values` `[B, H, n, d]` (model basis) onto the end (`advance`,
+        `at`, what it returns: see `_commit`)."""
         n = keys.shape[2]
         if n == 0:
-            return
+            return None
         out = self._targets(n, reserve=advance is None)
         cfg = self.config
         # counted decode: quantize only when the block is demoted (`advance` > 0), decided on the device
@@ -195,8 +199,7 @@ class QuantizedHistory(_History):
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
                           cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
                           out["value_scale_zero"], cfg.encoder, **extra)
-        self._commit(n, out, advance, after)
-
+        return self._commit(n, out, advance, after, at)
 
 
 class FullPrecisionHistory(_History):
@@ -222,14 +225,15 @@ class FullPrecisionHistory(_History):
         return HistoryTensors(self.keys, self.values, None, None, self.length, length_ptr=self.device_length)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend=None,
-               advance: torch.Tensor | None = None, after: torch.Tensor | None = None) -> None:
+               advance: torch.Tensor | None = None, after: torch.Tensor | None = None,
+               at: torch.Tensor | None = None) -> torch.Tensor | None:
         n = keys.shape[2]
         if n == 0:
-            return
+            return None
         out = self._targets(n, reserve=advance is None)
         out["keys"].copy_(rotate(keys, key_rotation))
         out["values"].copy_(rotate(values, value_rotation))
-        self._commit(n, out, advance, after)
+        return self._commit(n, out, advance, after, at)
 
 
 def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,

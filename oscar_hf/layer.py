@@ -203,9 +203,9 @@ class OscarLayer(CacheLayerMixin):
         """Hand the attention function the history layout of the current forward; closing it settles."""
         self.segment_open = True
         if self.counted is not None:
-            h = self.history
-            history = HistoryTensors(*h.kernel_buffers(), h.capacity, self.config.bits, h.device_length)
-            dense_start, history_start = self._padded_starts(self.counted.history_count())
+            h, stored = self.history, self.counted.history_count()
+            history = HistoryTensors(*h.kernel_buffers(), h.capacity, self.config.bits, stored)
+            dense_start, history_start = self._padded_starts(stored)
             return HistorySegment(self.layer_idx, self.op_backend, history, self.counted.sink, self.key_rotation,
                                   self.value_rotation, on_close=self._close_counted, counted=True,
                                   dense_start=dense_start, dense_length=self.counted.rows,
@@ -289,6 +289,7 @@ class OscarLayer(CacheLayerMixin):
         if self.counted is None:
             return
         self._refresh_host_counts()
+        self.history.device_length.fill_(self.history.length)  # the host-counted path writes at it from here on
         self.counted = None
         if self.segment_open:
             # the last step's token was never settled (an `update` outside a forward: no attention closed its

@@ -80,29 +80,30 @@ def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_rat
     return None
 
 
-@torch.library.custom_op("oscar_hf::write_rows", mutates_args=("length", "dropped"))
+@torch.library.custom_op("oscar_hf::write_rows", mutates_args=())
 def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor, advance: torch.Tensor,
-               dropped: torch.Tensor, after: torch.Tensor) -> None:
-    """Write `rows[i]` `[B, H, n, ...]` into `buffers[i]` at rows `[length, length + n)`, then add `advance`
-    (int32 `[1]`) to `length`. A buffer without room for the block keeps `length` and adds `advance` to `dropped`
-    instead (the block is lost, nothing is written out of bounds; the host warns when it next reads the counts).
+               after: torch.Tensor) -> torch.Tensor:
+    """Write `rows[i]` `[B, H, n, ...]` into `buffers[i]` at rows `[length, length + n)` (`length`: int32 `[1]`),
+    where they count once the caller adds `advance` (int32 `[1]`, 0 or n) to its count. The last n rows of a
+    buffer are never counted: a block that would reach them is written there instead and lost, so a full history
+    keeps its rows and nothing is written out of bounds. Returns the tokens lost (int32 `[1]`): `advance` for such
+    a block, else 0 (the host warns when it next reads the counts).
 
     The buffers are written in place but not declared mutated: inductor clones a declared-mutated graph input it
     cannot prove free (here: a whole history, twice per layer and step). What the declaration would guarantee is
     kept by hand: `after` (the attention output that read the buffers) orders the write after that read, and the
-    rows written lie beyond `length` until it advances, so no other op of the step reads them."""
-    n = rows[0].shape[2]
-    positions = (torch.arange(n, device=length.device) + length).clamp_(max=buffers[0].shape[2] - 1)
-    fits = (length + n <= buffers[0].shape[2]).to(advance.dtype)
+    rows written lie beyond the count until the caller advances it, so no other op of the step reads them."""
+    n, size = rows[0].shape[2], buffers[0].shape[2]
+    fits = length + 2 * n <= size
+    positions = torch.arange(n, device=length.device) + torch.where(fits, length, size - n)
     for buffer, block in zip(buffers, rows):
         buffer.index_copy_(2, positions, block)
-    length.add_(advance * fits)
-    dropped.add_(advance * (1 - fits))
+    return advance * (~fits).to(advance.dtype)
 
 
 @write_rows.register_fake
-def _(buffers, rows, length, advance, dropped, after):
-    return None
+def _(buffers, rows, length, advance, after):
+    return torch.empty_like(advance)
 
 
 class OpBackend:
