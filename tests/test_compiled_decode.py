@@ -68,6 +68,29 @@ def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
 
 
+def test_a_compiled_step_reads_seven_tensors_of_each_layer():
+    """Every cache tensor a compiled step reads is a graph input whose guards run on every call (and the
+    cudagraph replay handles each input): a layer hands the step its two BF16 buffers, its four history buffers
+    and one tensor of counts, plus its rotations; window and staging blocks are made inside the graph."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (1, 40))
+    cache = OscarCache(model, method="hadamard", **OPTIONS)
+    guarded: set[str] = set()
+
+    def record(entries):
+        guarded.update(e.name for e in entries if e.guard_type == "TENSOR_MATCH")
+        return [True] * len(entries)
+
+    compiled_forward = torch.compile(model.forward, fullgraph=True, options={"guard_filter_fn": record})
+    name = cache_argument_name(model)
+    _decode(model, ids, cache, 3, lambda token, c: compiled_forward(input_ids=token, use_cache=True, **{name: c}))
+    layer = {n.split(".layers[1].", 1)[1] for n in guarded if ".layers[1]." in n}
+    assert layer - {"key_rotation", "value_rotation"} == {
+        "keys_buffer", "values_buffer", "counted.counts", "history.key_codes", "history.key_scale_zero",
+        "history.value_codes", "history.value_scale_zero"}
+
+
 @pytest.mark.parametrize("options", [dict(do_sample=False),
                                      dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9),
                                      dict(do_sample=True, min_p=0.05, repetition_penalty=1.3)])
