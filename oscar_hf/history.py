@@ -192,14 +192,21 @@ class QuantizedHistory(_History):
         n = keys.shape[2]
         if n == 0:
             return None
-        out = self._targets(n, reserve=advance is None)
         cfg = self.config
-        # counted decode: quantize only when the block is demoted (`advance` > 0), decided on the device
-        extra = {} if advance is None else {"only_if": advance}
+        if advance is not None:
+            # counted decode: one kernel quantizes the block straight into the buffers, only when it is demoted
+            # (`advance` > 0, decided on the device)
+            return backend.demote_kv_at(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio,
+                                        cfg.value_clip_ratio, cfg.bits, self.key_codes, self.key_scale_zero,
+                                        self.value_codes, self.value_scale_zero, cfg.encoder, advance, at, after)
+        out = self._targets(n)
         backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
                           cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
-                          out["value_scale_zero"], cfg.encoder, **extra)
-        return self._commit(n, out, advance, after, at)
+                          out["value_scale_zero"], cfg.encoder)
+        return self._commit(n, out)
+
+    def prepare_staging(self, n: int) -> None:
+        """Nothing: counted decode's demotion writes straight into the buffers (`Backend.demote_kv_at`)."""
 
 
 class FullPrecisionHistory(_History):

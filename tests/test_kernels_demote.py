@@ -197,6 +197,34 @@ def test_demotion_writes_nothing_where_the_device_flag_is_zero(backend):
             assert (codes == 7).all() and (sz == 3.0).all() and (codes_v == 7).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.uint8])
+def test_demotion_into_whole_history_buffers_writes_at_the_device_row(backend, scale_dtype):
+    """Counted decode's demotion (`demote_kv_at`): the block's codes land at rows [at, at + n) of the whole
+    buffers and nothing else changes; with the flag 0 nothing is written; a block that would reach the buffers'
+    last n rows (never counted) is written there and reported lost, leaving every counted row as it was."""
+    n, size = 8, 40
+    x = torch.randn(2, 2, n, 64, device=DEVICE)
+    impl = TritonBackend() if backend == "triton" else ReferenceBackend()
+    want_codes, want_sz = quantize_pack(x, 2, 0.96, scale_dtype)
+    for at, flag, start, lost in ((5, n, 5, 0), (5, 0, None, 0), (size - 2 * n, n, size - 2 * n, 0),
+                                  (size - 2 * n + 1, n, size - n, n), (size - n, 0, None, 0)):
+        buffers = [torch.full((2, 2, size, 16), 7, dtype=torch.uint8, device=DEVICE),
+                   torch.full((2, 2, size, 2), 3, dtype=scale_dtype, device=DEVICE)]
+        buffers += [b.clone() for b in buffers]
+        before = [b.clone() for b in buffers]
+        got = impl.demote_kv_at(x, x, None, None, 0.96, 0.96, 2, *buffers, "minmax",
+                                torch.tensor([flag], dtype=torch.int32, device=DEVICE),
+                                torch.tensor([at], dtype=torch.int32, device=DEVICE))
+        assert got.dtype == torch.int32 and int(got) == lost
+        expect = [b.clone() for b in before]
+        if start is not None:
+            for buffer, value in zip(expect, (want_codes, want_sz, want_codes, want_sz)):
+                buffer[:, :, start : start + n] = value
+        for buffer, want in zip(buffers, expect):
+            assert torch.equal(buffer, want)
+
+
 EXTREMES = (6.5e4, 7e4, 1e5, 3e38)
 
 

@@ -86,6 +86,12 @@ class Backend(Protocol):
                   value_codes_out: torch.Tensor, value_scale_zero_out: torch.Tensor,
                   encoder: str = "minmax", only_if: torch.Tensor | None = None) -> None: ...
 
+    def demote_kv_at(self, keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None,
+                     value_rotation: torch.Tensor | None, key_clip_ratio: float | None,
+                     value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
+                     key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor,
+                     encoder: str, only_if: torch.Tensor, at: torch.Tensor) -> torch.Tensor: ...
+
     def tiered_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
                          key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,

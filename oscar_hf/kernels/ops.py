@@ -1,13 +1,16 @@
 """The kernel interface as torch custom ops, so that `torch.compile` treats a decode step's kernels as opaque calls.
 
-Two operations cross the boundary (`torch.library.custom_op`, each with a fake implementation that only gives
+These operations cross the boundary (`torch.library.custom_op`, each with a fake implementation that only gives
 shapes):
 - `oscar_hf::decode_attention`: one layer's single-token attention over its BF16 rows (the first `dense_length`
   of `keys`/`values`, minus each row's `dense_start` leading pads) and its history (the first `history_length`
   rows, minus each row's `history_start` leading pads). Both lengths are int32 `[1]` device tensors, so one
   compiled graph, or one captured CUDA graph, serves every step of a demotion cycle;
 - `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them), or
-  nothing where the device flag `only_if` holds 0.
+  nothing where the device flag `only_if` holds 0;
+- `oscar_hf::demote_into`: the same, straight into a quantized history's buffers at a device row (a counted
+  decode step's demotion: one kernel, no staging block);
+- `oscar_hf::write_rows`: rows into a full-precision history's buffers at a device row (the `none` method).
 
 A backend instance is not a tensor, so an op names it: `register_backend` gives each backend a key, and the op
 looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the backend).
@@ -80,6 +83,30 @@ def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_rat
     return None
 
 
+@torch.library.custom_op("oscar_hf::demote_into", mutates_args=())
+def demote_into(
+    keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None,
+    key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
+    key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, encoder: str,
+    backend: str, only_if: torch.Tensor, at: torch.Tensor, after: torch.Tensor,
+) -> torch.Tensor:
+    """A counted decode step's demotion, written straight into the history buffers at the device row `at`
+    (`Backend.demote_kv_at`); returns the tokens lost to a full history (int32 `[1]`).
+
+    The buffers are written in place but not declared mutated, as in `write_rows` (whose docstring says why):
+    `after` (the attention output that read them) orders the write after that read, and the rows written lie
+    beyond the count until the caller advances it."""
+    return _backend(backend).demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
+                                          value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
+                                          value_scale_zero, encoder, only_if, at)
+
+
+@demote_into.register_fake
+def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes, key_scale_zero,
+      value_codes, value_scale_zero, encoder, backend, only_if, at, after):
+    return torch.empty_like(only_if)
+
+
 @torch.library.custom_op("oscar_hf::write_rows", mutates_args=())
 def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor, advance: torch.Tensor,
                after: torch.Tensor) -> torch.Tensor:
@@ -120,6 +147,14 @@ class OpBackend:
         torch.ops.oscar_hf.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                                      key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
                                      encoder, self.key, only_if)
+
+    def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                     key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at,
+                     after=None) -> torch.Tensor:
+        return torch.ops.oscar_hf.demote_into(keys, values, key_rotation, value_rotation, key_clip_ratio,
+                                              value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
+                                              value_scale_zero, encoder, self.key, only_if, at,
+                                              after if after is not None else only_if)
 
     def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
                          key_rotation, value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:

@@ -37,6 +37,23 @@ class ReferenceBackend:
         self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out, encoder)
         self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out, encoder)
 
+    def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                     key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at) -> torch.Tensor:
+        """`demote_kv` of `n` rows straight into whole history buffers `[B, H, capacity, ...]`, at rows
+        `[at, at + n)` (`at`: int32 `[1]` on the device), where `only_if` (int32 `[1]`: 0 or n) is not 0. The
+        buffers' last n rows are never counted: a block that would reach them is written there instead and lost.
+        Returns the tokens lost (int32 `[1]`): `only_if` for such a block, else 0."""
+        n, size = keys.shape[2], key_codes.shape[2]
+        fits = at + 2 * n <= size
+        lost = only_if * (~fits).to(only_if.dtype)
+        if bool(only_if):  # read on the host: the reference is never graph-captured
+            start = int(at) if bool(fits) else size - n
+            rows = slice(start, start + n)
+            self.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                           key_codes[:, :, rows], key_scale_zero[:, :, rows], value_codes[:, :, rows],
+                           value_scale_zero[:, :, rows], encoder)
+        return lost
+
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):
         """The BF16 tiers' partial `(out, lse)` (`reference.attention.dense_partial`)."""
         return dense_partial(query, key, value, mask, scaling, softcap)

@@ -97,6 +97,19 @@ class TritonBackend(ReferenceBackend):
                      (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits,
                     encoder=encoder, only_if=only_if)
 
+    def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                     key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at):
+        if (encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1])
+                or key_scale_zero.dtype not in KERNEL_SCALE_DTYPES):
+            return super().demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
+                                        value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
+                                        value_scale_zero, encoder, only_if, at)
+        lost = torch.empty_like(only_if)
+        demote_rows([(keys, key_rotation, key_clip_ratio, key_codes, key_scale_zero),
+                     (values, value_rotation, value_clip_ratio, value_codes, value_scale_zero)], bits,
+                    encoder=encoder, only_if=only_if, at=at, lost=lost)
+        return lost
+
     # ------------------------------------------------------------------------------------------ attention
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):
         if not self._supported(query, key, value, mask):

@@ -83,10 +83,11 @@ def _demote_tensor(
     r_ptr, srh, srk,
     c_ptr, scb, sch, sct,
     z_ptr, szb, szh, szt,
-    b, h, t0, n, clip_idx, floor_ratio, pair_max,
+    b, h, t0, n, o0, clip_idx, floor_ratio, pair_max,
     D: tl.constexpr, BITS: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMA: tl.constexpr, STEP: tl.constexpr,
 ):
+    # input rows t0 + i, output rows o0 + t0 + i (o0: where the block goes in whole history buffers, else 0)
     offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D)
     row_ok = offs_t < n
@@ -153,8 +154,9 @@ def _demote_tensor(
     packed = tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
     offs_c = tl.arange(0, nbytes)
     c_base = c_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
-    tl.store(c_base + offs_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
-    z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + offs_t * szt
+    out_t = (o0 + offs_t).to(tl.int64)
+    tl.store(c_base + out_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
+    z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + out_t * szt
     if COMPACT_PAIRS:
         tl.store(z_base, scale_code.to(tl.uint8), mask=row_ok)
         tl.store(z_base + 1, zero_code.to(tl.uint8), mask=row_ok)
@@ -163,14 +165,23 @@ def _demote_tensor(
         tl.store(z_base + 1, round_to(zero, z_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "size"])
 def _demote_kernel(
     kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt, k_clip, k_floor, k_max,
     vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt, v_clip, v_floor, v_max,
-    n, flag_ptr,
+    n, flag_ptr, at_ptr, size, lost_ptr,
     D: tl.constexpr, BITS: tl.constexpr, K_ROT: tl.constexpr, V_ROT: tl.constexpr, NUM_TENSORS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SIGMA: tl.constexpr, STEP: tl.constexpr, HAS_FLAG: tl.constexpr,
+    HAS_AT: tl.constexpr,
 ):
+    o0 = 0
+    if HAS_AT:  # whole history buffers: the block goes after `at`, or to their last n rows if it does not fit
+        at = tl.load(at_ptr)
+        fits = at + 2 * n <= size
+        o0 = tl.where(fits, at, size - n)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            demoted = tl.load(flag_ptr) if HAS_FLAG else n
+            tl.store(lost_ptr, tl.where(fits, 0, demoted))
     if HAS_FLAG:  # a counted decode step demotes only when the device says its window is full
         if tl.load(flag_ptr) == 0:
             return
@@ -180,10 +191,10 @@ def _demote_kernel(
     which = tl.program_id(2) % NUM_TENSORS
     if which == 0:
         _demote_tensor(kx_ptr, kxb, kxh, kxt, kr_ptr, krh, krk, kc_ptr, kcb, kch, kct, kz_ptr, kzb, kzh, kzt,
-                       b, h, t0, n, k_clip, k_floor, k_max, D, BITS, K_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
+                       b, h, t0, n, o0, k_clip, k_floor, k_max, D, BITS, K_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
     else:
         _demote_tensor(vx_ptr, vxb, vxh, vxt, vr_ptr, vrh, vrk, vc_ptr, vcb, vch, vct, vz_ptr, vzb, vzh, vzt,
-                       b, h, t0, n, v_clip, v_floor, v_max, D, BITS, V_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
+                       b, h, t0, n, o0, v_clip, v_floor, v_max, D, BITS, V_ROT, BLOCK_T, BLOCK_K, SIGMA, STEP)
 
 
 def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
@@ -208,7 +219,8 @@ def _tensor_args(bits, x, rotation, clip_ratio, codes, scale_zero):
 
 
 def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax",
-                only_if: torch.Tensor | None = None) -> None:
+                only_if: torch.Tensor | None = None, at: torch.Tensor | None = None,
+                lost: torch.Tensor | None = None) -> None:
     """Quantize one or two tensors in one launch, with the `minmax` or the `sigma` encoder (`quantize`).
 
     `pairs`: a list of one or two tuples `(x, rotation, clip_ratio, codes_out, scale_zero_out)` with `x`
@@ -216,21 +228,33 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax
     `[B, H, n, 2]` (float, or uint8: compact pairs); the outputs are written in place (views into the history
     buffers are fine). `only_if` (integer `[1]` on the device, optional): the kernel writes nothing where it holds
     0.
+
+    `at` (int32 `[1]` on the device) with `lost` (int32 `[1]`, written): the outputs are whole history buffers
+    `[B, H, capacity, ...]` and the rows go to `[at, at + n)`; their last n rows are never counted, so a block
+    that would reach them goes there instead, and `lost` says how many tokens were lost that way (`only_if`'s
+    value, or n, for such a block; else 0). This is `ReferenceBackend.demote_kv_at`.
     """
     if not 1 <= len(pairs) <= 2:
         raise ValueError(f"demote_rows takes one or two tensors, got {len(pairs)}")
     x = pairs[0][0]
     batch, heads, n, d = x.shape
+    if (at is None) != (lost is None):
+        raise ValueError("demote_rows takes `at` and `lost` together")
+    rows = pairs[0][3].shape[2] if at is not None else n
+    if at is not None and rows < n:
+        raise ValueError(f"history buffers of {rows} rows cannot take a block of {n}")
     for px, _, _, codes, sz in pairs:
         if px.shape != x.shape:
             raise ValueError(f"demote_rows needs keys and values of one shape, got {tuple(px.shape)} and {tuple(x.shape)}")
-        if codes.shape != (batch, heads, n, d * bits // 8) or codes.dtype != torch.uint8:
-            raise ValueError(f"codes_out must be uint8 {(batch, heads, n, d * bits // 8)}, got {codes.dtype} {tuple(codes.shape)}")
-        if sz.shape != (batch, heads, n, 2):
-            raise ValueError(f"scale_zero_out must be {(batch, heads, n, 2)}, got {tuple(sz.shape)}")
+        if codes.shape != (batch, heads, rows, d * bits // 8) or codes.dtype != torch.uint8:
+            raise ValueError(f"codes_out must be uint8 {(batch, heads, rows, d * bits // 8)}, got {codes.dtype} {tuple(codes.shape)}")
+        if sz.shape != (batch, heads, rows, 2):
+            raise ValueError(f"scale_zero_out must be {(batch, heads, rows, 2)}, got {tuple(sz.shape)}")
     if encoder not in KERNEL_ENCODERS:
         raise ValueError(f"encoder={encoder!r}: the demotion kernel encodes {KERNEL_ENCODERS}")
     if n == 0:
+        if lost is not None:
+            lost.zero_()
         return
     if not kernel_head_dim(d):
         raise ValueError(f"head_dim={d}: the kernels need a power of two from 64 to 256")
@@ -240,9 +264,10 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax
     grid = (triton.cdiv(n, block_tokens), heads, batch * len(pairs))
     with launch_device(x):
         _demote_kernel[grid](
-            *args[0], *args[1], n, x if only_if is None else only_if,
+            *args[0], *args[1], n, x if only_if is None else only_if, x if at is None else at, rows,
+            x if lost is None else lost,
             D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,
             NUM_TENSORS=len(pairs), BLOCK_T=block_tokens, BLOCK_K=min(d, 32), SIGMA=encoder == "sigma",
             STEP=GAUSSIAN_UNIFORM_STEP[bits] if encoder == "sigma" else 1.0, HAS_FLAG=only_if is not None,
-            num_warps=4,
+            HAS_AT=at is not None, num_warps=4,
         )
