@@ -31,6 +31,15 @@ from typing import Protocol
 import torch
 
 
+def block_start(at: torch.Tensor, n: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a counted decode step writes a block of `n` rows into history buffers of `size` rows: right after the
+    count `at` (int32 `[1]` on the device) if the block fits, else onto the buffers' last n rows, which are never
+    counted (a full history keeps every row it counts). Returns (first row, fits), int32 and bool `[1]`. The
+    Triton demotion kernel applies the same rule on the device."""
+    fits = at + 2 * n <= size
+    return torch.where(fits, at, torch.full_like(at, size - n)), fits
+
+
 def kernel_head_dim(dim: int) -> bool:
     """Head sizes the GPU kernels take: powers of two from 64 (a quarter of a row feeds a 16-wide dot) to 256."""
     return 64 <= dim <= 256 and dim & (dim - 1) == 0

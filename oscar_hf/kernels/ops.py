@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.kernels.interface import Backend, HistoryTensors
+from oscar_hf.kernels.interface import Backend, HistoryTensors, block_start
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -120,9 +120,9 @@ def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: to
     cannot prove free (here: a whole history, twice per layer and step). What the declaration would guarantee is
     kept by hand: `after` (the attention output that read the buffers) orders the write after that read, and the
     rows written lie beyond the count until the caller advances it, so no other op of the step reads them."""
-    n, size = rows[0].shape[2], buffers[0].shape[2]
-    fits = length + 2 * n <= size
-    positions = torch.arange(n, device=length.device) + torch.where(fits, length, size - n)
+    n = rows[0].shape[2]
+    start, fits = block_start(length, n, buffers[0].shape[2])
+    positions = torch.arange(n, device=length.device) + start
     for buffer, block in zip(buffers, rows):
         buffer.index_copy_(2, positions, block)
     return advance * (~fits).to(advance.dtype)

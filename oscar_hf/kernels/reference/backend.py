@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.kernels.interface import HistoryTensors
+from oscar_hf.kernels.interface import HistoryTensors, block_start
 from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials, tiered_reference
 from oscar_hf.kernels.reference.quantize import quantize_pack
 from oscar_hf.rotations.math import rotate
@@ -43,12 +43,11 @@ class ReferenceBackend:
         `[at, at + n)` (`at`: int32 `[1]` on the device), where `only_if` (int32 `[1]`: 0 or n) is not 0. The
         buffers' last n rows are never counted: a block that would reach them is written there instead and lost.
         Returns the tokens lost (int32 `[1]`): `only_if` for such a block, else 0."""
-        n, size = keys.shape[2], key_codes.shape[2]
-        fits = at + 2 * n <= size
+        n = keys.shape[2]
+        start, fits = block_start(at, n, key_codes.shape[2])
         lost = only_if * (~fits).to(only_if.dtype)
         if bool(only_if):  # read on the host: the reference is never graph-captured
-            start = int(at) if bool(fits) else size - n
-            rows = slice(start, start + n)
+            rows = slice(int(start), int(start) + n)
             self.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                            key_codes[:, :, rows], key_scale_zero[:, :, rows], value_codes[:, :, rows],
                            value_scale_zero[:, :, rows], encoder)

@@ -175,7 +175,7 @@ def _demote_kernel(
     HAS_AT: tl.constexpr,
 ):
     o0 = 0
-    if HAS_AT:  # whole history buffers: the block goes after `at`, or to their last n rows if it does not fit
+    if HAS_AT:  # whole history buffers: `interface.block_start`
         at = tl.load(at_ptr)
         fits = at + 2 * n <= size
         o0 = tl.where(fits, at, size - n)
