@@ -95,7 +95,7 @@ class CountedDecode:
             self.eager_steps += 1
             if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
                 self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
-                self.sync_history(layer)
+                layer.history.length = self.host_counts(layer)[2]  # `pin` keeps the rows stored so far
                 layer.history.pin(history_capacity(self.history_start, self.reserve, self.block, self.bucket))
                 _static(*layer.history.static_tensors())
         position = self.rows.long()
@@ -135,13 +135,6 @@ class CountedDecode:
         that a custom op advanced in place was observed read after that write by a fused kernel)."""
         c = self.counts
         return c[TOKENS : TOKENS + 1] - c[ROWS : ROWS + 1] - c[DROPPED : DROPPED + 1]
-
-    def sync_history(self, layer) -> None:
-        """Give the history its length from the counts: the host length (a read from the device) and the pinned
-        device length, which the host-counted path writes at once counted decode stops."""
-        count = self.history_count()
-        layer.history.device_length.copy_(count)
-        layer.history.length = int(count)
 
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped

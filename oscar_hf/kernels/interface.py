@@ -31,13 +31,14 @@ from typing import Protocol
 import torch
 
 
-def block_start(at: torch.Tensor, n: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_start(at: torch.Tensor, n: int, size: int, advance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a counted decode step writes a block of `n` rows into history buffers of `size` rows: right after the
     count `at` (int32 `[1]` on the device) if the block fits, else onto the buffers' last n rows, which are never
-    counted (a full history keeps every row it counts). Returns (first row, fits), int32 and bool `[1]`. The
-    Triton demotion kernel applies the same rule on the device."""
+    counted (a full history keeps every row it counts). Returns (first row, tokens lost), int32 `[1]` each: the
+    block's `advance` (0 or n, what the caller will count) when it does not fit, else 0. The Triton demotion kernel
+    applies the same rule on the device."""
     fits = at + 2 * n <= size
-    return torch.where(fits, at, torch.full_like(at, size - n)), fits
+    return torch.where(fits, at, torch.full_like(at, size - n)), advance * (~fits).to(advance.dtype)
 
 
 def kernel_head_dim(dim: int) -> bool:

@@ -121,11 +121,11 @@ def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: to
     kept by hand: `after` (the attention output that read the buffers) orders the write after that read, and the
     rows written lie beyond the count until the caller advances it, so no other op of the step reads them."""
     n = rows[0].shape[2]
-    start, fits = block_start(length, n, buffers[0].shape[2])
+    start, lost = block_start(length, n, buffers[0].shape[2], advance)
     positions = torch.arange(n, device=length.device) + start
     for buffer, block in zip(buffers, rows):
         buffer.index_copy_(2, positions, block)
-    return advance * (~fits).to(advance.dtype)
+    return lost
 
 
 @write_rows.register_fake

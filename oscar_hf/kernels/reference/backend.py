@@ -44,8 +44,7 @@ class ReferenceBackend:
         buffers' last n rows are never counted: a block that would reach them is written there instead and lost.
         Returns the tokens lost (int32 `[1]`): `only_if` for such a block, else 0."""
         n = keys.shape[2]
-        start, fits = block_start(at, n, key_codes.shape[2])
-        lost = only_if * (~fits).to(only_if.dtype)
+        start, lost = block_start(at, n, key_codes.shape[2], only_if)
         if bool(only_if):  # read on the host: the reference is never graph-captured
             rows = slice(int(start), int(start) + n)
             self.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,

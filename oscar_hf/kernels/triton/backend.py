@@ -85,11 +85,16 @@ class TritonBackend(ReferenceBackend):
             return super().demote(x, rotation, clip_ratio, bits, codes_out, scale_zero_out, encoder)
         demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits, encoder=encoder)
 
+    @staticmethod
+    def _kernel_demotes_kv(keys, values, scale_zero, encoder) -> bool:
+        """Whether the demotion kernel takes keys and values in one launch (else the reference demotes them)."""
+        return (encoder in KERNEL_ENCODERS and keys.shape == values.shape and kernel_head_dim(keys.shape[-1])
+                and scale_zero.dtype in KERNEL_SCALE_DTYPES)
+
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
                   only_if=None) -> None:
-        if (encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1])
-                or key_scale_zero_out.dtype not in KERNEL_SCALE_DTYPES):
+        if not self._kernel_demotes_kv(keys, values, key_scale_zero_out, encoder):
             return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
                                      bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
                                      encoder, only_if)
@@ -99,8 +104,7 @@ class TritonBackend(ReferenceBackend):
 
     def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                      key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at):
-        if (encoder not in KERNEL_ENCODERS or keys.shape != values.shape or not kernel_head_dim(keys.shape[-1])
-                or key_scale_zero.dtype not in KERNEL_SCALE_DTYPES):
+        if not self._kernel_demotes_kv(keys, values, key_scale_zero, encoder):
             return super().demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
                                         value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
                                         value_scale_zero, encoder, only_if, at)
