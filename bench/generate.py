@@ -14,12 +14,13 @@ filled cache holds (OscarCache: allocated capacity, including spare room).
 the measured points) fits `--budget-gb`, then measured at that batch (stepping down on out-of-memory); job
 throughput = batch / step time at that batch.
 
-`graphs` (in `--caches`) is OscarCache decoded by `oscar_hf.graph_decode.graphed_generate`: greedy steps replayed
-from CUDA graphs (one per demotion phase); step ms = the replays' synchronized wall time / their count (40 steps
-after the eager steps up to a cycle start, the warm-up cycle and the captures, none of which are timed).
+Kinds (`--caches`): `oscar` (greedy), `oscar-topp` (top-p sampling), `oscar-eager` (greedy, `disable_compile`),
+`oscar-noguards` (an experiment: the compiled step without dynamo's guards), `oscar-compact` (oscar-next's row
+format), `dynamic`, `static` (StaticCache, compiled by `generate`), `quanto`. Earlier runs' `graphs` rows
+(`graphed_generate`'s own CUDA graphs) are in `bench/RESULTS.md`; that function is now `generate` itself.
 
-`--host-profile` also times the Python side of the cache + attention per decode step (no model), for OscarCache
-(Triton) and DynamicCache + SDPA, in microseconds per step over all layers.
+`--host-profile` also times the eager decode path's host side (`host_profile`): microseconds per attention call
+(cache update + attention) and a whole eager forward's host and wall time, OscarCache against DynamicCache + SDPA.
 
 HF QuantizedCache (quanto, 2-bit) is measured with `quanto` in `--caches` (needs optimum-quanto).
 """
@@ -38,6 +39,7 @@ import torch
 from bench import harness
 from bench.harness import FILLERS, GB, allocated, build_model, empty_cache, safe_measure, set_attention, sync
 from oscar_hf import OscarCache
+from oscar_hf.compat import cache_argument_name
 
 
 def cache_bytes(cache) -> int:
@@ -76,14 +78,20 @@ def max_batch(model, kind, context, rows, budget):
     return None
 
 
-def host_profile(model, steps=50, context=4096, batch=1):
-    """Python-side microseconds per decode step in cache.update + attention + settle, all layers (GPU work is
-    queued, not waited for)."""
+def host_profile(model, steps=24, context=4096, batch=1):
+    """Host time of the eager decode path, OscarCache (device-counted steps, what runs without compiling) against
+    DynamicCache + SDPA. Returns, per kind:
+    - `us_per_attention_call`: one layer's `cache.update` + attention (+ the demotion its close issues), from the
+      call to its return, with the device synchronized before it (so neither earlier GPU work nor a full launch
+      queue is counted); the median over layers and steps;
+    - `step_host_ms` / `step_wall_ms`: a whole eager forward of one token (the model's own code included), until it
+      returns and until the device is done, medians over steps."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from oscar_hf.attention import oscar_attention_forward
 
     cfg, device = model.config, harness.DEVICE
+    name = cache_argument_name(model)
     out = {}
     for kind in ("oscar", "dynamic"):
         set_attention(model, kind)
@@ -91,24 +99,39 @@ def host_profile(model, steps=50, context=4096, batch=1):
         modules = [layer.self_attn for layer in model.model.layers]
         q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, device=device, dtype=torch.bfloat16)
         k = torch.randn(batch, cfg.num_key_value_heads, 1, cfg.head_dim, device=device, dtype=torch.bfloat16)
-        name = "kwargs"
-        sync()
-        elapsed = []
-        for step in range(steps + 5):
-            t0 = time.perf_counter()
+        calls = []
+        for step in range(steps + 3):  # the first steps start counted decode and compile its kernels
             for i, module in enumerate(modules):
-                kwargs = {}
-                keys, values = cache.update(k, k, i, **({name: kwargs} if kind == "oscar" else {}))
+                sync()
+                t0 = time.perf_counter()
+                keys, values = cache.update(k, k, i)
                 if kind == "oscar":
-                    oscar_attention_forward(module, q, keys, values, None, scaling=module.scaling, **kwargs)
+                    oscar_attention_forward(module, q, keys, values, None, scaling=module.scaling)
                 else:
                     sdpa_attention_forward(module, q, keys, values, None, scaling=module.scaling)
-            elapsed.append(time.perf_counter() - t0)
-            sync()
-        out[kind] = 1e6 * sorted(elapsed[5:])[len(elapsed[5:]) // 2]
+                if step >= 3:
+                    calls.append(time.perf_counter() - t0)
+        host, wall = [], []
+        token = torch.randint(10, 1000, (batch, 1), device=device)
+        with torch.no_grad():
+            for step in range(steps + 3):
+                sync()
+                t0 = time.perf_counter()
+                model(token, **{name: cache}, use_cache=True, logits_to_keep=1)
+                t1 = time.perf_counter()
+                sync()
+                if step >= 3:
+                    host.append(t1 - t0)
+                    wall.append(time.perf_counter() - t0)
+        out[kind] = dict(us_per_attention_call=1e6 * _median(calls), step_host_ms=1e3 * _median(host),
+                         step_wall_ms=1e3 * _median(wall))
         del cache
         empty_cache()
     return out
+
+
+def _median(values):
+    return sorted(values)[len(values) // 2]
 
 
 def table(rows):
@@ -135,8 +158,8 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--contexts", default="32768,100000")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--oscar-batches", default="1,8,32", help="batches for OscarCache (oscar and graphs)")
-    parser.add_argument("--caches", default="oscar,graphs,dynamic")
+    parser.add_argument("--oscar-batches", default="1,8,32", help="batches for the OscarCache kinds")
+    parser.add_argument("--caches", default="oscar,static,dynamic")
     parser.add_argument("--budget-gb", type=float, default=140.0)
     parser.add_argument("--max-batch", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
@@ -165,15 +188,15 @@ def main():
     name = torch.cuda.get_device_name() if harness.DEVICE == "cuda" else "cpu"
     print(f"device {name}, weights {allocated() / GB:.1f} GB", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]
-    kinds = args.caches.split(",")
+    kinds = [kind for kind in args.caches.split(",") if kind]  # "" with --host-profile: the profile alone
     rows = []
     result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=name,
                   torch=torch.__version__, rows=rows)
     if args.host_profile:
-        result["host_us_per_step"] = host_profile(model)
-        print("host us/step (cache + attention, 36 layers):", result["host_us_per_step"], flush=True)
+        result["host_profile"] = host_profile(model)
+        print("eager host profile (4k context, batch 1):", json.dumps(result["host_profile"]), flush=True)
     for kind in kinds:
-        batches = args.oscar_batches if kind.startswith("oscar") or kind == "graphs" else args.batches
+        batches = args.oscar_batches if kind.startswith("oscar") else args.batches
         for context in contexts:
             for batch in [int(b) for b in batches.split(",")]:
                 row = safe_measure(model, kind, batch, context)

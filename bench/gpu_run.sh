@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: kernel tests at real shapes, then the benchmarks. Usage: bench/gpu_run.sh OUT_DIR [parts]
-# parts (comma-separated, run in this order): tests (the kernel and graph-decode test files) or attntests (the attention one),
+# parts (comma-separated, run in this order): tests (the kernel and compiled-decode test files) or attntests (the attention one),
 # generate, attention (add "sweep" to time launch configurations first, "splits" for the split minimums, "breakdown" for kernel times per call), ncu. Logs and JSON land in OUT_DIR.
 set -o pipefail
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}
@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
 files=""
-[[ ,$parts, == *,tests,* ]] && files="tests/test_kernels_demote.py tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_graph_decode.py"
+[[ ,$parts, == *,tests,* ]] && files="tests/test_kernels_demote.py tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_compiled_decode.py"
 [[ ,$parts, == *,attntests,* ]] && files="tests/test_kernels_attention.py"
 for f in $files; do
   python3 -m pytest -q -rs --tb=short "$f" 2>&1 | tee -a "$out/tests.log"

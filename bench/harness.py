@@ -11,7 +11,6 @@ so the decode helpers also run on CPU (`--smoke`) where Triton is missing.
 from __future__ import annotations
 
 import gc
-import math
 import os
 import re
 import subprocess
@@ -149,7 +148,7 @@ def fill_static(model, batch, context):
     return _fill_every_layer(StaticCache(config=model.config, max_cache_len=context + 64), model, batch, context)
 
 
-FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar, "graphs": fill_oscar,
+FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar,
            "oscar-noguards": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static,
            # oscar-next's row format (sigma rows, compact pairs) with Hadamard rotations, all layers at 2 bits
            "oscar-compact": lambda model, batch, context: fill_oscar(model, batch, context, scale_dtype="compact",
@@ -176,7 +175,7 @@ GENERATE_OPTIONS["oscar-noguards"] = _no_guards_options()
 
 
 def set_attention(model, kind):
-    if kind.startswith("oscar") or kind == "graphs":
+    if kind.startswith("oscar"):
         use_oscar_attention(model)
     else:
         model.set_attn_implementation("sdpa")
@@ -224,20 +223,6 @@ def decode_step(model, cache, batch, context, warmup=6, steps=16, options=None):
     return result, peak(), first_call
 
 
-def graph_decode_step(model, cache, batch, context, steps=40):
-    """(ms per replayed decode step, same) and peak bytes for `graphed_generate` continuing `cache`."""
-    from oscar_hf.graph_decode import graphed_generate
-
-    reset_peak()
-    period = cache.layers[0].config.demote_block
-    ids = torch.randint(10, 1000, (batch, cache.get_seq_length() + 1), device=DEVICE)
-    stats = {}
-    graphed_generate(model, ids, cache, max_new_tokens=1 + 2 * period + steps, stats=stats,
-                     use_graphs=DEVICE == "cuda")
-    ms = 1e3 * stats["graph_seconds"] / stats["graph_steps"] if stats["graph_steps"] else math.nan
-    return (ms, ms), peak(), None
-
-
 def measure(model, kind, batch, context):
     """One row: a `kind` cache (a key of `FILLERS`) filled to `context` tokens at `batch`, then its decode steps."""
     set_attention(model, kind)
@@ -250,11 +235,8 @@ def measure(model, kind, batch, context):
     sync()
     fill_s = time.perf_counter() - t0
     held = allocated() - base
-    if kind == "graphs":
-        (step_ms, mean_ms), peak_bytes, first_s = graph_decode_step(model, cache, batch, context)
-    else:
-        (step_ms, mean_ms), peak_bytes, first_s = decode_step(model, cache, batch, context,
-                                                              options=GENERATE_OPTIONS.get(kind))
+    (step_ms, mean_ms), peak_bytes, first_s = decode_step(model, cache, batch, context,
+                                                          options=GENERATE_OPTIONS.get(kind))
     row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
                tokens_per_s=batch / step_ms * 1e3, peak_GB=peak_bytes / GB, cache_GB=held / GB, fill_s=fill_s,
                first_call_s=first_s)

@@ -1,10 +1,10 @@
 """Generate from SmolLM2-135M with a long prompt through OscarCache (CPU by default).
 
     python examples/generate.py [--rotations PATH_OR_REPO|hadamard] [--method ...] [--prompt-tokens 1500]
-                                [--device cuda] [--graph-decode]
+                                [--device cuda]
 
-`--graph-decode` decodes OscarCache's steps with `generate_with_graphs` (CUDA graphs on a GPU; on the CPU the same
-steps run eagerly and give the same tokens).
+On a GPU, `generate` compiles OscarCache's decode step and replays it from CUDA graphs by itself (its first call
+includes the compile).
 
 The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history. The default
 rotations are the calibrated SmolLM2 ones shipped in `rotations/smollm2-135m` (made by `oscar-calibrate`).
@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from oscar_hf import OscarCache, generate_with_graphs
+from oscar_hf import OscarCache
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.eval.assets import load_smollm2, play_text
 
@@ -34,7 +34,6 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--graph-decode", action="store_true", help="OscarCache through generate_with_graphs")
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=torch.float32)
@@ -48,9 +47,8 @@ def main() -> None:
     outputs = {}
     for label, cache in (("BF16 DynamicCache", DynamicCache(config=model.config)),
                          ("OscarCache", OscarCache(model, rotations=args.rotations, method=args.method))):
-        extra = {"custom_generate": generate_with_graphs} if args.graph_decode and label == "OscarCache" else {}
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **extra, **{name: cache})
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **{name: cache})
         seconds = time.perf_counter() - start
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         outputs[label] = text

@@ -8,7 +8,7 @@ follow_transformers_verbosity()
 from oscar_hf.attention import OSCAR_ATTENTION, oscar_attention_forward, register
 from oscar_hf.cache import OscarCache, use_oscar_attention
 from oscar_hf.config import PRESETS, OscarConfig
-from oscar_hf.graph_decode import GraphDecodeError, generate_with_graphs, graphed_generate
+from oscar_hf.graph_decode import GraphDecodeError, graphed_generate
 from oscar_hf.model_support import UnsupportedModelError
 from oscar_hf.rotations.rotations import RotationFileError, Rotations
 
@@ -23,10 +23,21 @@ __all__ = [
     "RotationFileError",
     "Rotations",
     "UnsupportedModelError",
-    "generate_with_graphs",
     "graphed_generate",
     "oscar_attention_forward",
     "register",
     "use_oscar_attention",
 ]
 __version__ = "0.1.0"
+
+_REMOVED = {
+    "generate_with_graphs": "generate_with_graphs was removed: model.generate(ids, past_key_values=OscarCache(model)) "
+                            "now compiles the decode step and replays it from CUDA graphs by itself, for every "
+                            "decoding strategy; drop the custom_generate= argument",
+}
+
+
+def __getattr__(name: str):
+    if name in _REMOVED:
+        raise AttributeError(_REMOVED[name])
+    raise AttributeError(f"module 'oscar_hf' has no attribute {name!r}")

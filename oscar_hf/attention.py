@@ -82,17 +82,14 @@ def _eager_attention_forward(module, query, key, value, attention_mask, dropout,
     if out is None:
         out = _attend(module, query, key, value, attention_mask, dropout, scaling, softcap, segment, kwargs)
     if segment is not None:
-        segment.close(None if segment.mask_free_decode and query.shape[2] == 1 else attention_mask, query)
+        segment.close(attention_mask, query)
     return out, None
 
 
 def _attend(module, query, key, value, attention_mask, dropout, scaling, softcap, segment, kwargs) -> torch.Tensor:
-    dense_start = history_start = None
-    if segment is not None and segment.mask_free_decode and query.shape[2] == 1:
-        attention_mask, dense_start, history_start = None, segment.dense_start, segment.history_start
-    elif segment is not None:
+    if segment is not None:
         attention_mask = segment.tier_mask(attention_mask)
-    if segment is None or (segment.history_length == 0 and softcap is None and dense_start is None):
+    if segment is None or (segment.history_length == 0 and softcap is None):
         if softcap is None:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                             scaling=scaling, **kwargs)
@@ -101,8 +98,7 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, softcap
     if segment.layer_idx != getattr(module, "layer_idx", segment.layer_idx):
         raise RuntimeError(f"OSCAR segment of layer {segment.layer_idx} reached layer {module.layer_idx}")
     return segment.backend.tiered_attention(query, key, value, attention_mask, segment.history, segment.sink_length,
-                                            segment.key_rotation, segment.value_rotation, scaling, softcap,
-                                            dense_start, history_start)
+                                            segment.key_rotation, segment.value_rotation, scaling, softcap)
 
 
 def _softcapped_dense(query, key, value, attention_mask, scaling, softcap):

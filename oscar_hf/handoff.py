@@ -35,10 +35,8 @@ class HistorySegment:
     tokens, a padded row's sink and history are not in time order (`demotion`, left padding): `tier_mask` restates
     the mask transformers built for that layout.
 
-    `mask_free_decode`: a single-token forward attends to every cached token except each row's first
-    `dense_start[b]` BF16 rows and `history_start[b]` history rows (int32 `[B]`, left padding, or None), and the
-    mask transformers built is ignored (graph decode: a mask captured in a CUDA graph keeps its width while the
-    history grows).
+    A counted decode step (`counted`) attends to every cached token except each row's first `dense_start[b]`
+    BF16 rows and `history_start[b]` history rows (int32 `[B]`, left padding, or None), without a mask.
     """
 
     layer_idx: int
@@ -48,12 +46,11 @@ class HistorySegment:
     key_rotation: torch.Tensor | None
     value_rotation: torch.Tensor | None
     on_close: Callable[[torch.Tensor | None, torch.Tensor | None], None]
-    mask_free_decode: bool = False
-    dense_start: torch.Tensor | None = None
     # counted decode (`counted_decode`): `history` spans the buffers' capacity with its length on the device
     # (`length_ptr`), the key/value tensors are the whole BF16 buffer of which `dense_length` rows are in use
     counted: bool = False
     dense_length: torch.Tensor | None = None
+    dense_start: torch.Tensor | None = None
     history_start: torch.Tensor | None = None
     row_start: torch.Tensor | None = None
 

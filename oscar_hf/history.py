@@ -6,10 +6,10 @@ dtype (the `none` method: same tiers and merge, no quantization). Both grow by a
 (geometric, so appending costs amortized O(new tokens), never a copy of the whole history per step; an eighth
 rather than a half so that spare capacity stays under 12.5% of a long context's history).
 
-`pin(capacity)` prepares a history for CUDA-graph replay (`oscar_hf.graph_decode`): the buffers get a fixed
-capacity and the length is also kept on the device (`device_length`, int32 `[1]`). Appends then write at that
-device position (through a staging block and `index_copy_`), so a captured append lands at the right place on
-every replay; the kernels read the length from `device_length`.
+`pin(capacity)` prepares a history for device-counted decode (`oscar_hf.counted_decode`), whose steps a compiled
+graph or a CUDA graph replays: the buffers get a fixed capacity and the length is also kept on the device
+(`device_length`, int32 `[1]`). Appends then write at that device position, so a replayed append lands at the
+right place every time; the kernels read the length from `device_length`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-import oscar_hf.kernels.ops  # noqa: F401  (registers torch.ops.oscar_hf)
 from oscar_hf.config import OscarConfig
 from oscar_hf.kernels.interface import HistoryTensors
+from oscar_hf.kernels.ops import write_rows_eagerly  # also registers torch.ops.oscar_hf
 from oscar_hf.kernels.reference.attention import history_rows
 from oscar_hf.kernels.reference.quantize import row_bytes
 from oscar_hf.rotations.math import rotate
@@ -90,6 +90,9 @@ class _History:
         `[1]`: 0 or n, decided on the device) and `at` (its history count, int32 `[1]`): the rows are written after
         `at` and the caller's counts advance; returns the tokens a full history had no room for (int32 `[1]`), see
         `kernels.ops.write_rows` (`after`: a tensor the write must wait for)."""
+        if advance is not None and not torch.compiler.is_compiling():
+            return write_rows_eagerly([getattr(self, name) for name in self._names],
+                                      [targets[name] for name in self._names], at, advance)
         if advance is not None:
             return torch.ops.oscar_hf.write_rows([getattr(self, name) for name in self._names],
                                                  [targets[name] for name in self._names], at, advance,

@@ -70,11 +70,8 @@ class OscarLayer(CacheLayerMixin):
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
         self.backend = backend
-        # `set_mask_free_decode`: single-token forwards attend to every cached token but their row's leading pads
-        # (skipped by count) instead of reading the mask
-        self.mask_free_decode = False
         # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
-        # (`counted_decode`); graph decode turns it off for its own captured steps
+        # (`counted_decode`); False keeps every step host-counted, the rule counted decode is tested against
         self.allow_counted_decode = True
         self.max_cache_len = max_cache_len
         self._clear()
@@ -210,16 +207,9 @@ class OscarLayer(CacheLayerMixin):
                                   self.value_rotation, on_close=self._close_counted, counted=True,
                                   dense_start=dense_start, dense_length=self.counted.rows,
                                   history_start=history_start)
-        dense_start = history_start = None
-        if self.mask_free_decode:
-            length = self.history.device_length
-            dense_start, history_start = self._padded_starts(self.history_length if length is None else length)
-        return HistorySegment(
-            self.layer_idx, self.backend, self.history.kernel_view(),
-            self.sink_length, self.key_rotation, self.value_rotation, on_close=self._close_segment,
-            mask_free_decode=self.mask_free_decode, dense_start=dense_start, history_start=history_start,
-            row_start=self.row_start,
-        )
+        return HistorySegment(self.layer_idx, self.backend, self.history.kernel_view(), self.sink_length,
+                              self.key_rotation, self.value_rotation, on_close=self._close_segment,
+                              row_start=self.row_start)
 
     def _padded_starts(self, history_length) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each row's leading pad rows among its BF16 rows and its history rows (`demotion.padded_starts`), or
@@ -231,7 +221,7 @@ class OscarLayer(CacheLayerMixin):
     def _close_segment(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         self.note_padding(attention_mask)
         self.settle()
-        if self._counts_decode() and not torch.compiler.is_compiling():
+        if self.allow_counted_decode and not torch.compiler.is_compiling():
             self.start_counted_decode(attention_mask)
             if query is not None and query.is_cuda:
                 self._warm_counted_step(query)
@@ -245,9 +235,6 @@ class OscarLayer(CacheLayerMixin):
                                       segment.dense_start, segment.history, self.key_rotation, self.value_rotation,
                                       1.0, None, segment.history_start)
         self.segment_open = False
-
-    def _counts_decode(self) -> bool:
-        return self.allow_counted_decode and not self.mask_free_decode
 
     def _decode_reserve(self) -> int:
         """History tokens counted decode makes room for beyond the current ones (see `OscarCache(max_cache_len)`)."""
@@ -327,11 +314,11 @@ class OscarLayer(CacheLayerMixin):
             return
         cfg = self.config
         keep = slice(sink + demote, self.bf16_length)
-        if self._counts_decode():  # one allocation for the prompt's history and the decode steps after it
+        if self.allow_counted_decode:  # one allocation for the prompt's history and the decode steps after it
             target = history_capacity(self.history_length + demote, self._decode_reserve(), cfg.demote_block,
                                       bucket=self.max_cache_len is None)
             self.history.reserve(target - self.history_length)
-        # a pinned history (graph decode) counts on the device too: a captured demotion must read that count
+        # a history pinned by counted decode keeps its count on the device too, and appends write at that count
         stored = self.history.device_length if self.history.device_length is not None else self.history_length
         self.history.append(*self.demoted_rows(stored, demote), self.key_rotation, self.value_rotation, self.backend)
         for name in ("keys_buffer", "values_buffer"):
@@ -359,35 +346,6 @@ class OscarLayer(CacheLayerMixin):
             buffer[:, :, :sink] = head.gather(2, kept[:, None, :, None].expand(-1, heads, -1, dim))
             rows.append(block)
         return rows
-
-    # ------------------------------------------------------------------------------------------ graph replay
-    def at_cycle_start(self) -> bool:
-        """True right after a demotion: history present and exactly `recent_tokens` recent tokens (see
-        `oscar_hf.graph_decode`: from here, decode steps repeat with period `demote_block`)."""
-        return (self.history_length > 0 and not self.unsettled and not self.segment_open
-                and self.bf16_length - self.sink_length == self.config.recent_tokens)
-
-    def set_mask_free_decode(self, enabled: bool, row_padding: torch.Tensor | None = None) -> None:
-        """From now on (`enabled`), single-token forwards attend to every cached token but each row's pads and
-        ignore the mask they are given: what graph decode needs, since a mask captured in a CUDA graph keeps its
-        width. `row_padding` (int `[B]`): each row's left padding, when the cache holds no tokens yet (else the
-        padding the cache read from the prompt's mask stays)."""
-        self.stop_counted_decode()
-        self.mask_free_decode = enabled
-        if row_padding is not None and self.row_start is None and not self.history_length and bool(row_padding.any()):
-            self.row_start = row_padding.to(torch.int32).contiguous()
-
-    def host_state(self) -> tuple:
-        """The host-side counters (what a replayed CUDA graph cannot update)."""
-        return (self.length, self.bf16_length, self.sink_size, self.unsettled, self.segment_open,
-                self.history_length)
-
-    def restore_host_state(self, state: tuple, advance: int = 0) -> None:
-        """Set the counters to `state`, with `advance` more tokens both in total and in the history (whole
-        demotion cycles replayed since `state` was taken)."""
-        length, self.bf16_length, self.sink_size, self.unsettled, self.segment_open, history_length = state
-        self.length = length + advance
-        self.history.length = history_length + advance
 
     # ------------------------------------------------------------------------------------------ views
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

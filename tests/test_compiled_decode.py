@@ -155,16 +155,18 @@ def test_kernels_decode_counted_steps_like_the_reference(method):
 def test_generate_compiles_on_cuda_by_itself_and_keeps_the_eager_tokens(context):
     """Plain `generate` with an OscarCache compiles the decode step on CUDA (CUDA graphs, `reduce-overhead`).
     float32, so that inductor's fusions of the rest of the model (which round differently in bf16) leave the
-    greedy choices alone."""
+    greedy choices alone. Row 1 is left-padded: its pads lead its history, skipped by count in the kernels."""
     torch._dynamo.reset()
     model = _kernel_qwen3("cuda")
     ids = torch.randint(3, 256, (2, context), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :500] = 0
     name = cache_argument_name(model)
     runs = {}
     for label, options in (("eager", dict(disable_compile=True)), ("compiled", {})):
         cache = OscarCache(model, method="hadamard")
-        runs[label] = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **options,
-                                     **{name: cache})
+        runs[label] = model.generate(ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
+                                     do_sample=False, **options, **{name: cache})
     assert hasattr(model, "_compiled_call")
     assert torch.equal(runs["compiled"], runs["eager"])
 

@@ -120,6 +120,12 @@ def write_rows(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: to
     cannot prove free (here: a whole history, twice per layer and step). What the declaration would guarantee is
     kept by hand: `after` (the attention output that read the buffers) orders the write after that read, and the
     rows written lie beyond the count until the caller advances it, so no other op of the step reads them."""
+    return write_rows_eagerly(buffers, rows, length, advance)
+
+
+def write_rows_eagerly(buffers: list[torch.Tensor], rows: list[torch.Tensor], length: torch.Tensor,
+                       advance: torch.Tensor) -> torch.Tensor:
+    """`write_rows` without the op's dispatch (what it runs; eager callers save the dispatcher's host time)."""
     n = rows[0].shape[2]
     start, lost = block_start(length, n, buffers[0].shape[2], advance)
     positions = torch.arange(n, device=length.device) + start
@@ -134,7 +140,9 @@ def _(buffers, rows, length, advance, after):
 
 
 class OpBackend:
-    """`backend`'s demotion and decode attention through the custom ops (what a compiled step calls)."""
+    """`backend`'s demotion and decode attention through the custom ops while `torch.compile` traces (so that the
+    graph holds them as opaque calls), and straight to `backend` otherwise: the ops run exactly that, and an eager
+    op call costs tens of microseconds of dispatch on the host, per op, layer and step."""
 
     def __init__(self, backend: Backend):
         self.inner = backend
@@ -144,6 +152,11 @@ class OpBackend:
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
                   only_if=None) -> None:
+        if not torch.compiler.is_compiling():
+            self.inner.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
+                                 key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder,
+                                 only_if)
+            return
         torch.ops.oscar_hf.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                                      key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
                                      encoder, self.key, only_if)
@@ -151,6 +164,10 @@ class OpBackend:
     def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                      key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at,
                      after=None) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return self.inner.demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
+                                           value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
+                                           value_scale_zero, encoder, only_if, at)
         return torch.ops.oscar_hf.demote_into(keys, values, key_rotation, value_rotation, key_clip_ratio,
                                               value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
                                               value_scale_zero, encoder, self.key, only_if, at,
@@ -158,6 +175,9 @@ class OpBackend:
 
     def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
                          key_rotation, value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return self.inner.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
+                                               value_rotation, scaling, softcap, history_start)
         h = history
         return torch.ops.oscar_hf.decode_attention(
             query, keys, values, dense_length, dense_start,
