@@ -136,19 +136,21 @@ def _median(values):
 
 def table(rows):
     lines = ["| cache | ctx | bs | step ms (median) | step ms (mean) | tokens/s | peak GB | cache GB "
-             "| DynamicCache step / this step | first call s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak - weights - cache GB | allocations / step | DynamicCache step / this step | first call s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     dyn = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["cache"] == "dynamic" and "error" not in r}
     for r in rows:
         tag = " (max batch)" if r.get("max_batch_at_budget") else ""
         if "error" in r:
-            lines.append(f"| {r['cache']}{tag} | {r['context']} | {r['batch']} | {r['error']} | | | | | | |")
+            lines.append(f"| {r['cache']}{tag} | {r['context']} | {r['batch']} | {r['error']} | | | | | | | | |")
             continue
         ref = dyn.get((r["context"], r["batch"]))
         ratio = f"{ref / r['step_ms']:.2f}x" if ref else ""
         lines.append(f"| {r['cache']}{tag} | {r['context']} | {r['batch']} | {r['step_ms']:.1f} | "
                      f"{r.get('mean_step_ms', math.nan):.1f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['peak_GB']:.1f} | {r['cache_GB']:.2f} | {ratio} | "
+                     f"{r['tokens_per_s']:.1f} | {r['peak_GB']:.1f} | {r['cache_GB']:.2f} | "
+                     f"{r['peak_GB'] - r.get('weights_GB', math.nan) - r['cache_GB']:.2f} | "
+                     f"{r.get('allocations_per_step', math.nan):.1f} | {ratio} | "
                      f"{'' if r.get('first_call_s') is None else format(r['first_call_s'], '.1f')} |")
     return "\n".join(lines)
 

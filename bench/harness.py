@@ -93,6 +93,11 @@ def allocated():
     return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
 
 
+def allocations() -> int:
+    """Blocks the caching allocator has handed out so far (a CUDA graph's replays take none)."""
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0) if DEVICE == "cuda" else 0
+
+
 def empty_cache():
     gc.collect()
     if DEVICE == "cuda":
@@ -195,10 +200,11 @@ class StepTimer:
 
 
 def decode_step(model, cache, batch, context, warmup=6, steps=16, options=None):
-    """((median, mean) ms per decode step, peak bytes, first call's seconds) over `steps` timed steps of one
-    `generate` call that continues `cache`, after a `warmup`-token call (kernel compilation, allocator growth, and
-    where `generate` compiles the step, the compilation and CUDA-graph recording: its time is the third value).
-    `options`: more `generate` arguments (sampling)."""
+    """((median, mean) ms per decode step, peak bytes, first call's seconds, allocator blocks per step of the timed
+    call) over `steps` timed steps of one `generate` call that continues `cache`, after a `warmup`-token call
+    (kernel compilation, allocator growth, and where `generate` compiles the step, the compilation and CUDA-graph
+    recording: its time is the third value). `options`: more `generate` arguments (sampling). The blocks count
+    `generate`'s own per-step tensors too (the grown `input_ids`, the logits it keeps), whatever the cache."""
     from transformers import StoppingCriteriaList
 
     name = cache_argument_name(model)
@@ -209,6 +215,7 @@ def decode_step(model, cache, batch, context, warmup=6, steps=16, options=None):
         ids = torch.randint(10, 1000, (batch, start_len + 1), device=DEVICE)
         timer = StepTimer()
         sync()
+        blocks = allocations()
         began = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                        **({"do_sample": False} | (options or {})), stopping_criteria=StoppingCriteriaList([timer]),
@@ -217,10 +224,11 @@ def decode_step(model, cache, batch, context, warmup=6, steps=16, options=None):
         if timed:
             deltas = sorted(b - a for a, b in zip(timer.times, timer.times[1:]))
             result = (1e3 * deltas[len(deltas) // 2], 1e3 * sum(deltas) / len(deltas))
+            per_step = (allocations() - blocks) / n
         else:
             first_call = time.perf_counter() - began
         del ids
-    return result, peak(), first_call
+    return result, peak(), first_call, per_step
 
 
 def measure(model, kind, batch, context):
@@ -235,11 +243,11 @@ def measure(model, kind, batch, context):
     sync()
     fill_s = time.perf_counter() - t0
     held = allocated() - base
-    (step_ms, mean_ms), peak_bytes, first_s = decode_step(model, cache, batch, context,
-                                                          options=GENERATE_OPTIONS.get(kind))
+    (step_ms, mean_ms), peak_bytes, first_s, blocks = decode_step(model, cache, batch, context,
+                                                                  options=GENERATE_OPTIONS.get(kind))
     row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
                tokens_per_s=batch / step_ms * 1e3, peak_GB=peak_bytes / GB, cache_GB=held / GB, fill_s=fill_s,
-               first_call_s=first_s)
+               first_call_s=first_s, allocations_per_step=blocks, weights_GB=base / GB)
     del cache
     empty_cache()
     return row

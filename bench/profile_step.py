@@ -67,7 +67,7 @@ def main() -> None:
             cache = harness.fill_oscar(model, batch, context)
             bare_steps(model, cache, batch, 3)  # warm-up: compilation, allocator
             bare = bare_steps(model, cache, batch, args.steps)
-            (step, _), _ = harness.decode_step(model, cache, batch, context, warmup=4, steps=args.steps)
+            (step, _), *_ = harness.decode_step(model, cache, batch, context, warmup=4, steps=args.steps)
             summary.append((context, batch, bare, step))
             print(f"ctx {context} bs {batch}: bare forward {bare:.1f} ms, generate step {step:.1f} ms", flush=True)
             if not args.no_profile:
