@@ -23,7 +23,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from oscar_hf.handoff import HistorySegment, take_segment
+from oscar_hf.handoff import HistorySegment, UpdateRequest, layer_of, take_segment
 from oscar_hf.kernels.reference.attention import causal_mask, dense_partial
 from oscar_hf.model_support import UnsupportedModelError, text_config_of
 
@@ -59,10 +59,14 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     (`[B, Lq, Hq, D]`, None).
 
     A counted decode step (`counted_decode`) is one custom op (`kernels.ops`), which `torch.compile` keeps whole;
-    everything else runs eagerly."""
+    under `torch.compile`, any other forward's update and attention are one opaque op (`update_and_attend`), so a
+    `fullgraph=True` compile of the whole forward holds prefills too; everything else runs eagerly."""
     segment = take_segment(key, kwargs)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    if isinstance(segment, UpdateRequest):
+        return _request_update_and_attention(module, query, key, value, attention_mask, dropout, scaling, segment,
+                                             kwargs), None
     if segment is not None and segment.counted and query.shape[2] == 1 and kwargs.get(HOOK_ARGUMENT) is None:
         out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
                                                segment.history, segment.key_rotation, segment.value_rotation,
@@ -70,6 +74,58 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
         segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
     return _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, segment, kwargs)
+
+
+# attention kwargs an opaque update-and-attend call may leave out: positions are in the states already, the rest
+# does not change what an OSCAR layer computes
+_POSITIONAL_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "sliding_window",
+                                "softcap", "is_causal"})
+
+
+def _request_update_and_attention(module, query, key, value, attention_mask, dropout, scaling, request, kwargs):
+    unknown = sorted(name for name, v in kwargs.items() if v is not None and name not in _POSITIONAL_KWARGS)
+    if unknown:
+        raise ValueError(f"layer {request.layer_idx}: a compiled OSCAR prefill does not take the attention "
+                         f"arguments {unknown}; run the prefill eagerly (compile the decode step only)")
+    is_causal = kwargs.get("is_causal")
+    return torch.ops.oscar_hf.update_and_attend(
+        query, key, value, attention_mask, request.handle, float(dropout), float(scaling), kwargs.get("softcap"),
+        bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
+        int(getattr(module, "num_key_value_groups", 1)))
+
+
+_CUDAGRAPH_UNSAFE = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
+
+
+@dataclass(frozen=True)
+class _ModuleView:
+    """What the eager attention reads of the attention module, for a call made where the module is not at hand."""
+
+    layer_idx: int
+    is_causal: bool
+    num_key_value_groups: int
+
+
+@torch.library.custom_op("oscar_hf::update_and_attend", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def update_and_attend(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                      attention_mask: torch.Tensor | None, handle: torch.Tensor, dropout: float, scaling: float,
+                      softcap: float | None, is_causal: bool, kv_groups: int) -> torch.Tensor:
+    """One layer's update with `key_states`/`value_states` and its eager attention (and close), as the eager forward
+    runs them; `[B, Lq, Hq, D]`. It changes the layer's storage, which no other op of a graph reads: the op's output
+    alone orders it. Not capturable in a CUDA graph (host-side lengths, growing buffers)."""
+    layer = layer_of(handle)
+    keys, values = layer.update(key_states, value_states)
+    segment = layer.open_segment()
+    module = _ModuleView(layer.layer_idx, is_causal, kv_groups)
+    out, _ = _eager_attention_forward(module, query, keys, values, attention_mask, dropout, scaling, segment,
+                                      {} if softcap is None else {"softcap": softcap})
+    return out.contiguous()
+
+
+@update_and_attend.register_fake
+def _(query, key_states, value_states, attention_mask, handle, dropout, scaling, softcap, is_causal, kv_groups):
+    batch, heads, q_len, _ = query.shape
+    return query.new_empty((batch, q_len, heads, value_states.shape[-1]))
 
 
 @torch.compiler.disable

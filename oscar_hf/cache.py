@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
 from oscar_hf.config import CONFIG_NAME, RANKED_LAYER_SHARES, OscarConfig
-from oscar_hf.handoff import publish_segment
+from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
 from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
@@ -154,6 +154,10 @@ class OscarCache(Cache):
             return layer.update(key_states, value_states)
         if layer_idx == self.shape.oscar_layer_ids[0] and not torch.compiler.is_compiling():
             self._check_whole_forwards()
+        if torch.compiler.is_compiling() and self.uses_oscar_attention and not layer.counts_step(key_states):
+            # a compiled prefill: the attention runs this update with itself, as one opaque op (`handoff`)
+            publish_segment(key_states, kwargs, UpdateRequest(layer_idx, layer.handle))
+            return key_states, value_states
         keys, values = layer.update(key_states, value_states)
         if not self.uses_oscar_attention:
             if not self._warned_fallback:

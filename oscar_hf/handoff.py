@@ -8,10 +8,17 @@ The attention function reads the segment and calls `close`; it never reaches int
 Where the segment travels (`compat` holds the release differences): transformers >= 5.24 passes the attention's
 kwargs dict into `update`, so the segment goes into it; older releases pass nothing, so it is also attached to the
 returned key tensor.
+
+While `torch.compile` traces a forward that is not a counted decode step (a prefill, a chunk of one), `update`
+changes nothing and publishes an `UpdateRequest` instead: the attention then runs the layer's update, attention and
+close as one opaque op (`attention`), because they change host state (lengths, buffers that grow, the demotion)
+that a graph cannot hold. The request names the layer by a handle tensor (`layer_handle`).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,7 +92,36 @@ class HistorySegment:
         self.on_close(attention_mask, query)
 
 
-def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: HistorySegment) -> None:
+@dataclass(frozen=True)
+class UpdateRequest:
+    """Published instead of a segment while a compiled forward's update is left to the attention (module
+    docstring): `key`/`value` given to the attention are the new states, not the tiers."""
+
+    layer_idx: int
+    handle: torch.Tensor
+
+
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def layer_handle(layer) -> torch.Tensor:
+    """A new handle naming `layer` (CPU int64 `[1]`). A tensor rather than an int, so that a compiled graph takes it
+    as an input, guarded by its shape, not its value: one graph then serves every cache."""
+    key = next(_KEYS)
+    _LAYERS[key] = layer
+    return torch.tensor([key], dtype=torch.int64)
+
+
+def layer_of(handle: torch.Tensor):
+    """The layer `handle` names (`layer_handle`)."""
+    layer = _LAYERS.get(int(handle[0]))
+    if layer is None:
+        raise RuntimeError(f"no OSCAR cache layer under handle {int(handle[0])} (the cache was freed)")
+    return layer
+
+
+def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: HistorySegment | UpdateRequest) -> None:
     """Make `segment` reach the attention function on every transformers release."""
     attention_kwargs = attention_kwargs_of_update(update_kwargs)
     if attention_kwargs is not None:
@@ -93,7 +129,7 @@ def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: Hist
     key_states._oscar_segment = segment
 
 
-def take_segment(key_states: torch.Tensor, attention_kwargs: dict) -> HistorySegment | None:
-    """The segment published for this attention call, or None (another cache, or no cache)."""
+def take_segment(key_states: torch.Tensor, attention_kwargs: dict) -> HistorySegment | UpdateRequest | None:
+    """The segment (or update request) published for this attention call, or None (another cache, or no cache)."""
     segment = attention_kwargs.pop(SEGMENT_ARGUMENT, None)
     return segment if segment is not None else getattr(key_states, "_oscar_segment", None)

@@ -31,6 +31,8 @@ The kernel backend (`kernels.interface.Backend`) is given to the layer, or picke
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -38,7 +40,7 @@ from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
 from oscar_hf.demotion import demotion_index, padded_starts, time_order_index, tokens_to_demote
-from oscar_hf.handoff import HistorySegment
+from oscar_hf.handoff import HistorySegment, layer_handle
 from oscar_hf.history import make_history
 from oscar_hf.kernels.interface import Backend, HistoryTensors
 from oscar_hf.kernels.ops import OpBackend
@@ -74,7 +76,16 @@ class OscarLayer(CacheLayerMixin):
         # (`counted_decode`); False keeps every step host-counted, the rule counted decode is tested against
         self.allow_counted_decode = True
         self.max_cache_len = max_cache_len
+        self.handle = layer_handle(self)  # how a compiled forward's opaque update finds this layer (`handoff`)
         self._clear()
+
+    def __deepcopy__(self, memo):
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        clone.handle = layer_handle(clone)  # a copy is a layer of its own
+        return clone
 
     def _clear(self) -> None:
         self.keys_buffer = self.values_buffer = None
@@ -172,7 +183,7 @@ class OscarLayer(CacheLayerMixin):
         if self.counted is not None:
             if self.segment_open:  # the previous update's segment was never consumed: settle it as its close would
                 self._close_counted(None, None)
-            if key_states.shape[-2] == 1 and key_states.shape[0] == self.batch_size:
+            if self.counts_step(key_states):
                 return self.counted.update(self, key_states, value_states)
             self.stop_counted_decode()
         if not self.is_initialized:
@@ -195,6 +206,10 @@ class OscarLayer(CacheLayerMixin):
         self.length += new
         self.unsettled += new
         return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
+
+    def counts_step(self, key_states: torch.Tensor) -> bool:
+        """Whether `update(key_states)` is a device-counted decode step (one token per row, same batch)."""
+        return self.counted is not None and key_states.shape[-2] == 1 and key_states.shape[0] == self.batch_size
 
     def open_segment(self) -> HistorySegment:
         """Hand the attention function the history layout of the current forward; closing it settles."""

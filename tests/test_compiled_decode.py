@@ -4,6 +4,8 @@ cycle and replays it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import CompileConfig
@@ -66,6 +68,55 @@ def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before == 1  # no recompilation
     assert cache.layers[0].history_length == (40 - 4 - 8) + 48  # six demotions of 8 replayed by the graph
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
+
+
+def test_a_fullgraph_compiled_forward_holds_the_prefill_in_generate():
+    """`model.forward = torch.compile(model.forward, fullgraph=True)`, then plain `generate` (its own compile off):
+    the prefill is one graph, with each layer's update and attention one opaque op, and the decode steps a second
+    graph over six demotion cycles. A second request on a new cache, with a prompt of the same length, reuses both
+    graphs (the layer handles are tensors, guarded by shape). Tokens equal eager generate's."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (2, 40))
+    name = cache_argument_name(model)
+    options = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, disable_compile=True)
+    reference = OscarCache(model, method="hadamard", **OPTIONS)
+    want = model.generate(ids, **options, **{name: reference})
+    eager_forward = model.forward
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    try:
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            cache = OscarCache(model, method="hadamard", **OPTIONS)
+            got = model.generate(ids, **options, **{name: cache})
+            assert torch.equal(got, want)
+            assert cache.layers[0].counted is not None
+            assert [repr(x) for x in cache.layers] == [repr(x) for x in reference.layers]  # the same tiers
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+    finally:
+        model.forward = eager_forward
+
+
+def test_an_opaque_update_finds_its_own_layer_after_a_deepcopy():
+    """The handle that names a layer for a compiled prefill is the layer's own: a deep copy gets a new one, so a
+    compiled forward over the copy fills the copy and leaves the original alone."""
+    from oscar_hf.handoff import layer_of
+
+    model = tiny_model("llama", seed=1)
+    cache = OscarCache(model, method="hadamard", **OPTIONS)
+    cfg = model.config
+    shape = (1, cfg.num_key_value_heads, 20, cfg.hidden_size // cfg.num_attention_heads)
+    for i in range(cfg.num_hidden_layers):  # 20 cached tokens, host-counted (no attention started counted decode)
+        cache.update(torch.randn(shape), torch.randn(shape), i)
+    clone = copy.deepcopy(cache)
+    assert layer_of(clone.layers[0].handle) is clone.layers[0]
+    assert layer_of(cache.layers[0].handle) is cache.layers[0]
+    torch._dynamo.reset()
+    compiled_forward = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        compiled_forward(input_ids=torch.randint(1, 96, (1, 12)), use_cache=True,
+                         **{cache_argument_name(model): clone})
+    assert int(clone.get_seq_length()) == 32 and int(cache.get_seq_length()) == 20
 
 
 def test_a_compiled_step_reads_seven_tensors_of_each_layer():
