@@ -70,20 +70,22 @@ def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
 
 
-def test_a_fullgraph_compiled_forward_holds_the_prefill_in_generate():
-    """`model.forward = torch.compile(model.forward, fullgraph=True)`, then plain `generate` (its own compile off):
-    the prefill is one graph, with each layer's update and attention one opaque op, and the decode steps a second
-    graph over six demotion cycles. A second request on a new cache, with a prompt of the same length, reuses both
-    graphs (the layer handles are tensors, guarded by shape). Tokens equal eager generate's."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fullgraph_compiled_forward_holds_the_prefill_in_generate(device):
+    """`model.forward = torch.compile(model.forward, fullgraph=True)` (on CUDA with `mode="reduce-overhead"`), then
+    plain `generate` (its own compile off): the prefill is one graph, with each layer's update and attention one
+    opaque op, and the decode steps a second graph over six demotion cycles. A second request on a new cache, with
+    a prompt of the same length, reuses both graphs (the layer handles are tensors, guarded by shape). Tokens equal
+    eager generate's."""
     torch._dynamo.reset()
-    model = tiny_model("llama", seed=1)
-    ids = torch.randint(1, 96, (2, 40))
+    model = tiny_model("llama", seed=1).to(device)
+    ids = torch.randint(1, 96, (2, 40), device=device)
     name = cache_argument_name(model)
     options = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, disable_compile=True)
     reference = OscarCache(model, method="hadamard", **OPTIONS)
     want = model.generate(ids, **options, **{name: reference})
     eager_forward = model.forward
-    model.forward = torch.compile(model.forward, fullgraph=True)
+    model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead" if device == "cuda" else None)
     try:
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for _ in range(2):
