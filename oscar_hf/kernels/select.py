@@ -17,6 +17,9 @@ from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 
 _BACKENDS: dict[tuple, Backend] = {}
+# looked up once: `backend_for` also runs inside traced code (transformers 5.17 reads `Cache.is_compileable` while
+# building a compiled forward's mask), where dynamo cannot trace importlib's lookup
+_TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 
 
 def backend_for(device: torch.device, history_chunk: int = 4096) -> Backend:
@@ -27,7 +30,7 @@ def backend_for(device: torch.device, history_chunk: int = 4096) -> Backend:
     forced = os.environ.get("OSCAR_HF_BACKEND", "").lower()
     if forced not in ("", "reference", "triton"):
         raise ValueError(f"OSCAR_HF_BACKEND={forced!r}: expected 'reference' or 'triton' (or unset)")
-    use_kernels = device.type == "cuda" and forced != "reference" and _triton_importable()
+    use_kernels = device.type == "cuda" and forced != "reference" and _TRITON_IMPORTABLE
     cuda_history = os.environ.get("OSCAR_CUDA_HISTORY", "1") != "0"
     key = ("triton", history_chunk, cuda_history) if use_kernels else ("reference", history_chunk)
     if key not in _BACKENDS:
@@ -39,6 +42,3 @@ def backend_for(device: torch.device, history_chunk: int = 4096) -> Backend:
             _BACKENDS[key] = ReferenceBackend(history_chunk=history_chunk)
     return _BACKENDS[key]
 
-
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
