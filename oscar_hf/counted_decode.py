@@ -18,6 +18,11 @@ cache is an input that dynamo guards, and the compiled call checks on every step
 four, and the window and staging blocks made inside the graph, leave a layer with seven inputs (its BF16 buffers,
 the four history buffers, the counts) where it had fifteen.
 
+Eager steps also keep the counts on the host (`mirror`): the host then knows when a step demotes, and skips the
+no-op demotion and window shift of the other steps (seven of eight), which otherwise cost an eager step most of
+its launches. A compiled step cannot update the mirror; it drops it, and the next eager step reads the counts
+back once.
+
 The history holds `reserve` more tokens than it had when decoding started (`OscarCache(max_cache_len=...)` sets
 it), rounded up to a multiple of `CAPACITY_BUCKET`; eager steps grow it when it is about to fill, compiled steps
 cannot (growing changes the buffers' shapes).
@@ -69,6 +74,7 @@ class CountedDecode:
             fresh[:, :, : layer.bf16_length] = old[:, :, : layer.bf16_length]
             setattr(layer, name, fresh)
         self.counts = torch.tensor([layer.bf16_length, layer.length, 0], dtype=torch.int32, device=device)
+        self.mirror: list[int] | None = [layer.bf16_length, layer.length, 0]  # `counts` on the host, or None
         self.history_start = layer.history_length
         self.reserve = reserve
         self.bucket = bucket
@@ -91,8 +97,13 @@ class CountedDecode:
         return self.counts[TOKENS].long()
 
     def update(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
-        if not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            self.mirror = None  # a compiled step changes the counts where the host cannot follow
+        else:
             self.eager_steps += 1
+            if self.mirror is not None:
+                self.mirror[ROWS] += 1
+                self.mirror[TOKENS] += 1
             if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
                 self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
                 layer.history.length = self.host_counts(layer)[2]  # `pin` keeps the rows stored so far
@@ -107,6 +118,8 @@ class CountedDecode:
     def settle(self, layer, backend, after: torch.Tensor | None = None) -> None:
         """Demote the window's oldest `block` rows once it holds R + b (see the module docstring); `after`: the
         step's attention output, which the history write must follow (`kernels.ops.write_rows`)."""
+        if not torch.compiler.is_compiling() and not self._settle_on_host(layer):
+            return
         rows = self.rows
         full = (rows - self.sink >= self.recent + self.block).to(torch.int32)
         advance = full * self.block
@@ -121,6 +134,21 @@ class CountedDecode:
         # the demoted rows leave the BF16 buffer whether the history kept them or not
         self.counts[ROWS : ROWS + 1].sub_(advance)
         self.counts[DROPPED : DROPPED + 1].add_(dropped)
+
+    def _settle_on_host(self, layer) -> bool:
+        """An eager step's settle, decided on the host: False where the window is not full (the device's demotion
+        would be a no-op), else True after booking the demotion in the mirror (the device path then runs, and its
+        own decision agrees)."""
+        if self.mirror is None:
+            self.mirror = self.counts.tolist()  # once after compiled steps
+        rows, tokens, dropped = self.mirror
+        if rows - self.sink < self.recent + self.block:
+            return False
+        stored = tokens - rows - dropped
+        self.mirror[ROWS] -= self.block
+        if stored + 2 * self.block > layer.history.capacity:  # `kernels.interface.block_start`: it does not fit
+            self.mirror[DROPPED] += self.block
+        return True
 
     def _window(self) -> torch.Tensor:
         """The recent window's BF16 rows (long `[R]`); a compiled step computes them inside its graph (one guarded
@@ -139,7 +167,7 @@ class CountedDecode:
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
         demoted tokens (compiled steps cannot grow it)."""
-        rows, tokens, dropped = self.counts.tolist()
+        rows, tokens, dropped = self.counts.tolist() if self.mirror is None else self.mirror
         if dropped and not self.warned_dropped:
             self.warned_dropped = True
             logger.warning(

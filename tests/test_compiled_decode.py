@@ -70,6 +70,37 @@ def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
 
 
+def test_eager_steps_between_compiled_ones_read_the_counts_back():
+    """Eager steps decide their demotions on the host (`CountedDecode.mirror`); compiled steps drop the mirror,
+    and the next eager step reads the counts back. Steps alternating in runs of 5 (so the demotions fall on both
+    kinds) give the all-eager logits and tiers."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (2, 40))
+    reference = OscarCache(model, method="hadamard", **OPTIONS)
+    eager = _decode(model, ids, reference, 40, _eager(model))
+    compiled_forward = torch.compile(model.forward, fullgraph=True)
+    name = cache_argument_name(model)
+    steps = iter(range(40))
+    read_back = []
+
+    def alternating(token, cache):
+        if next(steps) // 5 % 2:
+            return compiled_forward(input_ids=token, use_cache=True, **{name: cache})
+        counted = cache.layers[0].counted
+        dropped = counted.mirror is None
+        out = forward(model, token, cache)
+        if dropped:  # the first eager step after compiled ones
+            read_back.append(counted.mirror == counted.counts.tolist())
+        return out
+
+    cache = OscarCache(model, method="hadamard", **OPTIONS)
+    mixed = _decode(model, ids, cache, 40, alternating)
+    torch.testing.assert_close(mixed, eager, atol=1e-4, rtol=0)
+    assert [repr(x) for x in cache.layers] == [repr(x) for x in reference.layers]
+    assert read_back == [True] * 3
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_fullgraph_compiled_forward_holds_the_prefill_in_generate(device):
     """`model.forward = torch.compile(model.forward, fullgraph=True)` (on CUDA with `mode="reduce-overhead"`), then
