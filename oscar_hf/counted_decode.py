@@ -167,7 +167,9 @@ class CountedDecode:
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
         demoted tokens (compiled steps cannot grow it)."""
-        rows, tokens, dropped = self.counts.tolist() if self.mirror is None else self.mirror
+        if self.mirror is None:
+            self.mirror = self.counts.tolist()  # read once; eager steps keep it from here
+        rows, tokens, dropped = self.mirror
         if dropped and not self.warned_dropped:
             self.warned_dropped = True
             logger.warning(

@@ -131,6 +131,31 @@ def test_a_fullgraph_compiled_forward_holds_the_prefill_in_generate(device):
         model.forward = eager_forward
 
 
+def test_a_second_turn_through_a_fullgraph_compiled_forward_continues_the_cache():
+    """A chat's second `generate` on the same cache (its new tokens a multi-token forward on a cache that was
+    decoding) under `fullgraph=True`: eager generate's tokens, one more graph."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    name = cache_argument_name(model)
+    ids, more = torch.randint(1, 96, (1, 40)), torch.randint(1, 96, (1, 10))
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, disable_compile=True)
+
+    def two_turns():
+        cache = OscarCache(model, method="hadamard", **OPTIONS)
+        first = model.generate(ids, **options, **{name: cache})
+        return model.generate(torch.cat([first, more], dim=1), **options, **{name: cache})
+
+    want = two_turns()
+    eager_forward = model.forward
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    try:
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert torch.equal(two_turns(), want)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3  # prefill, decode, 2nd prefill
+    finally:
+        model.forward = eager_forward
+
+
 def test_an_opaque_update_finds_its_own_layer_after_a_deepcopy():
     """The handle that names a layer for a compiled prefill is the layer's own: a deep copy gets a new one, so a
     compiled forward over the copy fills the copy and leaves the original alone."""
