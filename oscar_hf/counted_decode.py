@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
+from oscar_hf.kernels.interface import block_fits
+
 logger = logging.get_logger(__name__)
 
 DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
@@ -139,16 +141,19 @@ class CountedDecode:
         """An eager step's settle, decided on the host: False where the window is not full (the device's demotion
         would be a no-op), else True after booking the demotion in the mirror (the device path then runs, and its
         own decision agrees)."""
-        if self.mirror is None:
-            self.mirror = self.counts.tolist()  # once after compiled steps
-        rows, tokens, dropped = self.mirror
+        rows, tokens, dropped = self._mirrored()
         if rows - self.sink < self.recent + self.block:
             return False
-        stored = tokens - rows - dropped
         self.mirror[ROWS] -= self.block
-        if stored + 2 * self.block > layer.history.capacity:  # `kernels.interface.block_start`: it does not fit
+        if not block_fits(tokens - rows - dropped, self.block, layer.history.capacity):
             self.mirror[DROPPED] += self.block
         return True
+
+    def _mirrored(self) -> list[int]:
+        """The host's copy of `counts`, read from the device once if compiled steps dropped it."""
+        if self.mirror is None:
+            self.mirror = self.counts.tolist()
+        return self.mirror
 
     def _window(self) -> torch.Tensor:
         """The recent window's BF16 rows (long `[R]`); a compiled step computes them inside its graph (one guarded
@@ -167,9 +172,7 @@ class CountedDecode:
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
         demoted tokens (compiled steps cannot grow it)."""
-        if self.mirror is None:
-            self.mirror = self.counts.tolist()  # read once; eager steps keep it from here
-        rows, tokens, dropped = self.mirror
+        rows, tokens, dropped = self._mirrored()
         if dropped and not self.warned_dropped:
             self.warned_dropped = True
             logger.warning(

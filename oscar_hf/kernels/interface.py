@@ -31,13 +31,20 @@ from typing import Protocol
 import torch
 
 
+def block_fits(at, n: int, size: int):
+    """Whether a counted decode step's block of `n` rows, written after the count `at`, fits history buffers of
+    `size` rows, whose last n rows are never counted. `at` is an int (the host's view) or an int32 tensor (the
+    device's); the answer is of the same kind."""
+    return at + 2 * n <= size
+
+
 def block_start(at: torch.Tensor, n: int, size: int, advance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a counted decode step writes a block of `n` rows into history buffers of `size` rows: right after the
     count `at` (int32 `[1]` on the device) if the block fits, else onto the buffers' last n rows, which are never
     counted (a full history keeps every row it counts). Returns (first row, tokens lost), int32 `[1]` each: the
     block's `advance` (0 or n, what the caller will count) when it does not fit, else 0. The Triton demotion kernel
     applies the same rule on the device."""
-    fits = at + 2 * n <= size
+    fits = block_fits(at, n, size)
     return torch.where(fits, at, torch.full_like(at, size - n)), advance * (~fits).to(advance.dtype)
 
 
