@@ -21,7 +21,9 @@ the four history buffers, the counts) where it had fifteen.
 Eager steps also keep the counts on the host (`mirror`): the host then knows when a step demotes, and skips the
 no-op demotion and window shift of the other steps (seven of eight), which otherwise cost an eager step most of
 its launches. A compiled step cannot update the mirror; it drops it, and the next eager step reads the counts
-back once.
+back once. For the same reason eager steps keep the history count and the padded rows' starts that the attention
+reads in tensors of their own (`segment_counts`), refreshed only after a demotion: the attention's tensors then
+keep their addresses from step to step, and its kernels replay from a CUDA graph (`kernels.replay`).
 
 The history holds `reserve` more tokens than it had when decoding started (`OscarCache(max_cache_len=...)` sets
 it), rounded up to a multiple of `CAPACITY_BUCKET`; eager steps grow it when it is about to fill, compiled steps
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
+from oscar_hf.demotion import padded_starts
 from oscar_hf.kernels.interface import block_fits
 
 logger = logging.get_logger(__name__)
@@ -84,6 +87,11 @@ class CountedDecode:
         self.warned_dropped = False
         layer.history.pin(history_capacity(self.history_start, reserve, self.block, bucket))
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
+        # what eager steps' attention reads (`segment_counts`): valid while `_segment_fresh`
+        self._stored = torch.zeros(1, dtype=torch.int32, device=device)
+        self._starts = None if layer.row_start is None else (
+            torch.zeros_like(layer.row_start, dtype=torch.int32), torch.zeros_like(layer.row_start, dtype=torch.int32))
+        self._segment_fresh = False
         layer.history.prepare_staging(self.block)
         _static(layer.keys_buffer, layer.values_buffer, self.counts, self.window, layer.key_rotation,
                 layer.value_rotation, layer.row_start, *layer.history.static_tensors())
@@ -136,6 +144,7 @@ class CountedDecode:
         # the demoted rows leave the BF16 buffer whether the history kept them or not
         self.counts[ROWS : ROWS + 1].sub_(advance)
         self.counts[DROPPED : DROPPED + 1].add_(dropped)
+        self._segment_fresh = False
 
     def _settle_on_host(self, layer) -> bool:
         """An eager step's settle, decided on the host: False where the window is not full (the device's demotion
@@ -168,6 +177,27 @@ class CountedDecode:
         that a custom op advanced in place was observed read after that write by a fused kernel)."""
         c = self.counts
         return c[TOKENS : TOKENS + 1] - c[ROWS : ROWS + 1] - c[DROPPED : DROPPED + 1]
+
+    def segment_counts(self, row_start: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor | None]:
+        """(history tokens stored, each row's leading pad rows among its BF16 rows and among its history rows), the
+        counts a step's attention reads (`demotion.padded_starts`; None, None without padding). Eager steps get
+        the same tensors every step, refreshed after a demotion (module docstring); compiled steps derive them."""
+        if torch.compiler.is_compiling():
+            self._segment_fresh = False  # a compiled step changes them where the host cannot follow
+            stored = self.history_count()
+            return (stored, *((None, None) if row_start is None else padded_starts(row_start, stored)))
+        if not self._segment_fresh:
+            self._stored.copy_(self.history_count())
+            if row_start is not None:
+                for kept, fresh in zip(self._starts, padded_starts(row_start, self._stored)):
+                    kept.copy_(fresh)
+            self._segment_fresh = True
+        return (self._stored, *((None, None) if row_start is None else self._starts))
+
+    def rows_changed(self) -> None:
+        """The rows' padding changed in place (a beam reorder): refresh what `segment_counts` keeps."""
+        self._segment_fresh = False
 
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped

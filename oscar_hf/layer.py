@@ -39,7 +39,7 @@ from transformers.cache_utils import CacheLayerMixin
 from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
-from oscar_hf.demotion import demotion_index, padded_starts, time_order_index, tokens_to_demote
+from oscar_hf.demotion import demotion_index, time_order_index, tokens_to_demote
 from oscar_hf.handoff import HistorySegment, layer_handle
 from oscar_hf.history import make_history
 from oscar_hf.kernels.interface import Backend, HistoryTensors
@@ -215,9 +215,9 @@ class OscarLayer(CacheLayerMixin):
         """Hand the attention function the history layout of the current forward; closing it settles."""
         self.segment_open = True
         if self.counted is not None:
-            h, stored = self.history, self.counted.history_count()
+            h = self.history
+            stored, dense_start, history_start = self.counted.segment_counts(self.row_start)
             history = HistoryTensors(*h.kernel_buffers(), h.capacity, self.config.bits, stored)
-            dense_start, history_start = self._padded_starts(stored)
             return HistorySegment(self.layer_idx, self.op_backend, history, self.counted.sink, self.key_rotation,
                                   self.value_rotation, on_close=self._close_counted, counted=True,
                                   dense_start=dense_start, dense_length=self.counted.rows,
@@ -225,13 +225,6 @@ class OscarLayer(CacheLayerMixin):
         return HistorySegment(self.layer_idx, self.backend, self.history.kernel_view(), self.sink_length,
                               self.key_rotation, self.value_rotation, on_close=self._close_segment,
                               row_start=self.row_start)
-
-    def _padded_starts(self, history_length) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Each row's leading pad rows among its BF16 rows and its history rows (`demotion.padded_starts`), or
-        (None, None) without padding."""
-        if self.row_start is None:
-            return None, None
-        return padded_starts(self.row_start, history_length)
 
     def _close_segment(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
         self.note_padding(attention_mask)
@@ -422,6 +415,7 @@ class OscarLayer(CacheLayerMixin):
             for t in tensors:
                 if t is not None:
                     t.copy_(t.index_select(0, index))
+            self.counted.rows_changed()
             return
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 

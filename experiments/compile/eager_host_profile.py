@@ -1,11 +1,13 @@
 """Where the eager decode path's host time goes, per attention call (issue 22's "<= 150 us per attention call").
 
     python -m experiments.compile.eager_host_profile [--layers 4] [--context 4096] [--calls 400] [--top 35]
+        [--no-eager-graphs]
 
 A random Qwen3 with Qwen3-8B's attention shapes (32 query / 8 KV heads, head_dim 128) but `--layers` layers and a
 small MLP, an OscarCache filled to `--context` tokens (`bench.harness.fill_oscar`), then eager counted decode
 calls: one layer's `cache.update` + `oscar_attention_forward` (+ the demotion its close issues), as
-`bench.generate --host-profile` times them. Prints the median host microseconds per call (device synchronized
+`bench.generate --host-profile` times them; `--no-eager-graphs`: the attention's kernels launched directly every
+call instead of replayed from a CUDA graph (`kernels.replay`). Prints the median host microseconds per call (device synchronized
 before each), the kernels one call launches (torch.profiler), and cProfile's top functions by own time.
 """
 
@@ -31,7 +33,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--no-eager-graphs", action="store_true")
     args = parser.parse_args()
+    if args.no_eager_graphs:
+        from oscar_hf.kernels.triton.backend import TritonBackend
+
+        harness.OSCAR_BACKEND = TritonBackend(eager_graphs=False)
     options = dict(QWEN3_8B, num_hidden_layers=args.layers, intermediate_size=256, vocab_size=1024, bos_token_id=1,
                    eos_token_id=2)
     model = random_qwen3(options, harness.DEVICE)

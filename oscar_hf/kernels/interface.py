@@ -17,6 +17,8 @@ and then called through these operations only:
   `keys`/`values` (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows
   of the history (row b from `history_start[b]`), every one of them visible (no mask): what a compiled or
   graph-captured decode step runs (`kernels.ops`);
+- `eager_decode_attention(...)`: the same call from an eager step, with tensors that keep their addresses from
+  step to step, which a backend may replay from a CUDA graph it captured (`kernels.replay`);
 - `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of
   these sizes and formats cannot be captured in a CUDA graph, or None when it can.
 
@@ -120,6 +122,12 @@ class Backend(Protocol):
                          history: HistoryTensors | None, key_rotation: torch.Tensor | None,
                          value_rotation: torch.Tensor | None, scaling: float, softcap: float | None = None,
                          history_start: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def eager_decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               dense_length: torch.Tensor, dense_start: torch.Tensor | None,
+                               history: HistoryTensors | None, key_rotation: torch.Tensor | None,
+                               value_rotation: torch.Tensor | None, scaling: float, softcap: float | None = None,
+                               history_start: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None: ...

@@ -176,8 +176,8 @@ class OpBackend:
     def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
                          key_rotation, value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
         if not torch.compiler.is_compiling():
-            return self.inner.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                               value_rotation, scaling, softcap, history_start)
+            return self.inner.eager_decode_attention(query, keys, values, dense_length, dense_start, history,
+                                                     key_rotation, value_rotation, scaling, softcap, history_start)
         h = history
         return torch.ops.oscar_hf.decode_attention(
             query, keys, values, dense_length, dense_start,

@@ -82,6 +82,12 @@ class ReferenceBackend:
         return tiered_reference(self, query, keys[:, :, :dense], values[:, :, :dense], None, history, 0,
                                 key_rotation, value_rotation, scaling, softcap, dense_start, history_start)
 
+    def eager_decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
+                               value_rotation, scaling, softcap=None, history_start=None):
+        """`decode_attention` as an eager step calls it (the reference has nothing to replay)."""
+        return self.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
+                                     value_rotation, scaling, softcap, history_start)
+
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None:
         return "the PyTorch reference backend runs no kernels to capture (the kernels run on CUDA devices)"

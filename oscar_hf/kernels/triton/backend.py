@@ -23,6 +23,7 @@ from oscar_hf.kernels.cuda import history as cuda_history
 from oscar_hf.kernels.interface import HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.kernels.reference.quantize import COMPACT
+from oscar_hf.kernels.replay import GraphReplay, layout
 from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
 from oscar_hf.kernels.triton.demote import KERNEL_ENCODERS, demote_rows
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
@@ -51,6 +52,7 @@ class TritonBackend(ReferenceBackend):
             the head_dim (`default_launch`).
         cuda_history: use the CUDA history kernel where a call qualifies; `cuda_history_config` its compile-time
             shape and the smallest history it takes.
+        eager_graphs: replay an eager decode step's kernels from a CUDA graph (`eager_decode_attention`).
     """
 
     name = "triton"
@@ -58,7 +60,8 @@ class TritonBackend(ReferenceBackend):
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
                  min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
                  cuda_history: bool = True,
-                 cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig()):
+                 cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig(),
+                 eager_graphs: bool = True):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
@@ -67,6 +70,7 @@ class TritonBackend(ReferenceBackend):
         self.cuda_history = cuda_history
         self.cuda_history_config = cuda_history_config
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs = GraphReplay() if eager_graphs else None
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None:
@@ -173,6 +177,30 @@ class TritonBackend(ReferenceBackend):
                   out_layout="blhd", lse_out=None, dense_start=dense_start, dense_length=dense_length,
                   history_start=history_start)
         return out
+
+    def eager_decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
+                               value_rotation, scaling, softcap=None, history_start=None):
+        """`decode_attention` for an eager step: on CUDA its kernels are captured once per layout (the second call
+        with it) and replayed from the CUDA graph after that (`kernels.replay`), one launch for the host instead of
+        four. The key names every tensor's layout and address and every setting the launches depend on."""
+        if self.graphs is None or not query.is_cuda or not self._supported(query, keys, values, None, history):
+            return self.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
+                                         value_rotation, scaling, softcap, history_start)
+        h = history
+        key = (layout(keys), layout(values), layout(dense_length), layout(dense_start), layout(history_start),
+               layout(key_rotation), layout(value_rotation), float(scaling), softcap, self._settings(),
+               None if h is None else (layout(h.keys), layout(h.values), layout(h.key_scale_zero),
+                                       layout(h.value_scale_zero), h.length, h.bits, layout(h.length_ptr)))
+        return self.graphs(
+            key, query,
+            lambda q: self.decode_attention(q, keys, values, dense_length, dense_start, history, key_rotation,
+                                            value_rotation, scaling, softcap, history_start),
+            keep=lambda: self._scratch.get(query.device))
+
+    def _settings(self) -> tuple:
+        """The constructor settings a launch depends on (part of a replayed call's key)."""
+        return (self.launch, self.target_programs, self.min_dense_tokens, self.min_history_tokens,
+                self.cuda_history, self.cuda_history_config)
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor `tiered_attention` writes every element of (uninitialized)."""
@@ -285,6 +313,8 @@ class TritonBackend(ReferenceBackend):
             old = [b.numel() for b in buffers] if buffers is not None else [0, 0, 0]
             buffers = tuple(torch.empty(max(n, o), dtype=torch.float32, device=device) for n, o in zip(wanted, old))
             self._scratch[device] = buffers
+            if self.graphs is not None:  # they write the old scratch, which they would keep allocated
+                self.graphs.clear()
         return buffers
 
     @staticmethod
