@@ -68,8 +68,7 @@ class GraphReplay:
     @staticmethod
     def replays(x: torch.Tensor) -> bool:
         """Whether a call on `x` may be captured and replayed here (module docstring)."""
-        return (x.is_cuda and not torch.compiler.is_compiling() and x.is_non_overlapping_and_dense()
-                and not torch.cuda.is_current_stream_capturing())
+        return x.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
     def __call__(self, key: Hashable, x: torch.Tensor, body: Callable[[torch.Tensor], torch.Tensor],
                  keep: Callable[[], object] = lambda: None) -> torch.Tensor:
@@ -96,7 +95,7 @@ class GraphReplay:
     def _capture(self, key, x, body, keep) -> _Graph | None:
         device = x.device
         index = device.index if device.index is not None else torch.cuda.current_device()
-        static_input = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        static_input = torch.empty_like(x)  # the graph reads its layout; `x`'s is in the key
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
         side = self._streams.get(index)
