@@ -70,10 +70,14 @@ def _generate(model, ids, mask, cache, **options):
 def test_replayed_eager_steps_give_the_direct_launches_bits(case):
     """48 eager steps (six demotion cycles) with the attention replayed from graphs, against the same backend
     launching directly: equal logits, and one capture per layer, except where the history grows (new buffers,
-    new graphs). `long`: a history the CUDA history kernel reads; `beams`: beam search reorders in place."""
+    new graphs). `long`: bfloat16 and a history the CUDA history kernel reads (its launch is captured too);
+    `beams`: beam search reorders in place."""
+    from oscar_hf.kernels.cuda import history as cuda_history
     from oscar_hf.kernels.triton.backend import TritonBackend
 
     model = kernel_qwen3(device="cuda")
+    if case == "long":
+        model = model.to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
     context = 20000 if case == "long" else 300
     batch = 1 if case == "long" else 2
@@ -85,10 +89,18 @@ def test_replayed_eager_steps_give_the_direct_launches_bits(case):
     cache_options = dict(OPTIONS, max_cache_len=context + 4) if case == "grows" else OPTIONS
     runs = {}
     for graphs in (False, True):
-        backend = TritonBackend(eager_graphs=graphs)
+        backend = TritonBackend(eager_graphs=graphs,
+                                cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0))
         cache = OscarCache(model, method="hadamard", backend=backend, **cache_options)
-        runs[graphs] = _generate(model, ids, mask, cache, **options)
+        calls = []
+        original = cuda_history.history_partials
+        cuda_history.history_partials = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            runs[graphs] = _generate(model, ids, mask, cache, **options)
+        finally:
+            cuda_history.history_partials = original
         assert cache.layers[0].counted is not None
+        assert bool(calls) == (case == "long")  # the CUDA history kernel: bfloat16 and no padding only
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1], runs[False][1])
     layers = len(model.model.layers)

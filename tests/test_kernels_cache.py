@@ -129,14 +129,16 @@ def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatc
     original = cuda_history.history_partials
     monkeypatch.setattr(cuda_history, "history_partials", lambda *a, **k: calls.append(1) or original(*a, **k))
     steps = 24
-    cuda = TritonBackend(cuda_history=True, cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0))
+    # launched directly (no eager CUDA graphs), so that every step's call reaches the counter
+    cuda = TritonBackend(cuda_history=True, cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0),
+                         eager_graphs=False)
     got, tokens = _decode_logits(model, ids, cuda, steps)
     layers = model.config.num_hidden_layers
     # every decode step of every layer, and each layer's warm-up step when the prefill's forward closes
     # (`OscarLayer._warm_counted_step`: the kernels compile outside any CUDA-graph recording)
     assert len(calls) == (steps + 1) * layers
     calls.clear()
-    ref, _ = _decode_logits(model, ids, TritonBackend(cuda_history=False), steps, tokens)
+    ref, _ = _decode_logits(model, ids, TritonBackend(cuda_history=False, eager_graphs=False), steps, tokens)
     assert not calls
     assert torch.equal(got[:, 0], ref[:, 0])  # the prefill attends in BF16 on both paths
     error = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
