@@ -73,6 +73,10 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
                                                scaling, kwargs.get("softcap"), segment.history_start)
         segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
+    if segment is None and kwargs.get(HOOK_ARGUMENT) is None:  # another cache, or none: traceable as it is
+        kwargs.pop(HOOK_ARGUMENT, None)
+        return _attend(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("softcap"), None,
+                       kwargs), None
     return _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, segment, kwargs)
 
 

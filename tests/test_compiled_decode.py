@@ -440,3 +440,24 @@ def test_generate_compiles_only_decode_steps_a_cuda_graph_can_hold(monkeypatch):
     assert not OscarCache(model, method="hadamard", backend=TritonBackend(), encoder="lloyd",
                           **OPTIONS).is_compileable
     assert OscarCache(model, method="hadamard", backend=TritonBackend(), **OPTIONS).is_compileable
+
+
+def test_a_model_switched_to_oscar_attention_still_compiles_fullgraph_with_another_cache():
+    """An OscarCache switches the model to the "oscar" attention; with a cache of transformers' own afterwards (a
+    StaticCache, no segment) that attention is SDPA and traceable: `fullgraph=True` compiles, with eager's logits."""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (1, 20))
+    forward(model, ids, OscarCache(model, method="hadamard", **OPTIONS))
+    assert model.config._attn_implementation == "oscar"
+    name = cache_argument_name(model)
+    logits = {}
+    for label, run in (("eager", model.forward), ("compiled", torch.compile(model.forward, fullgraph=True))):
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{name: cache})
+            logits[label] = run(input_ids=ids[:, -1:], use_cache=True, cache_position=torch.tensor([20]),
+                                **{name: cache}).logits
+    torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
