@@ -145,3 +145,23 @@ def test_a_replay_launches_the_graph_between_two_copies():
     triton = [n for n in names if n.startswith("_")]
     assert len(names) - len(triton) == 2, names  # the two copies
     assert sorted(triton) == ["_attention_partials_kernel", "_merge_kernel", "_rotate_query_kernel"], names
+
+
+@CUDA
+def test_capturing_a_decode_step_the_reference_computes_says_why_it_cannot():
+    """Head sizes the kernels do not take decode on the PyTorch reference, which reads the counts on the host: inside
+    a CUDA-graph capture (a user's `mode="reduce-overhead"` compile) it raises a clear error before any CUDA call
+    fails."""
+    from oscar_hf.kernels.interface import HistoryTensors
+    from oscar_hf.kernels.reference.backend import ReferenceBackend
+
+    query = torch.randn(1, 4, 1, 48, device="cuda")
+    keys = torch.randn(1, 2, 16, 48, device="cuda")
+    codes = torch.zeros(1, 2, 16, 12, dtype=torch.uint8, device="cuda")
+    pairs = torch.zeros(1, 2, 16, 2, dtype=torch.float16, device="cuda")
+    length = torch.tensor([4], dtype=torch.int32, device="cuda")
+    history = HistoryTensors(codes, codes, pairs, pairs, 16, 2, length)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="head size 48.*reduce-overhead"):
+        with torch.cuda.graph(graph):
+            ReferenceBackend().decode_attention(query, keys, keys, length, None, history, None, None, 0.1)

@@ -11,6 +11,17 @@ from oscar_hf.kernels.reference.quantize import quantize_pack
 from oscar_hf.rotations.math import rotate
 
 
+def refuse_capture(x: torch.Tensor, operation: str) -> None:
+    """Raise a clear error where a CUDA graph is being captured around a reference operation that reads device
+    counts on the host (the capture would fail deep inside CUDA, or record a read of the wrong step)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"a CUDA graph is being captured around an OSCAR {operation} that runs on the PyTorch reference (head "
+            f"size {x.shape[-1]}, {x.dtype}; the GPU kernels take head sizes that are powers of two from 64 to 256, "
+            "the same for keys and values, and the 'minmax' encoder), which reads the decode counts on the host. "
+            "Compile without mode='reduce-overhead', or decode eagerly; generate's own compile skips such caches.")
+
+
 class ReferenceBackend:
     """PyTorch reference of every backend operation, plus the partial ops `tiered_attention` composes.
 
@@ -32,6 +43,8 @@ class ReferenceBackend:
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
                   only_if=None) -> None:
+        if only_if is not None:
+            refuse_capture(keys, "decode step's demotion")
         if only_if is not None and not bool(only_if):  # read on the host: the reference is never graph-captured
             return
         self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out, encoder)
@@ -43,6 +56,7 @@ class ReferenceBackend:
         `[at, at + n)` (`at`: int32 `[1]` on the device), where `only_if` (int32 `[1]`: 0 or n) is not 0. The
         buffers' last n rows are never counted: a block that would reach them is written there instead and lost.
         Returns the tokens lost (int32 `[1]`): `only_if` for such a block, else 0."""
+        refuse_capture(keys, "decode step's demotion")
         n = keys.shape[2]
         start, lost = block_start(at, n, key_codes.shape[2], only_if)
         if bool(only_if):  # read on the host: the reference is never graph-captured
@@ -74,6 +88,7 @@ class ReferenceBackend:
         """One query per row over the first `dense_length` rows of `keys`/`values` (row b from `dense_start[b]`)
         and the first `history.length_ptr` history rows (row b from `history_start[b]`; `kernels.interface`);
         reads the lengths on the host."""
+        refuse_capture(query, "decode step's attention")
         dense = int(dense_length)
         if history is not None:
             length = int(history.length_ptr)
