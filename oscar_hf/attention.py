@@ -67,10 +67,15 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     if isinstance(segment, UpdateRequest):
         return _request_update_and_attention(module, query, key, value, attention_mask, dropout, scaling, segment,
                                              kwargs), None
-    if segment is not None and segment.counted and query.shape[2] == 1 and kwargs.get(HOOK_ARGUMENT) is None:
-        out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
-                                               segment.history, segment.key_rotation, segment.value_rotation,
-                                               scaling, kwargs.get("softcap"), segment.history_start)
+    if segment is not None and segment.counted and query.shape[2] == 1:
+        hook, softcap = kwargs.pop(HOOK_ARGUMENT, None), kwargs.get("softcap")
+        out = None
+        if hook is not None:  # it sees the whole BF16 buffer as key/value (`HistorySegment`, counted)
+            out = hook(AttentionCall(module, query, key, value, attention_mask, scaling, softcap, segment))
+        if out is None:
+            out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
+                                                   segment.history, segment.key_rotation, segment.value_rotation,
+                                                   scaling, softcap, segment.history_start)
         segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
     if segment is None and kwargs.get(HOOK_ARGUMENT) is None:  # another cache, or none: traceable as it is

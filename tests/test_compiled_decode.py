@@ -461,3 +461,28 @@ def test_a_model_switched_to_oscar_attention_still_compiles_fullgraph_with_anoth
             logits[label] = run(input_ids=ids[:, -1:], use_cache=True, cache_position=torch.tensor([20]),
                                 **{name: cache}).logits
     torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
+
+
+def test_an_attention_hook_sees_the_counted_steps_and_can_replace_them():
+    """`oscar_hook` on decode steps of a counted cache: a hook that returns None leaves the logits as they are
+    (through a demotion) and sees each layer's step with its segment; one that returns a tensor replaces the step's
+    attention output."""
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (1, 40))
+    plain, hooked = (OscarCache(model, method="hadamard", **OPTIONS) for _ in range(2))
+    seen = []
+
+    def watch(call):
+        seen.append((call.layer_idx, call.segment.counted))
+
+    with torch.no_grad():
+        forward(model, ids, plain)
+        forward(model, ids, hooked)
+        token = torch.tensor([[5]])
+        for _ in range(10):
+            want = forward(model, token, plain).logits
+            got = forward(model, token, hooked, oscar_hook=watch).logits
+            assert torch.equal(got, want)
+        assert seen == [(i, True) for _ in range(10) for i in range(len(model.model.layers))]
+        zeroed = forward(model, token, hooked, oscar_hook=lambda call: torch.zeros_like(call.query.transpose(1, 2)))
+        assert not torch.allclose(zeroed.logits, forward(model, token, plain).logits)
