@@ -202,6 +202,11 @@ class CountedDecode:
     def host_counts(self, layer) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
         demoted tokens (compiled steps cannot grow it)."""
+        if self.mirror is None and torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"layer {layer.layer_idx}: this compiled forward needs the cache's length on the host (a forward of "
+                "several tokens builds its mask from it), and after compiled decode steps only the device holds it. "
+                "Run this forward eagerly; generate does (it builds the mask outside the forward).")
         rows, tokens, dropped = self._mirrored()
         if dropped and not self.warned_dropped:
             self.warned_dropped = True

@@ -486,3 +486,21 @@ def test_an_attention_hook_sees_the_counted_steps_and_can_replace_them():
         assert seen == [(i, True) for _ in range(10) for i in range(len(model.model.layers))]
         zeroed = forward(model, token, hooked, oscar_hook=lambda call: torch.zeros_like(call.query.transpose(1, 2)))
         assert not torch.allclose(zeroed.logits, forward(model, token, plain).logits)
+
+
+def test_a_compiled_multi_token_forward_after_compiled_steps_says_what_to_do():
+    """After compiled decode steps only the device knows the cache's length; a compiled forward of several tokens
+    needs it on the host (its mask), so it stops with an error that says so; run eagerly, the same forward works."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    cache = OscarCache(model, method="hadamard", **OPTIONS)
+    compiled = torch.compile(model.forward, fullgraph=True)
+    name = cache_argument_name(model)
+    with torch.no_grad():
+        forward(model, torch.randint(1, 96, (1, 40)), cache)
+        for _ in range(3):
+            compiled(input_ids=torch.tensor([[5]]), use_cache=True, **{name: cache})
+        with pytest.raises(Exception, match="needs the cache's length on the host"):
+            compiled(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{name: cache})
+        forward(model, torch.tensor([[5, 6, 7]]), cache)
+    assert int(cache.get_seq_length()) == 40 + 3 + 3
