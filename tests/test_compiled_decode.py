@@ -504,3 +504,19 @@ def test_a_compiled_multi_token_forward_after_compiled_steps_says_what_to_do():
             compiled(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{name: cache})
         forward(model, torch.tensor([[5, 6, 7]]), cache)
     assert int(cache.get_seq_length()) == 40 + 3 + 3
+
+
+def test_a_compiled_module_decodes_like_the_eager_one_in_one_graph():
+    """`torch.compile(model)` (the module, not its forward), called step by step on an OscarCache: 24 decode steps
+    (three demotion cycles) in one graph, with eager's logits."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(1, 96, (2, 40))
+    eager = _decode(model, ids, OscarCache(model, method="hadamard", **OPTIONS), 24, _eager(model))
+    compiled_model = torch.compile(model)
+    name = cache_argument_name(model)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = _decode(model, ids, OscarCache(model, method="hadamard", **OPTIONS), 24,
+                       lambda token, c: compiled_model(input_ids=token, use_cache=True, **{name: c}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
