@@ -8,8 +8,9 @@ it is transformers' SDPA path (with a softcap, the reference attention).
 
 Hooks: code that needs to see or replace the attention of a forward without a cache of its own (the calibration
 statistics, the diagnostics' capture, the decode-equivalent evaluation) passes `oscar_hook=hook` to the model's
-forward. Every attention call then gives `hook(AttentionCall)`; a hook that returns a tensor `[B, Lq, Hq, D]`
-replaces the call's output, one that returns None lets the call run as usual.
+forward. Every attention call then gives `hook(AttentionCall)`, an OscarCache's counted decode steps included; a
+hook that returns a tensor `[B, Lq, Hq, D]` replaces the call's output, one that returns None lets the call run as
+usual.
 """
 
 from __future__ import annotations
