@@ -69,14 +69,12 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
         return _request_update_and_attention(module, query, key, value, attention_mask, dropout, scaling, segment,
                                              kwargs), None
     if segment is not None and segment.counted and query.shape[2] == 1:
-        hook, softcap = kwargs.pop(HOOK_ARGUMENT, None), kwargs.get("softcap")
-        out = None
-        if hook is not None:  # it sees the whole BF16 buffer as key/value (`HistorySegment`, counted)
-            out = hook(AttentionCall(module, query, key, value, attention_mask, scaling, softcap, segment))
+        # a hook sees the whole BF16 buffer as key/value (`HistorySegment`, counted)
+        out = _hook_output(module, query, key, value, attention_mask, scaling, segment, kwargs)
         if out is None:
             out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
                                                    segment.history, segment.key_rotation, segment.value_rotation,
-                                                   scaling, softcap, segment.history_start)
+                                                   scaling, kwargs.get("softcap"), segment.history_start)
         segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
     if segment is None and kwargs.get(HOOK_ARGUMENT) is None:  # another cache, or none: traceable as it is
@@ -140,16 +138,22 @@ def _(query, key_states, value_states, attention_mask, handle, dropout, scaling,
 
 @torch.compiler.disable
 def _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, segment, kwargs):
-    hook = kwargs.pop(HOOK_ARGUMENT, None)
-    softcap = kwargs.get("softcap")
-    out = None
-    if hook is not None:
-        out = hook(AttentionCall(module, query, key, value, attention_mask, scaling, softcap, segment))
+    out = _hook_output(module, query, key, value, attention_mask, scaling, segment, kwargs)
     if out is None:
-        out = _attend(module, query, key, value, attention_mask, dropout, scaling, softcap, segment, kwargs)
+        out = _attend(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("softcap"), segment,
+                      kwargs)
     if segment is not None:
         segment.close(attention_mask, query)
     return out, None
+
+
+def _hook_output(module, query, key, value, attention_mask, scaling, segment, kwargs) -> torch.Tensor | None:
+    """What the forward's `oscar_hook` (popped from `kwargs`) returns for this call: its replacement output, or
+    None (no hook, or one that lets the call run)."""
+    hook = kwargs.pop(HOOK_ARGUMENT, None)
+    if hook is None:
+        return None
+    return hook(AttentionCall(module, query, key, value, attention_mask, scaling, kwargs.get("softcap"), segment))
 
 
 def _attend(module, query, key, value, attention_mask, dropout, scaling, softcap, segment, kwargs) -> torch.Tensor:
