@@ -33,7 +33,12 @@ from transformers import DynamicCache
 
 from oscar_hf.eval.assets import CALIBRATION_PLAYS
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache
-from oscar_hf.eval.diagnostics.needle_attention import copy_targets, layer_sensitivity, needle_attention
+from oscar_hf.eval.diagnostics.needle_attention import (
+    NeedleAttention,
+    copy_targets,
+    layer_sensitivity,
+    needle_attention,
+)
 from oscar_hf.eval.needles import KINDS, make_needle_suite
 from oscar_hf.rotations.io import SAFETENSORS_NAME
 from oscar_hf.rotations.rotations import RETRIEVAL_LAYERS_KEY, Rotations
@@ -63,16 +68,24 @@ def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = D
     """The full-attention layers of `template` (an unused `OscarCache` with the settings to rank for), most
     retrieval-sensitive first. Probes of `lengths` tokens must leave room for the cache's sink and recent window.
     `row_format` ranks for a history format the cache does not store (see `decode_equivalent.SimulationPlan`)."""
+    trace = retrieval_trace(model, tokenizer, template, lengths, depths, kinds, seed, progress, row_format)
+    score = layer_sensitivity(trace)
+    return [trace.layers[int(i)] for i in score.argsort(descending=True)]
+
+
+def retrieval_trace(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,
+                    depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 1,
+                    progress: bool = True, row_format=None) -> NeedleAttention:
+    """The needle statistics `rank_retrieval_layers` ranks by: calibration-play probes, traced with the model's own
+    full-precision answers (or the needle sentences when it answers none)."""
     config = template.oscar_config
     probes = make_needle_suite(tokenizer, lengths, depths, kinds, (0,), seed=seed, sink=config.sink_tokens,
                                recent=config.recent_tokens, plays=CALIBRATION_PLAYS)
     answers = full_precision_answers(model, probes, progress)
     if not any(copy_targets(tokenizer, a, p.answer) for p, a in zip(probes, answers)):
         answers = [probe.input_ids[0, probe.span[0]:probe.span[1]].tolist() for probe in probes]
-    trace = needle_attention(model, tokenizer, probes, answers, template, row_format=row_format, progress=progress,
-                             with_copy_accuracy=False)
-    score = layer_sensitivity(trace)
-    return [trace.layers[int(i)] for i in score.argsort(descending=True)]
+    return needle_attention(model, tokenizer, probes, answers, template, row_format=row_format, progress=progress,
+                            with_copy_accuracy=False)
 
 
 def full_precision_answers(model, probes, progress: bool = True) -> list[list[int]]:

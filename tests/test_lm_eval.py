@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -18,6 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.compat import cache_argument_name  # noqa: E402
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache  # noqa: E402
+from oscar_hf.eval.diagnostics.methods import Method  # noqa: E402
 from oscar_hf.eval.lm_eval import OscarLM  # noqa: E402
 
 from conftest import LM_EVAL_TASKS as TASKS  # noqa: E402
@@ -174,3 +177,80 @@ def test_a_model_arg_that_from_pretrained_refuses_is_rejected_with_the_valid_one
     # what from_pretrained does take still reaches it: a config attribute
     lm = OscarLM(pretrained=str(tmp_path), device="cpu", method="hadamard", rms_norm_eps=1e-3, **LAYOUT)
     assert lm.model.config.rms_norm_eps == 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- peer caches
+class FirstForwardWidths(DynamicCache):
+    """A BF16 cache that records how many tokens its first forward brought (what a group-quantizing peer checks)."""
+
+    widths: list[int] = []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0 and self.get_seq_length() == 0:
+            FirstForwardWidths.widths.append(key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def peer_lm(model, tokenizer, method, **kwargs):
+    return OscarLM(pretrained=model, tokenizer=tokenizer, method=method, device="cpu", **kwargs)
+
+
+def test_a_peer_method_generates_and_scores_through_its_own_cache(model_and_tokenizer, elsewhere):
+    model, tokenizer = model_and_tokenizer
+    lm = peer_lm(model, tokenizer, "bf16", batch_size=1)
+    assert lm.ll_mode == "chunked" and lm.baseline.name == "bf16"
+    samples = evaluate(lm, "tiny_oscar_gen", limit=3)["samples"]["tiny_oscar_gen"]
+    assert lm.caches_built == 3
+    for sample in samples:
+        prompt = torch.tensor([tokenizer(sample["arguments"][0][0]).input_ids])
+        tokens = greedy_through_cache(model, DynamicCache(config=model.config), 6, prompt=prompt)
+        expected = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert sample["resps"][0][0].strip() == expected.strip().split("[EOS]")[0].strip()
+    # the real BF16 cache in chunks scores what one plain forward scores
+    chunked = scores(evaluate(peer_lm(model, tokenizer, "bf16", batch_size=3, ll_chunk=7), "tiny_oscar_mc",
+                              limit=4)["samples"]["tiny_oscar_mc"], [])
+    plain = scores(evaluate(peer_lm(model, tokenizer, "bf16", batch_size=3, ll_mode="off"), "tiny_oscar_mc",
+                            limit=4)["samples"]["tiny_oscar_mc"], [])
+    assert chunked == pytest.approx(plain, abs=1e-4)
+
+
+def test_a_peer_that_quantizes_whole_groups_sees_padded_first_forwards_and_the_same_answers(
+        model_and_tokenizer, elsewhere):
+    model, tokenizer = model_and_tokenizer
+    grouped = Method("grouped", "BF16 in groups of 5", lambda m: FirstForwardWidths(config=m.config),
+                     prefix_multiple=5)
+    FirstForwardWidths.widths = []
+    got = evaluate(peer_lm(model, tokenizer, grouped, batch_size=1), "tiny_oscar_gen", limit=3)
+    widths = list(FirstForwardWidths.widths)
+    want = evaluate(peer_lm(model, tokenizer, "bf16", batch_size=1), "tiny_oscar_gen", limit=3)
+    prompts = [len(tokenizer(s["arguments"][0][0]).input_ids) for s in want["samples"]["tiny_oscar_gen"]]
+    assert any(n % 5 for n in prompts)  # some prompt needed padding
+    assert sorted(widths) == sorted(-(-n // 5) * 5 for n in prompts)  # lm-eval runs them longest first
+    assert [s["resps"] for s in got["samples"]["tiny_oscar_gen"]] == \
+        [s["resps"] for s in want["samples"]["tiny_oscar_gen"]]
+    FirstForwardWidths.widths = []
+    padded = scores(evaluate(peer_lm(model, tokenizer, grouped, batch_size=1, ll_chunk=1000), "tiny_oscar_mc",
+                             limit=4)["samples"]["tiny_oscar_mc"], [])
+    assert FirstForwardWidths.widths and all(w % 5 == 0 for w in FirstForwardWidths.widths)
+    plain = scores(evaluate(peer_lm(model, tokenizer, "bf16", batch_size=1, ll_mode="off"), "tiny_oscar_mc",
+                            limit=4)["samples"]["tiny_oscar_mc"], [])
+    assert padded == pytest.approx(plain, abs=1e-4)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(recent_tokens=8), "recent_tokens=8: method=bf16 is a peer cache"),
+    (dict(rotations="hadamard"), "rotations='hadamard': method=bf16 is a peer cache"),
+    (dict(ll_mode="simulate"), "ll_mode=simulate models an OscarCache; method=bf16"),
+])
+def test_a_peer_method_refuses_settings_only_an_oscar_cache_reads(model_and_tokenizer, options, message):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match=re.escape(message)):
+        peer_lm(model, tokenizer, "bf16", **options)
+
+
+def test_kivi2_runs_a_generation_task_when_quanto_is_installed(model_and_tokenizer, elsewhere):
+    pytest.importorskip("optimum.quanto")
+    model, tokenizer = model_and_tokenizer
+    lm = peer_lm(model, tokenizer, "kivi2", batch_size=1)
+    samples = evaluate(lm, "tiny_oscar_gen", limit=2)["samples"]["tiny_oscar_gen"]
+    assert len(samples) == 2 and lm.caches_built == 2

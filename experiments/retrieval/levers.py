@@ -27,7 +27,9 @@ Format names:
   8-bit fixed point); at head_dim 64 that frees 0.25 bits per element for layers at higher precision;
 - `mix<bits>[q]:<layers>:<base>`: layers (`0-5+29`) at higher uniform precision (`auto<n>`: the top n of
   `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes from the calibration
-  plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`).
+  plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`);
+- `mixh<bits>[q]:<heads>:<base>`: (layer, KV head) pairs (`17.0+18.2`) at higher uniform precision (`auto<n>`: the
+  top n by `needle_attention.kv_head_sensitivity` on the same probes): precision per head instead of per layer.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ import torch
 from tqdm.auto import tqdm
 
 from oscar_hf import OscarCache
-from oscar_hf.calibrate.retrieval_layers import full_precision_answers, rank_retrieval_layers
+from oscar_hf.calibrate.retrieval_layers import full_precision_answers, rank_retrieval_layers, retrieval_trace
 from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
-from oscar_hf.eval.diagnostics.needle_attention import copy_targets
+from oscar_hf.eval.diagnostics.needle_attention import copy_targets, kv_head_sensitivity
 from oscar_hf.eval.needles import make_needle_suite
 from oscar_hf.kernels.reference.quantize import COMPACT, compact_rows, dequantize_rows, fake_quantize
 
@@ -156,6 +158,22 @@ def mixed(layers: set[int], high: Format, base: Format) -> tuple:
     return read_back, lambda layer, side, d: (high if layer in layers else base).bits(layer, side, d)
 
 
+def mixed_heads(heads: set[tuple[int, int]], kv_heads: int, high: Format, base: Format) -> tuple:
+    """(layer, KV head) pairs in `heads` read back as `high`, every other head as `base`."""
+    def read_back(rows, layer, side):
+        chosen = [h for (lyr, h) in heads if lyr == layer]
+        out = base.read_back(rows, layer, side)
+        if chosen:
+            out[:, chosen] = high.read_back(rows[:, chosen], layer, side)
+        return out
+
+    def bits(layer, side, d):
+        share = sum(lyr == layer for lyr, _ in heads) / kv_heads
+        return share * high.bits(layer, side, d) + (1 - share) * base.bits(layer, side, d)
+
+    return read_back, bits
+
+
 def parse(name: str, context) -> Format:
     m = re.fullmatch(r"u(\d)(?:/(\d))?(?:g(\d+))?(c)?(l)?(q)?", name)
     if m:
@@ -176,6 +194,16 @@ def parse(name: str, context) -> Format:
         base = parse(m[4], context)
         layers = context.sensitive_layers(base, int(m[3][4:])) if m[3].startswith("auto") else _layer_list(m[3])
         return Format(f"{name} {sorted(layers)}", *mixed(layers, parse(f"u{m[1]}{m[2] or ''}", context), base))
+    m = re.fullmatch(r"mixh(\d)(q)?:([\w.+]+):(.+)", name)
+    if m:
+        base = parse(m[4], context)
+        if m[3].startswith("auto"):
+            heads = context.sensitive_heads(base, int(m[3][4:]))
+        else:
+            heads = {(int(a), int(b)) for a, b in (part.split(".") for part in m[3].split("+"))}
+        shown = "+".join(f"{a}.{b}" for a, b in sorted(heads))
+        return Format(f"{name} {shown}", *mixed_heads(heads, context.kv_heads,
+                                                      parse(f"u{m[1]}{m[2] or ''}", context), base))
     raise SystemExit(f"unknown format {name!r}")
 
 
@@ -203,6 +231,8 @@ class Study:
         self.layers = self.model.config.num_hidden_layers
         config = self.model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self._traces = {}
 
     def _bf16_answers(self, probes, out: str) -> list[tuple]:
         path = os.path.join(out, "bf16_answers.json")
@@ -226,6 +256,16 @@ class Study:
         """The shipped ranking (`calibrate.retrieval_layers`: calibration-play probes), for the base format."""
         ranking = rank_retrieval_layers(self.model, self.tokenizer, self.template, row_format=base.read_back)
         return set(ranking[:count])
+
+    def sensitive_heads(self, base: Format, count: int) -> set[tuple[int, int]]:
+        """The top `count` (layer, KV head) pairs by `kv_head_sensitivity` on the shipped ranking's probes."""
+        if base.name not in self._traces:
+            self._traces[base.name] = retrieval_trace(self.model, self.tokenizer, self.template,
+                                                      row_format=base.read_back)
+        trace = self._traces[base.name]
+        score = kv_head_sensitivity(trace, self.kv_heads)
+        order = score.flatten().argsort(descending=True)[:count]
+        return {(trace.layers[int(i) // self.kv_heads], int(i) % self.kv_heads) for i in order}
 
     @torch.no_grad()
     def evaluate(self, fmt: Format) -> dict:

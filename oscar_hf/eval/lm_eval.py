@@ -17,6 +17,15 @@ requests are scored (`ll_mode`):
 - `off`: plain HFLM (one prefill forward: KV quantization has no effect at all).
 `generate_until` requests get one fresh `OscarCache` per `generate` call (per batch).
 
+`method` may also name a peer cache of the side-by-side tables (`BASELINES`: `bf16`, `kivi2`, `turboquant2`, ...,
+`eval.diagnostics.methods`), run in place of the OscarCache, so a task scores OSCAR and its peers the same way:
+
+    oscar-lm-eval --model smollm2 --model_args method=kivi2 --tasks oscar_needles --limit 6
+
+A peer is scored with its real cache (`ll_mode=chunked`, the default for peers; `simulate` models OscarCache
+only). A peer that quantizes whole groups of tokens from its first forward (`kivi2`: 32) gets prompts left-padded
+to a multiple of the group, the padding masked out, and a first scoring forward right-padded the same way.
+
 lm-eval 0.4.13 resolves `--model` names from its own static table only (entry points of installed packages are
 read from its next release on), so `lm_eval --model oscar` needs this module imported first: `oscar-lm-eval`
 does that. The package declares the `lm_eval.models` entry point `oscar` for the releases that read it.
@@ -59,11 +68,13 @@ from oscar_hf.eval.cli_options import (
     resolve_dtype,
 )
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
+from oscar_hf.eval.diagnostics.methods import PEER_METHODS, Method, builtin_methods
 from oscar_hf.eval.lm_eval_rows import RowIndex, rounds
 
 logger = logging.get_logger(__name__)
 
 LL_MODES = ("simulate", "chunked", "off")
+BASELINES = ("bf16", *PEER_METHODS)  # `method` names that run a peer cache instead of an OscarCache
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 SHIPPED_TASKS = ("romeo_ppl", "oscar_needles")  # the task files in TASKS
 
@@ -72,10 +83,12 @@ WRAPPER_ARGS: dict[str, tuple[str, str]] = {
     "rotations": ("the method's", "a folder or file written by oscar-calibrate, a Hub repo id, 'hadamard' or "
                                   "'identity'"),
     "method": ("'oscar' with rotations from a file, folder or repo, else 'hadamard'",
-               "the OscarConfig preset: " + ", ".join(PRESETS)),
-    "ll_mode": ("simulate", "loglikelihood scoring: simulate (decode-equivalent, as if the context were prefilled "
-                            "into a fresh cache and the continuation decoded), chunked (the real cache in "
-                            "ll_chunk-token forwards), off (plain HFLM: quantization has no effect)"),
+               "the OscarConfig preset: " + ", ".join(PRESETS) + "; or a peer cache run instead of the OscarCache: "
+               + ", ".join(BASELINES)),
+    "ll_mode": ("simulate; chunked for a peer method",
+                "loglikelihood scoring: simulate (decode-equivalent, as if the context were prefilled into a fresh "
+                "cache and the continuation decoded), chunked (the real cache in ll_chunk-token forwards), off "
+                "(plain HFLM: quantization has no effect)"),
     "ll_prefill": ("context", "prefill of simulated scoring: 'context', or N (only the first N tokens; 1 decodes "
                               "everything)"),
     "ll_chunk": ("64", "forward size of ll_mode=chunked, in tokens"),
@@ -153,18 +166,24 @@ class OscarLM(HFLM):
     Takes HFLM's arguments, `rotations`, `method`, any `OscarConfig` field, and the scoring options `ll_mode`,
     `ll_prefill`, `ll_chunk`, `progress` (`MODEL_ARGS`); other arguments go to `from_pretrained` when `pretrained`
     names a checkpoint, and are rejected with the list of valid ones when nothing takes them. `pretrained` may be
-    a folder, a Hub repo id, one of `SMOLLM2_ALIASES` (the offline SmolLM2-135M) or a loaded model.
+    a folder, a Hub repo id, one of `SMOLLM2_ALIASES` (the offline SmolLM2-135M) or a loaded model. `method` may
+    name a peer cache (`BASELINES`) or be an `eval.diagnostics.methods.Method`: that cache then replaces the
+    OscarCache, scored with `ll_mode=chunked`.
     """
 
-    def __init__(self, pretrained, rotations: str | None = None, method: str | None = None, ll_mode: str = "simulate",
-                 ll_prefill: str | int = "context", ll_chunk: int = 64, progress: bool = True, **kwargs):
-        if ll_mode not in LL_MODES:
+    def __init__(self, pretrained, rotations: str | None = None, method: str | Method | None = None,
+                 ll_mode: str | None = None, ll_prefill: str | int = "context", ll_chunk: int = 64,
+                 progress: bool = True, **kwargs):
+        if ll_mode is not None and ll_mode not in LL_MODES:
             raise ValueError(f"ll_mode={ll_mode!r}: expected one of {LL_MODES}")
         if ll_prefill != "context" and (not isinstance(ll_prefill, int) or ll_prefill < 1):
             raise ValueError(f"ll_prefill={ll_prefill!r}: expected 'context' or an integer >= 1")
         passed_on = check_model_args(pretrained, kwargs)
         self.oscar_options = {k: kwargs.pop(k) for k in list(kwargs) if k in CONFIG_FIELDS}
-        OscarConfig.from_method(method or "hadamard", **self.oscar_options)  # bad values fail before loading
+        self.baseline = _baseline(method, rotations, self.oscar_options, ll_mode)
+        if self.baseline is None:
+            OscarConfig.from_method(method or "hadamard", **self.oscar_options)  # bad values fail before loading
+        ll_mode = ll_mode or ("chunked" if self.baseline is not None else "simulate")
         self.oscar_rotations, self.oscar_method = rotations, method
         self.ll_mode, self.ll_prefill, self.ll_chunk = ll_mode, ll_prefill, int(ll_chunk)
         self.progress = bool(progress)
@@ -182,24 +201,49 @@ class OscarLM(HFLM):
             if rejected:
                 raise _unknown_model_arg(rejected[0], f"{type(e).__name__}: {e}") from e
             raise
+        self._row_index: RowIndex | None = None
+        self.caches_built = 0
+        if self.baseline is not None:
+            self._template = None
+            logger.info("lm-eval model oscar: peer cache %s (%s), ll_mode=%s", self.baseline.name, self.baseline.label,
+                        ll_mode)
+            return
         use_oscar_attention(self.model)
         self._template = self.new_cache(template=True)
         logger.info("lm-eval model oscar: %s, rotations=%s, ll_mode=%s", self._template.oscar_config,
                     rotations if rotations is not None else self._template.oscar_config.default_rotation, ll_mode)
-        self._row_index: RowIndex | None = None
-        self.caches_built = 0
 
     # ------------------------------------------------------------------------------------------ caches
-    def new_cache(self, template: bool = False) -> OscarCache:
-        """A fresh cache for one generate call (or, `template=True`, an unused one for its settings)."""
+    def new_cache(self, template: bool = False):
+        """A fresh cache for one generate call (or, `template=True`, an unused OscarCache for its settings): the
+        OscarCache, or the peer's cache when `method` names one."""
+        if self.baseline is not None and not template:
+            self.caches_built += 1
+            return self.baseline.build(self.model)
         target = self.model.config if template else self.model
         if not template:
             self.caches_built += 1
         return OscarCache(target, rotations=self.oscar_rotations, method=self.oscar_method, **self.oscar_options)
 
+    @property
+    def _group(self) -> int:
+        """Prompt lengths the cache takes in its first forward (a multiple of this)."""
+        return self.baseline.prefix_multiple if self.baseline is not None else 1
+
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         generation_kwargs[cache_argument_name(self.model)] = self.new_cache()
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        pad = -context.shape[1] % self._group
+        if not pad:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        # Left padding, masked out, as HFLM pads the shorter prompts of a batch; HFLM cuts the answer at the
+        # prompt's unpadded width, so the padding comes off again.
+        mask = generation_kwargs.pop("attention_mask", None)
+        if mask is None:
+            mask = torch.ones_like(context)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        context = torch.nn.functional.pad(context, (pad, 0), value=pad_id)
+        generation_kwargs["attention_mask"] = torch.nn.functional.pad(mask, (pad, 0), value=0)
+        return super()._model_generate(context, max_length + pad, stop, **generation_kwargs)[:, pad:]
 
     # ------------------------------------------------------------------------------------------ requests
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -257,11 +301,46 @@ class OscarLM(HFLM):
                 prefills = [self._row_prefill(row) for row in inps.tolist()]
                 plan = SimulationPlan.from_cache(self._template, prefill=prefills)
                 return simulate_logits(self.model, inps, plan)
-            cache = self.new_cache()
-            name = cache_argument_name(self.model)
-            pieces = [self.model(input_ids=inps[:, start:start + self.ll_chunk], use_cache=True,
-                                 **{name: cache}).logits for start in range(0, inps.shape[1], self.ll_chunk)]
-            return torch.cat(pieces, dim=1)
+            return self._chunked_logits(inps)
+
+    def _chunked_logits(self, inps: torch.Tensor) -> torch.Tensor:
+        """The real cache fed `ll_chunk` tokens per forward; the first forward is rounded up to the cache's group,
+        and when it is the whole row and shorter, right-padded to it (causal: the padding changes no logit kept,
+        and no later forward reads it)."""
+        cache = self.new_cache()
+        name = cache_argument_name(self.model)
+        group = self._group
+        first = -(-self.ll_chunk // group) * group
+        starts = [0, *range(first, inps.shape[1], self.ll_chunk)]
+        pieces = []
+        for start, stop in zip(starts, [*starts[1:], inps.shape[1]]):
+            piece = inps[:, start:stop]
+            width = piece.shape[1]
+            if start == 0 and width % group:
+                piece = torch.nn.functional.pad(piece, (0, -width % group), value=0)
+            pieces.append(self.model(input_ids=piece, use_cache=True, **{name: cache}).logits[:, :width])
+        return torch.cat(pieces, dim=1)
+
+
+def _baseline(method, rotations, oscar_options: dict, ll_mode: str | None) -> Method | None:
+    """The peer `Method` that `method` names (or is), else None (an OscarConfig preset); ValueError for settings
+    that only an OscarCache reads."""
+    if isinstance(method, Method):
+        found = method
+    elif method in BASELINES:
+        found = builtin_methods()[method]
+    else:
+        return None
+    if found.oscar:
+        raise ValueError(f"method={found.name!r} builds an OscarCache: pass its preset name instead")
+    for name, value in (("rotations", rotations), *oscar_options.items()):
+        if value is not None:
+            raise ValueError(f"{name}={value!r}: method={found.name} is a peer cache ({found.label}), which takes "
+                             "no OSCAR settings")
+    if ll_mode == "simulate":
+        raise ValueError(f"ll_mode=simulate models an OscarCache; method={found.name} is scored with its real "
+                         "cache: ll_mode=chunked (the default for peers) or off")
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- command line

@@ -147,9 +147,21 @@ def layer_sensitivity(stats: NeedleAttention) -> torch.Tensor:
     """`[layers]` how much each layer's quantized history costs retrieval: the fact's attention mass it loses (BF16
     mass minus quantized, summed over heads) plus its value read-out error weighted by the BF16 mass, each scaled by
     its largest layer value so both halves count alike. Higher means keep this layer at higher precision first."""
+    return _sensitivity(*_losses(stats, lambda t: t.sum(-1)))
+
+
+def kv_head_sensitivity(stats: NeedleAttention, kv_heads: int) -> torch.Tensor:
+    """`[layers, kv_heads]` the score of `layer_sensitivity` per KV head: its query heads' (GQA group's) lost mass
+    and misread values, each scaled by its largest (layer, KV head) value."""
+    return _sensitivity(*_losses(stats, lambda t: t.reshape(t.shape[0], kv_heads, -1).sum(-1)))
+
+
+def _losses(stats: NeedleAttention, pool) -> tuple[torch.Tensor, torch.Tensor]:
     mass = stats.tensor("mass_bf16")
-    lost = (mass - stats.tensor("mass_quantized")).sum(-1)
-    misread = (stats.tensor("value_error") * mass).sum(-1)
+    return pool(mass - stats.tensor("mass_quantized")), pool(stats.tensor("value_error") * mass)
+
+
+def _sensitivity(lost: torch.Tensor, misread: torch.Tensor) -> torch.Tensor:
     return lost / lost.abs().max().clamp_min(1e-12) + misread / misread.abs().max().clamp_min(1e-12)
 
 
