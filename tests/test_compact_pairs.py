@@ -1,8 +1,7 @@
-"""Compact (one-byte) scale and zero codes: the stored format, its error, and the `oscar-next` preset."""
+"""Compact (one-byte) scale and zero codes: the stored format and its error (the `oscar-next`
+preset that stores them: tests/test_head_precision.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -59,22 +58,7 @@ def test_compact_pairs_through_the_cache_store_fewer_bytes_and_stay_close():
     assert compact.is_compileable and wide.is_compileable
 
 
-def test_oscar_next_keeps_the_top_tenth_of_the_ranking_at_4_bits_under_2_5_bits():
-    model = tiny_model("llama", seed=3, num_hidden_layers=10, head_dim=64, hidden_size=256)
-    from oscar_hf.rotations import Rotations
-    from oscar_hf.rotations.rotations import RETRIEVAL_LAYERS_KEY
-
-    rotations = Rotations.hadamard(list(range(10)), 64)
-    rotations.metadata[RETRIEVAL_LAYERS_KEY] = "[7, 3, 5, 1, 0, 2, 4, 6, 8, 9]"
-    cache = OscarCache(model, rotations=rotations, method="oscar-next")
-    config = cache.oscar_config
-    assert config.high_precision_layers == (7,) and config.encoder == "sigma" and config.scale_dtype == COMPACT
-    assert cache.layers[7].config.encoder == "minmax" and cache.layers[7].config.bits == 4
-    ids = torch.randint(1, 96, (1, 2400))
-    forward(model, ids, cache)
-    history_bits = 8 * sum(layer.history.nbytes() for layer in cache.layers) / sum(
-        layer.history_length * 2 * 2 * 64 for layer in cache.layers)
-    assert math.isclose(history_bits, (9 * 2.25 + 4.25) / 10, rel_tol=1e-9) and history_bits <= 2.5
+def test_compact_pairs_refuse_the_lloyd_encoder():
     with pytest.raises(ValueError, match="compact pairs take"):
         OscarConfig(scale_dtype="compact", encoder="lloyd")
 

@@ -76,6 +76,20 @@ def test_a_4_bit_layer_beside_a_2_bit_one_generates_the_reference_tokens():
     assert torch.equal(got, ref)
 
 
+def test_a_layer_split_by_kv_heads_generates_the_reference_tokens():
+    """4-bit and 2-bit runs of KV heads in one layer (`high_precision_heads`), compact pairs and the sigma grid on
+    the 2-bit run: every run through the kernels, prefill and counted decode."""
+    model = _tiny_model(DEVICE, seed=2)
+    ids, mask = _left_padded_batch([44, 37], model.config.vocab_size, DEVICE)
+    options = dict(sink_tokens=4, recent_tokens=16, demote_block=4, high_precision_heads=((0, 1), (1, 0)),
+                   encoder="sigma", scale_dtype="compact", key_clip_ratio=None, value_clip_ratio=None)
+    got, cache = _generate(model, ids, mask, TritonBackend(), 10, **options)
+    ref, _ = _generate(model, ids, mask, ReferenceBackend(), 10, **options)
+    runs = [[(start, stop, part.config.bits) for start, stop, part in layer.history.parts] for layer in cache.layers]
+    assert runs == [[(0, 1, 2), (1, 2, 4)], [(0, 1, 4), (1, 2, 2)]] and cache.layers[1].history_length > 0
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_generate_32k_context_matches_reference_tokens_gpu():
     """Two left-padded rows at a 32k-token context: the kernels' tokens equal the reference backend's on the GPU."""

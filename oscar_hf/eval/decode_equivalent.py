@@ -119,12 +119,20 @@ class LayerProbe:
     output_quantized: torch.Tensor
 
 
-def reconstruct(x: torch.Tensor, rotation: torch.Tensor | None, config: OscarConfig, clip_ratio: float | None):
-    """Rows `x` `[B, H, L, d]` as the history stores them, dequantized: float32, in the *rotated* basis."""
+def reconstruct(x: torch.Tensor, rotation: torch.Tensor | None, config: OscarConfig, side: str):
+    """Rows `x` `[B, H, L, d]` of one layer's keys (`side="key"`) or values as the history stores them,
+    dequantized: float32, in the *rotated* basis (a layer's `high_precision_heads` at their own settings)."""
     rotated = rotate(x, None if rotation is None else rotation.to(x.device))
     if not config.quantize:
         return rotated.to(x.dtype).float()
-    return fake_quantize(rotated, config.bits, clip_ratio, config.scale_dtype, config.encoder)
+    out = fake_quantize(rotated, config.bits, getattr(config, f"{side}_clip_ratio"), config.scale_dtype,
+                        config.encoder)
+    heads = [head for _, head in config.high_precision_heads]
+    if heads:
+        high = config.high_precision()
+        out[:, heads] = fake_quantize(rotated[:, heads], high.bits, getattr(high, f"{side}_clip_ratio"),
+                                      high.scale_dtype, high.encoder)
+    return out
 
 
 def simulate_attention(module, query, key, value, attention_mask, plan: SimulationPlan, scaling: float,
@@ -140,9 +148,9 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
     key_r = None if key_rotation is None else key_rotation.to(query.device, torch.float32)
     value_r = None if value_rotation is None else value_rotation.to(query.device, torch.float32)
     if plan.row_format is None:
-        layer_cfg = plan.layer_configs.get(layer_idx, cfg)
-        k_hat = reconstruct(key, key_rotation, layer_cfg, layer_cfg.key_clip_ratio)
-        v_hat = reconstruct(value, value_rotation, layer_cfg, layer_cfg.value_clip_ratio)
+        layer_cfg = plan.layer_configs.get(layer_idx) or cfg.for_layer(layer_idx)
+        k_hat = reconstruct(key, key_rotation, layer_cfg, "key")
+        v_hat = reconstruct(value, value_rotation, layer_cfg, "value")
     else:
         k_hat = plan.row_format(rotate(key, key_r), layer_idx, "key")
         v_hat = plan.row_format(rotate(value, value_r), layer_idx, "value")

@@ -26,6 +26,7 @@ ORTHOGONALITY_TOLERANCE = 1e-3
 
 DEFAULT_CLIP_BITS = 2
 RETRIEVAL_LAYERS_KEY = "retrieval_layers"  # metadata: JSON list of layer indices, most retrieval-sensitive first
+RETRIEVAL_HEADS_KEY = "retrieval_heads"  # metadata: JSON list of [layer, KV head] pairs, most sensitive first
 
 
 class Rotations:
@@ -166,6 +167,21 @@ class Rotations:
             raise RotationFileError(f"the recorded {RETRIEVAL_LAYERS_KEY} name layers {unknown} these rotations lack")
         return ranking
 
+    def retrieval_heads(self) -> list[tuple[int, int]] | None:
+        """The (layer, KV head) pairs ranked by retrieval sensitivity (`oscar_hf.calibrate.retrieval_layers`), most
+        sensitive first, or None when the metadata records no such ranking."""
+        if RETRIEVAL_HEADS_KEY not in self.metadata:
+            return None
+        try:
+            ranking = _head_ranking(json.loads(self.metadata[RETRIEVAL_HEADS_KEY]))
+        except ValueError as error:
+            raise RotationFileError(f"the rotations' recorded {RETRIEVAL_HEADS_KEY} are unreadable: "
+                                    f"{error!r}") from error
+        unknown = sorted({layer for layer, _ in ranking} - set(self.key))
+        if unknown:
+            raise RotationFileError(f"the recorded {RETRIEVAL_HEADS_KEY} name layers {unknown} these rotations lack")
+        return ranking
+
     def tables(self) -> RotationTables:
         """The rotations as plain tables (what `rotations.io` reads and writes)."""
         return {"key": self.key, "value": self.value, "key_eigenvalues": self.key_eigenvalues,
@@ -302,6 +318,7 @@ class Rotations:
         except ValueError as error:
             raise RotationFileError(f"the rotations' recorded clip_bits are unreadable: {error!r}") from error
         self.retrieval_layers()
+        self.retrieval_heads()
 
     def check_model(self, layer_ids: list[int], head_dim: int, num_kv_heads: int) -> None:
         """Raise `RotationFileError` unless every listed layer has rotations of the model's shape."""
@@ -378,6 +395,17 @@ def _layer_ranking(ranking) -> list[int]:
     if len(set(ranking)) != len(ranking):
         raise ValueError(f"layers listed more than once in {ranking}")
     return ranking
+
+
+def _head_ranking(ranking) -> list[tuple[int, int]]:
+    """A recorded per-head ranking: distinct [layer, KV head] pairs of integers >= 0."""
+    if not isinstance(ranking, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(i) is int and i >= 0 for i in p) for p in ranking):
+        raise ValueError(f"expected a JSON list of [layer, KV head] pairs, got {ranking!r:.80}")
+    pairs = [(layer, head) for layer, head in ranking]
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"heads listed more than once in {ranking!r:.80}")
+    return pairs
 
 
 def _float_table(what: str, table) -> dict[int, torch.Tensor]:

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from oscar_hf.cache import NAMED_ROTATIONS, OscarCache
-from oscar_hf.config import PRESETS, RANKED_LAYER_SHARES, OscarConfig
+from oscar_hf.config import PRESETS, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.layer import OscarLayer
 
 logger = logging.get_logger(__name__)
@@ -112,7 +112,7 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
         Method("oscar-hifi", f"OSCAR-hifi ({given}; 2-bit, the top fifth of the layers by retrieval ranking at 4 bits)",
                _oscar("oscar-hifi", rotations, **oscar_options), oscar=True),
         Method("oscar-next", f"OSCAR-next ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
-               "layers by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True),
+               "KV heads by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True),
         Method("hadamard4", "OSCAR 4-bit (Hadamard)", _oscar("hadamard", **{**oscar_options, "bits": 4}), oscar=True),
         Method("oscar4", f"OSCAR 4-bit ({given})", _oscar("oscar", rotations, **{**oscar_options, "bits": 4}),
                oscar=True),
@@ -176,9 +176,10 @@ def select_methods(names: str | Sequence[str] | None = None, rotations: str | No
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(available)}")
     if rotations is None:
         for name in chosen:
-            if name in RANKED_LAYER_SHARES:
+            if name in RANKED_LAYER_SHARES or name in RANKED_HEAD_SHARES:
+                what = "layers" if name in RANKED_LAYER_SHARES else "KV heads"
                 raise ValueError(
-                    f"method {name!r} keeps the layers ranked most retrieval-sensitive at 4 bits: pass --rotations "
+                    f"method {name!r} keeps the {what} ranked most retrieval-sensitive at 4 bits: pass --rotations "
                     "that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers; for data-free "
                     "Hadamard rotations with a ranking, python -m oscar_hf.calibrate.retrieval_layers --rotations "
                     "hadamard)")
