@@ -170,6 +170,9 @@ def main():
                         "bench.attention --launch-out writes the one it measured best)")
     parser.add_argument("--hifi-layers", type=int, default=0,
                         help="keep this many layers (spread evenly) at 4 bits, as oscar-hifi does for its ranked ones")
+    parser.add_argument("--hifi-heads", type=int, default=0,
+                        help="keep this many KV heads (spread evenly over the layers' heads) at 4 bits, as oscar-next "
+                             "does for its ranked ones")
     args = parser.parse_args()
     if args.smoke:
         harness.DEVICE = "cpu"
@@ -187,6 +190,11 @@ def main():
         harness.OSCAR_OPTIONS["high_precision_layers"] = tuple(sorted({i * layers // args.hifi_layers
                                                                        for i in range(args.hifi_layers)}))
         print(f"4-bit layers: {harness.OSCAR_OPTIONS['high_precision_layers']}", flush=True)
+    if args.hifi_heads:
+        layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+        picked = sorted({i * layers * heads // args.hifi_heads for i in range(args.hifi_heads)})
+        harness.OSCAR_OPTIONS["high_precision_heads"] = tuple(divmod(p, heads) for p in picked)
+        print(f"4-bit KV heads: {harness.OSCAR_OPTIONS['high_precision_heads']}", flush=True)
     name = torch.cuda.get_device_name() if harness.DEVICE == "cuda" else "cpu"
     print(f"device {name}, weights {allocated() / GB:.1f} GB", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]

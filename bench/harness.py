@@ -108,9 +108,13 @@ def fill_oscar(model, batch, context, chunk=8192, **options):
     """An OscarCache holding `context` random tokens per layer, filled through its own update and demotion path
     (the demotion kernel on CUDA), not a prefill forward. `options`: more OscarCache options."""
     cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **(OSCAR_OPTIONS | options))
-    cfg = model.config
-    heads = cfg.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
-    shape = (batch, heads, chunk, cfg.head_dim)
+    heads = model.config.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
+    return fill_layers(cache, batch, heads, model.config.head_dim, context, chunk)
+
+
+def fill_layers(cache, batch, heads, head_dim, context, chunk=8192):
+    """`cache` (an OscarCache) with `context` random tokens of `heads` KV heads in every layer (`fill_oscar`)."""
+    shape = (batch, heads, chunk, head_dim)
     k = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     for layer in cache.layers:

@@ -1,0 +1,91 @@
+"""Decode attention of one layer whose history is split by KV heads (`OscarConfig.high_precision_heads`) against the
+same layer stored uniformly, on the GPU.
+
+    python -m bench.head_split --out bench/results/head_split.json [--contexts 100000] [--batches 8]
+
+Shape: Qwen3-8B's layer (32 query / 8 KV heads, head_dim 128), bf16, Hadamard rotations, oscar-next's row format
+(sigma rows, one-byte scale and zero; 4-bit runs: min-max, unclipped). The cache is filled with random K/V through its
+own update and demotion path (`bench.harness.fill_oscar`), then counted decode starts and the layer's decode
+attention (`segment.backend.decode_attention`, what a step runs) is captured in a CUDA graph and timed by
+`triton.testing.do_bench` (median, L2 flushed). "target ms" is the issue's bandwidth bound: 1.15 x the all-2-bit
+time x (the layer's history bytes / the all-2-bit history bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import torch
+import transformers
+from triton.testing import do_bench
+
+from bench import harness
+from bench.harness import graphed
+from oscar_hf import OscarCache
+
+FORMAT = dict(scale_dtype="compact", encoder="sigma", key_clip_ratio=None, value_clip_ratio=None)
+# (label, high-precision KV heads of the layer, or "all" for a 4-bit layer)
+VARIANTS = (("2-bit", ()), ("1 head 4-bit (runs 0-2 | 3 | 4-7)", (3,)), ("2 heads 4-bit (runs 0-1 | 2-7)", (0, 1)),
+            ("4-bit", "all"))
+
+
+def layer_config():
+    return transformers.Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                    num_hidden_layers=1, intermediate_size=128, vocab_size=128)
+
+
+def time_variant(heads, batch: int, context: int) -> dict:
+    config = layer_config()
+    options = dict(FORMAT)
+    if heads == "all":
+        options["high_precision_layers"] = (0,)
+    elif heads:
+        options["high_precision_heads"] = tuple((0, h) for h in heads)
+    cache = OscarCache(config, rotations="hadamard", **options)
+
+    harness.fill_layers(cache, batch, config.num_key_value_heads, config.head_dim, context)
+    layer = cache.layers[0]
+    layer.start_counted_decode()
+    segment = layer.open_segment()
+    query = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        segment.backend.decode_attention(query, layer.keys_buffer, layer.values_buffer, segment.dense_length,
+                                         segment.dense_start, segment.history, layer.key_rotation,
+                                         layer.value_rotation, 128 ** -0.5, None, segment.history_start)
+
+    ms = do_bench(graphed(call), warmup=25, rep=200)
+    return dict(history_bytes=layer.history.nbytes(), ms=ms, history_tokens=layer.history_length)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="100000")
+    p.add_argument("--batches", default="8")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    print("| context / batch | layer | history MB | ms | target ms | within |", flush=True)
+    print("|---|---|---:|---:|---:|---|", flush=True)
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            base = None
+            for label, heads in VARIANTS:
+                row = dict(context=context, batch=batch, layer=label, **time_variant(heads, batch, context))
+                base = base or row
+                row["target_ms"] = 1.15 * base["ms"] * row["history_bytes"] / base["history_bytes"]
+                rows.append(row)
+                print(f"| {context} / {batch} | {label} | {row['history_bytes'] / 1e6:.1f} | {row['ms']:.3f} | "
+                      f"{row['target_ms']:.3f} | {'yes' if row['ms'] <= row['target_ms'] else 'no'} |", flush=True)
+                torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                           device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
