@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Precision per KV head on the GPU, in two device calls. Usage: bench/gpu_heads.sh OUT_DIR tests|generate
+# Precision per KV head on the GPU, in two device calls. Usage: bench/gpu_heads.sh OUT_DIR tests|attention|generate
 # tests: the split-layer and kernel-cache tests, then the split layer's decode attention (bench.head_split);
-# generate: decode speed through plain generate at 32k / batch 1 for oscar-next's row format, all layers at 2 bits,
+# attention: bench.head_split alone, then generate; generate: decode speed through plain generate at 32k / batch 1 for oscar-next's row format, all layers at 2 bits,
 # 4 layers at 4 bits, and 29 of 288 KV heads at 4 bits (the same share of the history).
 set -o pipefail
 out=${1:?usage: bench/gpu_heads.sh OUT_DIR tests|generate}
@@ -12,7 +12,10 @@ if [[ $2 == tests ]]; then
   python3 -m pytest -q -rs --tb=short tests/test_head_precision.py tests/test_kernels_cache.py tests/test_kernels_compact.py 2>&1 | tail -25 | tee "$out/tests.log"
   python3 -m bench.head_split --out "$out/head_split.json" 2>&1 | tee "$out/head_split.log"
 fi
-if [[ $2 == generate ]]; then
+if [[ $2 == attention ]]; then
+  python3 -m bench.head_split --out "$out/head_split.json" 2>&1 | tee "$out/head_split.log"
+fi
+if [[ $2 == generate || $2 == attention ]]; then
   python3 -m bench.generate --contexts 32768 --batches 1 --oscar-batches 1 --caches oscar-compact --out "$out/generate_2bit.json" 2>&1 | grep -v Warning | tail -8 | tee "$out/generate.log"
   python3 -m bench.generate --contexts 32768 --batches 1 --oscar-batches 1 --caches oscar-compact --hifi-layers 4 --out "$out/generate_layers.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$out/generate.log"
   python3 -m bench.generate --contexts 32768 --batches 1 --oscar-batches 1 --caches oscar-compact --hifi-heads 29 --out "$out/generate_heads.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$out/generate.log"

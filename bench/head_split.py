@@ -4,7 +4,8 @@ same layer stored uniformly, on the GPU.
     python -m bench.head_split --out bench/results/head_split.json [--contexts 100000] [--batches 8]
 
 Shape: Qwen3-8B's layer (32 query / 8 KV heads, head_dim 128), bf16, Hadamard rotations, oscar-next's row format
-(sigma rows, one-byte scale and zero; 4-bit runs: min-max, unclipped). The cache is filled with random K/V through its
+(sigma rows, one-byte scale and zero; 4-bit runs: min-max, unclipped), and the default format (min-max rows,
+float16 pairs, which the CUDA history kernel reads) for comparison. The cache is filled with random K/V through its
 own update and demotion path (`bench.harness.fill_oscar`), then counted decode starts and the layer's decode
 attention (`segment.backend.decode_attention`, what a step runs) is captured in a CUDA graph and timed by
 `triton.testing.do_bench` (median, L2 flushed). "target ms" is the issue's bandwidth bound: 1.15 x the all-2-bit
@@ -26,9 +27,10 @@ from bench.harness import graphed
 from oscar_hf import OscarCache
 
 FORMAT = dict(scale_dtype="compact", encoder="sigma", key_clip_ratio=None, value_clip_ratio=None)
-# (label, high-precision KV heads of the layer, or "all" for a 4-bit layer)
-VARIANTS = (("2-bit", ()), ("1 head 4-bit (runs 0-2 | 3 | 4-7)", (3,)), ("2 heads 4-bit (runs 0-1 | 2-7)", (0, 1)),
-            ("4-bit", "all"))
+# (label, high-precision KV heads of the layer, or "all" for a 4-bit layer, row format); the first is the base
+VARIANTS = (("2-bit", (), FORMAT), ("1 head 4-bit (runs 0-2 | 3 | 4-7)", (3,), FORMAT),
+            ("2 heads 4-bit (runs 0-1 | 2-7)", (0, 1), FORMAT), ("4-bit", "all", FORMAT),
+            ("2-bit, min-max rows, float16 pairs (the default)", (), {}))
 
 
 def layer_config():
@@ -36,9 +38,9 @@ def layer_config():
                                     num_hidden_layers=1, intermediate_size=128, vocab_size=128)
 
 
-def time_variant(heads, batch: int, context: int) -> dict:
+def time_variant(heads, row_format: dict, batch: int, context: int) -> dict:
     config = layer_config()
-    options = dict(FORMAT)
+    options = dict(row_format)
     if heads == "all":
         options["high_precision_layers"] = (0,)
     elif heads:
@@ -72,8 +74,9 @@ def main() -> int:
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             base = None
-            for label, heads in VARIANTS:
-                row = dict(context=context, batch=batch, layer=label, **time_variant(heads, batch, context))
+            for label, heads, row_format in VARIANTS:
+                row = dict(context=context, batch=batch, layer=label,
+                           **time_variant(heads, row_format, batch, context))
                 base = base or row
                 row["target_ms"] = 1.15 * base["ms"] * row["history_bytes"] / base["history_bytes"]
                 rows.append(row)

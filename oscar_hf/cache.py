@@ -399,28 +399,28 @@ def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, laye
 def _ranked_layers(method: str, rotations: Rotations | None, shape) -> tuple[int, ...]:
     """The `RANKED_LAYER_SHARES[method]` most retrieval-sensitive full-attention layers the rotations record."""
     ranking = rotations.retrieval_layers() if rotations is not None else None
-    if not ranking:
-        raise ValueError(
-            f"method={method!r} keeps the layers retrieval depends on at 4 bits, and these rotations record no "
-            "ranking of them: rank them with `oscar-calibrate ... --rank-retrieval-layers` (or "
-            "oscar_hf.calibrate.retrieval_layers.rank_retrieval_layers), or pass high_precision_layers=[...]"
-        )
-    count = max(1, math.ceil(RANKED_LAYER_SHARES[method] * len(shape.oscar_layer_ids)))
-    return tuple(ranking[:count])
+    return _top_share(method, ranking, RANKED_LAYER_SHARES[method], len(shape.oscar_layer_ids), "layers",
+                      "rank_retrieval_layers", "high_precision_layers=[...]")
 
 
 def _ranked_heads(method: str, rotations: Rotations | None, shape) -> tuple[tuple[int, int], ...]:
     """The `RANKED_HEAD_SHARES[method]` most retrieval-sensitive (layer, KV head) pairs the rotations record."""
     ranking = rotations.retrieval_heads() if rotations is not None else None
+    return _top_share(method, ranking, RANKED_HEAD_SHARES[method], len(shape.oscar_layer_ids) * shape.num_kv_heads,
+                      "KV heads", "rank_retrieval_heads", "high_precision_heads=[(layer, kv_head), ...]")
+
+
+def _top_share(method: str, ranking: list | None, share: float, units: int, what: str, ranker: str,
+               option: str) -> tuple:
+    """The first `share` of `units` entries of a recorded ranking (at least one); ValueError without a ranking."""
     if not ranking:
         raise ValueError(
-            f"method={method!r} keeps the KV heads retrieval depends on at 4 bits, and these rotations record no "
-            "per-head ranking: rank them with `python -m oscar_hf.calibrate.retrieval_layers --model <model> "
-            "--rotations <folder>` (or oscar_hf.calibrate.retrieval_layers.rank_retrieval_heads), or pass "
-            "high_precision_heads=[(layer, kv_head), ...]"
+            f"method={method!r} keeps the {what} retrieval depends on at 4 bits, and these rotations record no "
+            f"ranking of those {what}: rank them with `oscar-calibrate ... --rank-retrieval-layers` or `python -m "
+            f"oscar_hf.calibrate.retrieval_layers --model <model> --rotations <folder>` (or "
+            f"oscar_hf.calibrate.retrieval_layers.{ranker}), or pass {option}"
         )
-    count = max(1, math.ceil(RANKED_HEAD_SHARES[method] * len(shape.oscar_layer_ids) * shape.num_kv_heads))
-    return tuple(ranking[:count])
+    return tuple(ranking[:max(1, math.ceil(share * units))])
 
 
 def _check_heads(heads, shape) -> None:

@@ -130,7 +130,7 @@ def test_a_4_bit_head_stores_its_rows_at_4_bits_and_the_simulation_still_equals_
 def test_oscar_next_keeps_the_top_tenth_of_the_ranked_heads_at_4_bits_under_2_5_bits(tmp_path):
     model = tiny_model("llama", seed=3, num_hidden_layers=10, head_dim=64, hidden_size=256)
     rotations = Rotations.hadamard(list(range(10)), 64)
-    with pytest.raises(ValueError, match="no per-head ranking"):
+    with pytest.raises(ValueError, match="record no ranking of those KV heads"):
         OscarCache(model, rotations=rotations, method="oscar-next")
     ranking = [[7, 1], [3, 0]] + [[layer, head] for layer in range(10) for head in range(2)
                                   if [layer, head] not in ([7, 1], [3, 0])]

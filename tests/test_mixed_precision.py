@@ -93,7 +93,7 @@ def test_retrieval_ranking_is_recorded_and_oscar_hifi_keeps_its_top_layers_at_4_
     assert sorted(ranking) == [0, 1, 2, 3]
     assert ranking == rank_retrieval_layers(model, tokenizer, template, lengths=[600], depths=[0.3, 0.7],
                                             kinds=["number"], progress=False)
-    with pytest.raises(ValueError, match="record no ranking"):
+    with pytest.raises(ValueError, match="record no ranking of those layers"):
         OscarCache(model, rotations=rotations, method="oscar-hifi", **LAYOUT)
     record_retrieval_layers(rotations, ranking)
     rotations.save_pretrained(tmp_path)
