@@ -282,6 +282,7 @@ class HeadSplitHistory:
         self.parts = [(start, stop, QuantizedHistory(batch, stop - start, key_dim, value_dim, high if is_high else low,
                                                      device)) for start, stop, is_high in runs]
         self.batch, self.num_heads, self.device, self.config = batch, num_heads, device, config
+        self.key_dim, self.value_dim = key_dim, value_dim
 
     def _histories(self) -> list[QuantizedHistory]:
         return [history for _, _, history in self.parts]

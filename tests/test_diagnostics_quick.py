@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import sys
 
 import pytest
@@ -294,3 +295,13 @@ def test_quick_preset_on_smollm2(tmp_path, capsys, package_logger):
     bf16, hadamard = float(rows["bf16"][1]), float(rows["hadamard"][1])
     assert 10 < bf16 < hadamard < 1.2 * bf16  # 17.94 and 19.26 on King Lear's first 512 tokens
     assert "](layers.png)" in open(tmp_path / "report.md").read() and os.path.isfile(tmp_path / "layers.png")
+
+
+def test_a_file_of_hadamard_rotations_is_not_labelled_calibrated():
+    # the shipped Hadamard folder exists for its recorded rankings; its rows must not read as calibrated
+    repo = pathlib.Path(__file__).resolve().parents[1] / "rotations"
+    hadamard = {m.name: m.label for m in select_methods("oscar,oscar-next", rotations=str(repo / "smollm2-135m-hadamard"))}
+    calibrated = {m.name: m.label for m in select_methods("oscar", rotations=str(repo / "smollm2-135m"))}
+    assert hadamard["oscar"] == "OSCAR (Hadamard rotations from a file)"
+    assert hadamard["oscar-next"].startswith("OSCAR-next (Hadamard rotations from a file;")
+    assert calibrated["oscar"] == "OSCAR (calibrated)"

@@ -11,6 +11,7 @@ Peers need optional packages, imported only when their cache is built:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from transformers.utils import logging
 from oscar_hf.cache import NAMED_ROTATIONS, OscarCache
 from oscar_hf.config import PRESETS, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.layer import OscarLayer
+from oscar_hf.rotations.io import load_rotation_path
 
 logger = logging.get_logger(__name__)
 
@@ -85,7 +87,17 @@ DATA_FREE_ALTERNATIVE = {"oscar": "hadamard", "oscar4": "hadamard4"}
 def _rotations_label(rotations: str | None) -> str:
     if rotations is None:
         return "needs --rotations"
-    return f"rotations={rotations}" if rotations in NAMED_ROTATIONS else "calibrated"
+    if rotations in NAMED_ROTATIONS:
+        return f"rotations={rotations}"
+    # a saved file of Hadamard rotations (kept for its recorded rankings) is not calibrated: say so in the tables
+    if os.path.exists(rotations):
+        try:
+            objective = load_rotation_path(rotations).get("metadata", {}).get("objective")
+        except (OSError, ValueError):
+            objective = None  # the build reports the unreadable file; the label need not
+        if objective == "hadamard":
+            return "Hadamard rotations from a file"
+    return "calibrated"
 
 
 def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, Method]:
