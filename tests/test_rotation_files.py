@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from oscar_hf import OscarCache, RotationFileError, Rotations
 from oscar_hf.rotations.hub import resolve_rotation_folder
-from oscar_hf.rotations.io import FORMAT_TAG, SAFETENSORS_NAME, load_zoo_file
+from oscar_hf.rotations.io import FORMAT_TAG, SAFETENSORS_NAME, load_rotation_path, load_zoo_file, rotation_metadata
 from oscar_hf.rotations.math import compose_rotation
 
 
@@ -55,6 +55,20 @@ def test_zoo_round_trip_is_bit_exact_in_reference_schema(tmp_path, heads):
     assert entry["layer_id"] == 1 and entry["rotation"].dtype == torch.float32 and entry["rotation"].is_contiguous()
     assert entry["rotation"].shape == ((2, 16, 16) if heads else (16, 16))
     assert_same(Rotations.from_pretrained(tmp_path), rot)
+
+
+def test_rotation_metadata_is_what_a_full_load_records_in_either_format(tmp_path):
+    rot = Rotations(random_rotations().key, random_rotations().value, metadata={"objective": "hadamard", "model": "m"})
+    rot.save_pretrained(tmp_path / "ours")
+    rot.save_zoo(tmp_path / "zoo")
+    for folder in ("ours", "zoo"):
+        assert rotation_metadata(tmp_path / folder) == load_rotation_path(tmp_path / folder)["metadata"]
+    assert rotation_metadata(tmp_path / "ours")["objective"] == "hadamard"
+    with pytest.raises(FileNotFoundError):
+        rotation_metadata(tmp_path / "missing")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(RotationFileError, match="not an oscar-hf rotation file"):
+        rotation_metadata(tmp_path / "other.safetensors")
 
 
 def test_zoo_file_with_string_layer_keys_loads(tmp_path):

@@ -56,10 +56,25 @@ class RotationFileError(ValueError):
 
 def load_rotation_path(path: str | os.PathLike) -> RotationTables:
     """Read rotations from a folder (either format) or from a single `.safetensors` file."""
+    files = _rotation_files(path)
+    return load_safetensors(files[0]) if len(files) == 1 else load_zoo(*files)
+
+
+def rotation_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The provenance `load_rotation_path(path)` would return, without reading an oscar-hf file's tensors (its
+    safetensors header holds it; a RotationZoo pair is read whole)."""
+    files = _rotation_files(path)
+    if len(files) == 2:
+        return load_zoo(*files)["metadata"]
+    return _safetensors_metadata(files[0])
+
+
+def _rotation_files(path: str | os.PathLike) -> tuple[str] | tuple[str, str]:
+    """The one `.safetensors` file, or the (key, value) RotationZoo pair, that `path` names."""
     path = os.fspath(path)
     if os.path.isfile(path):
         if path.endswith(".safetensors"):
-            return load_safetensors(path)
+            return (path,)
         raise RotationFileError(
             f"{path} is a single file; a RotationZoo set is two files (k_rotation*.pt and v_rotation*.pt): "
             "pass the folder that holds both"
@@ -68,11 +83,11 @@ def load_rotation_path(path: str | os.PathLike) -> RotationTables:
         raise FileNotFoundError(f"no rotation file or folder at {path}")
     ours = os.path.join(path, SAFETENSORS_NAME)
     if os.path.isfile(ours):
-        return load_safetensors(ours)
+        return (ours,)
     keys = sorted(glob.glob(os.path.join(path, ZOO_KEY_PATTERN)))
     values = sorted(glob.glob(os.path.join(path, ZOO_VALUE_PATTERN)))
     if len(keys) == 1 and len(values) == 1:
-        return load_zoo(keys[0], values[0])
+        return keys[0], values[0]
     if not keys and not values:
         raise RotationFileError(
             f"{path} holds no rotations: expected {SAFETENSORS_NAME} or a RotationZoo pair "
@@ -98,11 +113,11 @@ def save_safetensors(tables: RotationTables, folder: str | os.PathLike) -> str:
     return path
 
 
-def load_safetensors(path: str) -> RotationTables:
+def _safetensors_metadata(path: str) -> dict[str, str]:
+    """An oscar-hf rotation file's metadata from its header, the format tag and version checked and dropped."""
     try:
         with safe_open(path, framework="pt") as f:
             metadata = dict(f.metadata() or {})
-        tensors = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
         raise RotationFileError(f"{path} is not a readable safetensors file: {e}") from e
     if metadata.get("format") != FORMAT_TAG:
@@ -114,6 +129,17 @@ def load_safetensors(path: str) -> RotationTables:
             f"{path}: unsupported format_version {metadata['format_version']!r} (this library reads version '1'); "
             "it was written by a newer oscar-hf"
         )
+    metadata.pop("format", None)
+    metadata.pop("format_version", None)
+    return metadata
+
+
+def load_safetensors(path: str) -> RotationTables:
+    metadata = _safetensors_metadata(path)
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise RotationFileError(f"{path} is not a readable safetensors file: {e}") from e
     tables: dict[str, dict[int, torch.Tensor]] = {name: {} for name in TABLES}
     for name, t in tensors.items():
         prefix, _, layer = name.rpartition(".")
@@ -123,8 +149,6 @@ def load_safetensors(path: str) -> RotationTables:
         if int(layer) in tables[prefix]:
             raise RotationFileError(f"{path}: two tensors name {prefix} layer {int(layer)} (tensor {name!r})")
         tables[prefix][int(layer)] = t
-    metadata.pop("format", None)
-    metadata.pop("format_version", None)
     return {**tables, "metadata": metadata}
 
 

@@ -22,7 +22,7 @@ from transformers.utils import logging
 from oscar_hf.cache import NAMED_ROTATIONS, OscarCache
 from oscar_hf.config import PRESETS, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.layer import OscarLayer
-from oscar_hf.rotations.io import load_rotation_path
+from oscar_hf.rotations.io import rotation_metadata
 
 logger = logging.get_logger(__name__)
 
@@ -92,7 +92,7 @@ def _rotations_label(rotations: str | None) -> str:
     # a saved file of Hadamard rotations (kept for its recorded rankings) is not calibrated: say so in the tables
     if os.path.exists(rotations):
         try:
-            objective = load_rotation_path(rotations).get("metadata", {}).get("objective")
+            objective = rotation_metadata(rotations).get("objective")
         except (OSError, ValueError):
             objective = None  # the build reports the unreadable file; the label need not
         if objective == "hadamard":
