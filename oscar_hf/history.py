@@ -36,6 +36,7 @@ def _grown(buffer: torch.Tensor | None, used: int, needed: int, shape_tail: tupl
     if buffer is not None and buffer.shape[2] >= needed:
         return buffer
     capacity = needed if buffer is None else max(needed, buffer.shape[2] + buffer.shape[2] // 8, 64)
+    capacity += capacity % 2  # even: each KV head's compact pairs start on a 4-byte word, which the CUDA kernel reads
     fresh = torch.empty((batch, heads, capacity, *shape_tail), dtype=dtype, device=device)
     if buffer is not None and used:
         fresh[:, :, :used] = buffer[:, :, :used]

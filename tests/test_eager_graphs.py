@@ -165,3 +165,26 @@ def test_capturing_a_decode_step_the_reference_computes_says_why_it_cannot():
     with pytest.raises(RuntimeError, match="head size 48.*reduce-overhead"):
         with torch.cuda.graph(graph):
             ReferenceBackend().decode_attention(query, keys, keys, length, None, history, None, None, 0.1)
+
+
+@CUDA
+def test_graphs_are_captured_again_after_a_clear_and_an_emptied_allocator_cache():
+    """The backend clears its graphs when its scratch grows (a bigger batch, a layer with more KV heads); the
+    captures that follow, after the allocator released the old graphs' memory, still succeed and replay the call
+    (before the fix they failed inside PyTorch's allocator and ran directly from then on)."""
+    from oscar_hf.kernels.replay import GraphReplay
+
+    replay = GraphReplay()
+
+    def body(x):  # allocates inside the capture
+        return (x * 2).relu() + x.sum()
+
+    for round_, size in enumerate((1 << 12, 1 << 16, 1 << 12, 1 << 18)):
+        x = torch.randn(size, device="cuda")
+        for _ in range(3):  # direct, captured, replayed
+            out = replay(("step", size), x, body)
+        torch.testing.assert_close(out, body(x))
+        assert replay.captures == round_ + 1 and len(replay) == 1
+        replay.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

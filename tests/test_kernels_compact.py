@@ -29,7 +29,6 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.cuda import history as cuda_history  # noqa: E402
 from oscar_hf.kernels.interface import HistoryTensors  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.reference.quantize import (  # noqa: E402
@@ -231,23 +230,6 @@ def test_tiered_and_counted_decode_read_compact_pairs(bits, kernels_only):
     got = _kernel_backend().decode_attention(query, keys, values, dense_length, dense_start, counted, *rotations,
                                              scaling, None, history_start)
     _assert_close(got, ref, TOLERANCE["dense"][0], "counted decode step")
-
-
-def test_compact_histories_never_reach_the_cuda_history_kernel(monkeypatch, kernels_only):
-    """Where a call would otherwise qualify for the CUDA history kernel (float16 pairs only), a compact history
-    is read by the Triton stage 1."""
-    rotations, history, query, keys, values = _case(2, torch.bfloat16)
-    scaling = query.shape[-1] ** -0.5
-    ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a compact history went to the CUDA history kernel")
-
-    monkeypatch.setattr(TritonBackend, "_use_cuda_history", lambda self, query, tensors, *args: tensors is not None)
-    monkeypatch.setattr(cuda_history, "history_partials", refuse)
-    kernels_only()
-    got = _kernel_backend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)
-    _assert_close(got, ref, TOLERANCE["dense"][0], "tiered attention")
 
 
 # ---------------------------------------------------------------------------------------------------- the cache

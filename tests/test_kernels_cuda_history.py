@@ -55,7 +55,8 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
                                     cuda_history.CudaHistoryConfig(stages=5, magic_planes=0)])
 def test_source_compiles_without_spills(arch, config):
     resources = _resources(cuda_history.compile_cubin(arch, config))
-    assert set(resources) == {cuda_history.kernel_name(d, r) for d in (64, 128) for r in (4, 8)}
+    assert set(resources) == {cuda_history.kernel_name(d, r, pairs) for d in (64, 128) for r in (4, 8)
+                              for pairs in (torch.float16, torch.uint8)}
     for name, r in resources.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
         assert r["registers"] * 32 * config.min_warps_per_sm <= 65536, f"{name}: {r['registers']} registers"
@@ -83,17 +84,36 @@ def test_cpu_calls_do_not_qualify():
     assert not cuda_history.history_kernel_supports(torch.zeros(1, 4, 1, 64), history.kernel_view(), None, None, 2)
 
 
+@pytest.mark.parametrize("tokens", [1, 3001, 4095])
+def test_compact_pairs_of_every_history_start_on_a_word(tokens):
+    """The kernel stages each KV head's compact pairs 4 bytes at a time: a history of any length (first appends
+    and growth) keeps its heads' pairs word-aligned, so compact histories qualify like float16 ones."""
+    history = QuantizedHistory(2, 3, 64, 64, OscarConfig(scale_dtype="compact"), torch.device("cpu"))
+    for _ in range(2):
+        history.append(torch.randn(2, 3, tokens, 64), torch.randn(2, 3, tokens, 64), None, None, ReferenceBackend())
+        view = history.kernel_view()
+        assert view.key_scale_zero.dtype == torch.uint8
+        assert cuda_history._code_layout_ok(view), f"capacity {history.capacity}"
+    # pairs of an odd capacity: every other KV head's pairs start mid-word
+    odd = torch.zeros(2, 3, history.capacity + 1, 2, dtype=torch.uint8)
+    assert not cuda_history._code_layout_ok(replace(view, key_scale_zero=odd))
+
+
 # ------------------------------------------------------------------------------------------ on the GPU
 gpu = pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel needs a CUDA device")
 BATCH, KV_HEADS, HISTORY, DENSE, SINK = 3, 8, 5000, 330, 5
 ALWAYS = cuda_history.CudaHistoryConfig(min_history_bytes=0)  # these small calls too
 
 
-def _case(dim, groups, q_len, per_head, tokens=HISTORY):
+# oscar-next's 2-bit rows: sigma codes, compact (one-byte) pairs
+COMPACT = OscarConfig(scale_dtype="compact", encoder="sigma")
+
+
+def _case(dim, groups, q_len, per_head, tokens=HISTORY, config=OscarConfig()):
     device = torch.device("cuda")
     shape = (KV_HEADS, dim, dim) if per_head else (dim, dim)
     rotations = [torch.linalg.qr(torch.randn(shape, dtype=torch.float64))[0].float().to(device) for _ in range(2)]
-    history = QuantizedHistory(BATCH, KV_HEADS, dim, dim, OscarConfig(), device)
+    history = QuantizedHistory(BATCH, KV_HEADS, dim, dim, config, device)
     keys = (torch.randn(BATCH, KV_HEADS, tokens, dim, device=device) * 1.5).bfloat16()
     values = torch.randn(BATCH, KV_HEADS, tokens, dim, device=device).bfloat16()
     history.append(keys, values, *rotations, ReferenceBackend())
@@ -107,12 +127,19 @@ def _relative(a, b):
 
 
 @gpu
-@pytest.mark.parametrize("dim,groups,q_len,per_head", [(128, 4, 1, False), (64, 4, 1, True), (128, 2, 3, False),
-                                                       (128, 8, 1, True), (64, 1, 1, False), (128, 2, 2, True),
-                                                       (64, 3, 1, False)])
-def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, monkeypatch):
-    """Up to 4 rows per KV head run the narrow-rows kernel, 5-8 the other."""
-    rotations, history, query, (keys, values) = _case(dim, groups, q_len, per_head)
+@pytest.mark.parametrize("dim,groups,q_len,per_head,config,tokens", [
+    (128, 4, 1, False, OscarConfig(), HISTORY), (64, 4, 1, True, OscarConfig(), HISTORY),
+    (128, 2, 3, False, OscarConfig(), HISTORY), (128, 8, 1, True, OscarConfig(), HISTORY),
+    (64, 1, 1, False, OscarConfig(), HISTORY), (128, 2, 2, True, OscarConfig(), HISTORY),
+    (64, 3, 1, False, OscarConfig(), HISTORY),
+    # compact pairs: both row variants, both head_dims; odd lengths end in a partial tile whose last word holds
+    # one token
+    (128, 4, 1, False, COMPACT, HISTORY + 1), (128, 8, 1, True, COMPACT, HISTORY - 3),
+    (64, 4, 1, True, COMPACT, HISTORY + 7), (64, 2, 3, False, COMPACT, HISTORY)])
+def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, config, tokens, monkeypatch):
+    """Up to 4 rows per KV head run the narrow-rows kernel, 5-8 the other; float16 and compact pairs."""
+    rotations, history, query, (keys, values) = _case(dim, groups, q_len, per_head, tokens, config)
+    assert history.key_scale_zero.dtype == (torch.uint8 if config.scale_dtype == torch.uint8 else torch.float16)
     history = history.kernel_view()
     calls = []
     launch = cuda_history.history_partials
@@ -130,12 +157,13 @@ def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, 
 
 
 @gpu
-def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph():
+@pytest.mark.parametrize("config", [OscarConfig(), COMPACT])
+def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph(config):
     """A pinned history (length read from the device, splits cut for the capacity): the CUDA partials equal
     the Triton ones to the kernels' tolerance, also when replayed from a CUDA graph after the history grew."""
     from oscar_hf.kernels.triton.backend import TritonBackend
 
-    rotations, history, query, (keys, values) = _case(128, 4, 1, False, tokens=3001)
+    rotations, history, query, (keys, values) = _case(128, 4, 1, False, tokens=3001, config=config)
     history.pin(8192)
     scaling = 128**-0.5
     cuda, plain = TritonBackend(cuda_history=True, cuda_history_config=ALWAYS), TritonBackend(cuda_history=False)

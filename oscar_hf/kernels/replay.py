@@ -61,9 +61,12 @@ class GraphReplay:
         return len(self._graphs)
 
     def clear(self) -> None:
-        """Drop every graph (a graph still running completes first: CUDA frees it then)."""
+        """Drop every graph (a graph still running completes first: CUDA frees it then). Later captures use a
+        fresh memory pool: the allocator may already have released the old one with its last graph, and capturing
+        into a released pool fails inside PyTorch's allocator."""
         self._graphs.clear()
         self._seen.clear()
+        self._pools.clear()
 
     @staticmethod
     def replays(x: torch.Tensor) -> bool:

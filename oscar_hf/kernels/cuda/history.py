@@ -2,8 +2,8 @@
 through the CUDA driver.
 
 Contract: `kernels.triton.stage1.attention_partials`' for the history splits only (same partial layout,
-rounding points and log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 (scale, zero), head_dim
-64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no mask, no softcap, a float16/bfloat16
+rounding points and log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 or compact (scale, zero)
+pairs (`PAIR_DTYPES`), head_dim 64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no mask, no softcap, a float16/bfloat16
 model. `history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is
 the path tested against the reference on CPU (this kernel is checked against both on the GPU).
 
@@ -26,7 +26,7 @@ import triton
 from transformers.utils import logging
 
 from oscar_hf.kernels.cuda import nvrtc
-from oscar_hf.kernels.reference.quantize import row_bytes
+from oscar_hf.kernels.reference.quantize import COMPACT, row_bytes
 from oscar_hf.kernels.triton.common import launch_device, multiprocessors
 from oscar_hf.kernels.triton.launch_plan import SplitPlan
 
@@ -41,6 +41,8 @@ ROW_VARIANTS = (NARROW_ROWS, MAX_ROWS)
 TILE = 64  # history tokens per tile; split lengths are multiples of it
 WARP = 32  # threads per program
 KEY_CHAINS = 4  # independent score accumulators per tile (over its m-tiles): hides the MMA latency of one chain
+# pair dtypes the kernel reads: float16 (scale, zero), or compact one-byte codes (`reference.quantize.COMPACT`)
+PAIR_DTYPES = (torch.float16, COMPACT)
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,9 @@ def stage_bytes(dim: int) -> int:
     return 2 * TILE * dim // 4 + 2 * TILE * 4
 
 
-def history_bytes(batch: int, kv_heads: int, length: int, dim: int) -> int:
-    """Bytes of a 2-bit history a call reads: the codes and float16 (scale, zero) of K and V for every row."""
-    return batch * kv_heads * length * 2 * row_bytes(dim, 2, torch.float16)
+def history_bytes(batch: int, kv_heads: int, length: int, dim: int, pair_dtype: torch.dtype = torch.float16) -> int:
+    """Bytes of a 2-bit history a call reads: the codes and (scale, zero) pairs of K and V for every row."""
+    return batch * kv_heads * length * 2 * row_bytes(dim, 2, pair_dtype)
 
 
 def device_index(device: torch.device) -> int:
@@ -94,19 +96,20 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def kernel_name(dim: int, rows: int) -> str:
-    """The kernel for head_dim `dim` whose MMA columns hold `rows` query rows (4: two token groups per MMA)."""
-    return f"int2_history_partials_d{dim}_r{rows}"
+def kernel_name(dim: int, rows: int, pair_dtype: torch.dtype = torch.float16) -> str:
+    """The kernel for head_dim `dim` whose MMA columns hold `rows` query rows (4: two token groups per MMA),
+    reading (scale, zero) pairs of `pair_dtype` (`PAIR_DTYPES`)."""
+    return f"int2_history_partials_d{dim}_r{rows}" + ("_compact" if pair_dtype == COMPACT else "")
 
 
 @functools.lru_cache(maxsize=None)
 def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig(),
-                rows: int = MAX_ROWS) -> nvrtc.Kernel:
-    """Compile (once per device and config) and load the kernel for `dim` and `rows` on CUDA device
+                rows: int = MAX_ROWS, pair_dtype: torch.dtype = torch.float16) -> nvrtc.Kernel:
+    """Compile (once per device and config) and load the kernel for `dim`, `rows` and `pair_dtype` on CUDA device
     `device_index`."""
     # one buffer beyond the pipeline's stages holds a split's partial last tile
-    return nvrtc.Kernel(_device_cubin(device_index, config), kernel_name(dim, rows), device_index, ARG_TYPES,
-                        (config.stages + 1) * stage_bytes(dim), WARP)
+    return nvrtc.Kernel(_device_cubin(device_index, config), kernel_name(dim, rows, pair_dtype), device_index,
+                        ARG_TYPES, (config.stages + 1) * stage_bytes(dim), WARP)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,8 +120,10 @@ def _device_cubin(device_index: int, config: CudaHistoryConfig) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def resident_slots(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> int:
-    """Programs of the kernel resident on the whole device at once (one wave; the fewer of its row variants)."""
-    per_sm = min(load_kernel(device_index, dim, config, rows).resident_programs() for rows in ROW_VARIANTS)
+    """Programs of the kernel resident on the whole device at once (one wave; the fewest of its row and pair
+    variants)."""
+    per_sm = min(load_kernel(device_index, dim, config, rows, pairs).resident_programs()
+                 for rows in ROW_VARIANTS for pairs in PAIR_DTYPES)
     return per_sm * multiprocessors(torch.device("cuda", device_index))
 
 
@@ -130,7 +135,8 @@ def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()
     try:
         for dim in DIMS:
             for rows in ROW_VARIANTS:
-                load_kernel(device_index, dim, config, rows)
+                for pairs in PAIR_DTYPES:
+                    load_kernel(device_index, dim, config, rows, pairs)
     except (OSError, RuntimeError) as error:
         logger.warning_once("OSCAR's CUDA history kernel is unavailable (%s); the Triton kernel is used instead",
                             str(error))
@@ -144,18 +150,21 @@ def history_kernel_supports(query: torch.Tensor, history, mask, softcap, kv_head
     if not query.is_cuda or history is None or not history.quantized:
         return False
     batch, q_heads, q_len, dim = query.shape
-    return (dim in DIMS and history.bits == 2 and history.key_scale_zero.dtype == torch.float16
-            and history.value_scale_zero.dtype == torch.float16 and query.dtype in (torch.float16, torch.bfloat16)
+    pairs = history.key_scale_zero.dtype
+    return (dim in DIMS and history.bits == 2 and pairs in PAIR_DTYPES and history.value_scale_zero.dtype == pairs
+            and query.dtype in (torch.float16, torch.bfloat16)
             and mask is None and softcap is None and (q_heads // kv_heads) * q_len <= MAX_ROWS
             and _code_layout_ok(history))
 
 
 def _code_layout_ok(history) -> bool:
     """Code rows are contiguous (D/4 bytes apart: the kernel's tile offsets are immediates); (scale, zero) pairs
-    are packed per token; every buffer 16-byte aligned."""
+    are packed per token, and each KV head's pairs start on a 4-byte word (compact pairs: an even capacity), as a
+    lane stages them a word at a time; every buffer 16-byte aligned."""
     k, v, kz, vz = history.keys, history.values, history.key_scale_zero, history.value_scale_zero
     return (k.stride(-1) == v.stride(-1) == 1 and k.stride(2) == v.stride(2) == k.shape[-1]
             and kz.stride(-1) == vz.stride(-1) == 1 and kz.stride(2) == vz.stride(2) == 2
+            and all(x.stride(d) * x.element_size() % 4 == 0 for x in (kz, vz) for d in (0, 1))
             and all(x.data_ptr() % 16 == 0 for x in (k, v, kz, vz)))
 
 
@@ -189,13 +198,15 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     if plan.history_splits == 0:
         return
     keys, values = history.keys, history.values
-    kz = history.key_scale_zero.view(torch.int32)
-    vz = history.value_scale_zero.view(torch.int32)
+    pairs = history.key_scale_zero.dtype
+    word = torch.int16 if pairs == COMPACT else torch.int32  # one token's pair: the kernel's pair strides count them
+    kz = history.key_scale_zero.view(word)
+    vz = history.value_scale_zero.view(word)
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
     groups = q_heads // kv_heads
     rows = NARROW_ROWS if groups * q_len <= NARROW_ROWS else MAX_ROWS
-    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows)
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, pairs)
     args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
             keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),

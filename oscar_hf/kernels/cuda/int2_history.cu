@@ -154,8 +154,8 @@ struct Stage {
 
 __device__ __forceinline__ int slot(int row) { return row ^ ((row >> 2) & 1); }
 
-// This lane's byte offsets in a stage (tile rows add immediates)
-template <int D, int ROWS>
+// This lane's byte offsets in a stage (tile rows add immediates); PAIR = bytes of one token's (scale, zero) pair
+template <int D, int ROWS, int PAIR>
 struct LaneOffsets {
     int key, value0, value1, sz, copy;
     __device__ LaneOffsets(int lane, int g, int t) {
@@ -163,7 +163,7 @@ struct LaneOffsets {
         key = slot(g) * QW + D / 16 * t;
         value0 = Stage<D>::VALUES + slot(2 * t) * QW + D / 32 * g;
         value1 = Stage<D>::VALUES + slot(2 * t + 1) * QW + D / 32 * g;
-        sz = 4 * Layout<ROWS>::first_token(g, t);
+        sz = PAIR * Layout<ROWS>::first_token(g, t);
         copy = slot(16 * lane / QW) * QW + 16 * lane % QW;  // where 16-byte chunk `lane` of a tile's codes goes
     }
 };
@@ -199,23 +199,29 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 template <int N>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// This lane's sources of the next tile to stage: code chunk lane (of 16 bytes) and the (scale, zero) word of token
-// lane; the tile's other chunks and words are immediates away.
+// This lane's sources of the next tile to stage: code chunk lane (of 16 bytes) and the 4 bytes of (scale, zero)
+// pairs at byte 4 * lane (float16 pairs: token lane; compact pairs: tokens 2 lane, 2 lane + 1); the tile's other
+// chunks and words are immediates away. `Pair` is one token's pair (u32 or, compact, unsigned short).
+template <typename Pair>
 struct Sources {
     const unsigned char* key;
     const unsigned char* value;
-    const u32* key_sz;
-    const u32* value_sz;
+    const Pair* key_sz;
+    const Pair* value_sz;
 };
 
 // Queue the copies of a whole tile (64 tokens, all present) into the stage at shared address `dst` + this lane's
 // chunk offset (`LaneOffsets::copy`) and `dst_sz` + 4 * lane: chunk lane + 32k lands 512k bytes further in both.
-template <int D, int K = 0>
-__device__ __forceinline__ void copy_full_tile(u32 dst, u32 dst_sz, const Sources& src) {
+// Compact pairs (2 bytes a token) fill their 128 bytes with one word per lane.
+template <int D, typename Pair, int K = 0>
+__device__ __forceinline__ void copy_full_tile(u32 dst, u32 dst_sz, const Sources<Pair>& src) {
     if constexpr (K < D / 32) {
         copy16_at<512 * K, 512 * K>(dst, src.key);
         copy16_at<Stage<D>::VALUES + 512 * K, 512 * K>(dst, src.value);
-        copy_full_tile<D, K + 1>(dst, dst_sz, src);
+        copy_full_tile<D, Pair, K + 1>(dst, dst_sz, src);
+    } else if constexpr (sizeof(Pair) == 2) {
+        copy4_at<0, 0>(dst_sz, src.key_sz);
+        copy4_at<256, 0>(dst_sz, src.value_sz);
     } else {
         copy4_at<0, 0>(dst_sz, src.key_sz);
         copy4_at<128, 128>(dst_sz, src.key_sz);
@@ -226,10 +232,10 @@ __device__ __forceinline__ void copy_full_tile(u32 dst, u32 dst_sz, const Source
 
 // Queue the copies of a partial tile: tokens [t0, t0 + 64) into the stage at shared address `dst`, tokens from
 // `hi` on zero-filled (and masked by the scores).
-template <int D>
+template <int D, typename Pair>
 __device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* key_codes,
-                                                  const unsigned char* value_codes, const u32* key_sz,
-                                                  const u32* value_sz, int t0, int hi, int lane) {
+                                                  const unsigned char* value_codes, const Pair* key_sz,
+                                                  const Pair* value_sz, int t0, int hi, int lane) {
     constexpr int QW = D / 4;
     constexpr int PER_ROW = QW / 16;
 #pragma unroll
@@ -243,21 +249,30 @@ __device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* 
         copy16(dst + offset, key_codes + src, bytes);
         copy16(dst + Stage<D>::VALUES + offset, value_codes + src, bytes);
     }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int row = lane + 32 * k;
+    if constexpr (sizeof(Pair) == 2) {  // tokens 2 lane, 2 lane + 1 per word; t0 is even, so is the clamped source
+        const int row = 2 * lane;
         const int token = t0 + row;
-        const int bytes = token < hi ? 4 : 0;
-        const int src = min(token, hi - 1);
-        copy4(dst + Stage<D>::KEY_SZ + 4 * row, key_sz + src, bytes);
-        copy4(dst + Stage<D>::VALUE_SZ + 4 * row, value_sz + src, bytes);
+        const int bytes = token + 1 < hi ? 4 : token < hi ? 2 : 0;
+        const int src = min(token, (hi - 1) & ~1);
+        copy4(dst + Stage<D>::KEY_SZ + 2 * row, key_sz + src, bytes);
+        copy4(dst + Stage<D>::VALUE_SZ + 2 * row, value_sz + src, bytes);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int row = lane + 32 * k;
+            const int token = t0 + row;
+            const int bytes = token < hi ? 4 : 0;
+            const int src = min(token, hi - 1);
+            copy4(dst + Stage<D>::KEY_SZ + 4 * row, key_sz + src, bytes);
+            copy4(dst + Stage<D>::VALUE_SZ + 4 * row, value_sz + src, bytes);
+        }
     }
 }
 
-// This lane's words of a staged tile (the register layout of `Tile`).
-template <int D, int ROWS>
+// This lane's words of a staged tile (the register layout of `Tile`; a compact pair in the low 16 bits).
+template <int D, int ROWS, int PAIR>
 __device__ __forceinline__ void read_tile(Tile<D, ROWS>& tile, const unsigned char* stage,
-                                          const LaneOffsets<D, ROWS>& at) {
+                                          const LaneOffsets<D, ROWS, PAIR>& at) {
     constexpr int QW = D / 4;
     constexpr int KW = D / 64;
 #pragma unroll
@@ -287,16 +302,31 @@ __device__ __forceinline__ void read_tile(Tile<D, ROWS>& tile, const unsigned ch
     for (int i = 0; i < Layout<ROWS>::MT; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int offset = at.sz + 4 * Layout<ROWS>::token_step(i, h);
-            tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ + offset);
-            tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ + offset);
+            const int offset = at.sz + PAIR * Layout<ROWS>::token_step(i, h);
+            if constexpr (PAIR == 2) {
+                tile.key_sz[i][h] = *reinterpret_cast<const unsigned short*>(stage + Stage<D>::KEY_SZ + offset);
+                tile.value_sz[i][h] = *reinterpret_cast<const unsigned short*>(stage + Stage<D>::VALUE_SZ + offset);
+            } else {
+                tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ + offset);
+                tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ + offset);
+            }
         }
     }
 }
 
+// A token's (scale, zero) in float32; the zero point is not centred: the caller folds the centre 2 into its per-row
+// terms. PAIR = 4: two float16s. PAIR = 2: compact codes (`reference/quantize.py`, 7), the scale code in the low
+// byte: scale = 2^((s - 128) / 16), zero = z * 5 / 255 - 1 (2-bit codes: [0, 255] onto [-1, L + 1]), as
+// `triton/codes.py`'s `scale_zero` computes them.
+template <int PAIR>
 __device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) {
-    scale = half_lo(word);
-    zero = half_hi(word);  // not centred: the caller folds the centre 2 into its per-row terms
+    if constexpr (PAIR == 2) {
+        scale = exp2_approx((float)(int)(word & 0xffu) * 0.0625f - 8.0f);
+        zero = (float)(int)((word >> 8) & 0xffu) * (5.0f / 255.0f) - 1.0f;
+    } else {
+        scale = half_lo(word);
+        zero = half_hi(word);
+    }
 }
 
 // Plane c of a value pair register: centred codes (code - 2), or with the magic number kept (`MAGIC_PLANES`)
@@ -387,7 +417,7 @@ __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const 
 // One 64-token tile: scores, online softmax, values. `row_sum`: the lane's rows' sums of the rounded query; `init`:
 // minus the magic-number offset of the folded key planes, per C-fragment element; `remaining` = hi - t0 - the
 // lane's first token; `low` = all ones on lanes g < 4 (ROWS = 4: which P.V product a lane's p belongs to).
-template <int D, int ROWS>
+template <int D, int ROWS, int PAIR>
 __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& cur, const QueryFragments<D, ROWS>& qb,
                                             const float (&row_sum)[2], const float (&init)[4], int remaining,
                                             u32 low) {
@@ -400,7 +430,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float scale, zero;
-            scale_zero(cur.key_sz[i][e >> 1], scale, zero);
+            scale_zero<PAIR>(cur.key_sz[i][e >> 1], scale, zero);
             const float x = fmaf(-zero, row_sum[e & 1], s[i][e]) * scale;
             s[i][e] = Layout<ROWS>::token_step(i, e >> 1) < remaining ? x : NEG_INF;
         }
@@ -428,7 +458,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float scale, zero;
-            scale_zero(cur.value_sz[i][h], scale, zero);
+            scale_zero<PAIR>(cur.value_sz[i][h], scale, zero);
             const float p0 = exp2_approx(s[i][2 * h] - st.m[0]), p1 = exp2_approx(s[i][2 * h + 1] - st.m[1]);
             const u32 packed = pack_half2(p0 * scale, p1 * scale);
             const float pv0 = half_lo(packed), pv1 = half_hi(packed);
@@ -487,13 +517,15 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
     }
 }
 
-template <int D, int ROWS>
+// `Pair`: one token's (scale, zero) pair, u32 (two float16s) or unsigned short (compact codes); the pair strides
+// count pairs.
+template <int D, int ROWS, typename Pair>
 __device__ void history_partials(
     const float* __restrict__ rotated_query, int sqb, int sqh, int sql,
     const unsigned char* __restrict__ key_codes, int skb, int skh,
-    const u32* __restrict__ key_sz, int szb, int szh,
+    const Pair* __restrict__ key_sz, int szb, int szh,
     const unsigned char* __restrict__ value_codes, int svb, int svh,
-    const u32* __restrict__ value_sz, int swb, int swh,
+    const Pair* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
     int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
     int total_splits, int length_from_ptr, int split_multiple, float q_scale) {
@@ -502,6 +534,8 @@ __device__ void history_partials(
     constexpr int KB = 4 * KW;
     constexpr int VB = D / 32;  // value bytes per lane and token
     constexpr int H = D / 64;   // value m-tiles per plane
+    constexpr int PAIR = sizeof(Pair);
+    constexpr int PAIRS_PER_WORD = 4 / PAIR;  // a lane stages one 4-byte word of each side's pairs per copy
 
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");  // the merge, a programmatic dependent, may start
@@ -522,9 +556,9 @@ __device__ void history_partials(
 
     const unsigned char* kc = key_codes + (long long)b * skb + (long long)kvh * skh;
     const unsigned char* vc = value_codes + (long long)b * svb + (long long)kvh * svh;
-    const u32* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
-    const u32* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
-    const LaneOffsets<D, ROWS> at(lane, g, t);
+    const Pair* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
+    const Pair* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
+    const LaneOffsets<D, ROWS, PAIR> at(lane, g, t);
 
     State<D> st;
 #pragma unroll
@@ -545,15 +579,15 @@ __device__ void history_partials(
     const u32 stages_at = shared_address(stages);
     const int whole_end = lo + max(hi - lo, 0) / 64 * 64;
     if (whole_end < hi) {
-        copy_partial_tile<D>(stages_at + STAGES * Stage<D>::BYTES, kc, vc, kz, vz, whole_end, hi, lane);
+        copy_partial_tile<D, Pair>(stages_at + STAGES * Stage<D>::BYTES, kc, vc, kz, vz, whole_end, hi, lane);
         commit_copies();
     }
-    Sources next = {kc + (long long)lo * QW + 16 * lane, vc + (long long)lo * QW + 16 * lane, kz + lo + lane,
-                    vz + lo + lane};
+    Sources<Pair> next = {kc + (long long)lo * QW + 16 * lane, vc + (long long)lo * QW + 16 * lane,
+                          kz + lo + PAIRS_PER_WORD * lane, vz + lo + PAIRS_PER_WORD * lane};
     int ahead = lo;
     auto stage_tile = [&](int index) {  // queue the copies of the tile at `ahead` into stage `index`, step on
         const u32 dst = stages_at + index * Stage<D>::BYTES;
-        if (ahead < whole_end) copy_full_tile<D>(dst + at.copy, dst + Stage<D>::KEY_SZ + 4 * lane, next);
+        if (ahead < whole_end) copy_full_tile<D, Pair>(dst + at.copy, dst + Stage<D>::KEY_SZ + 4 * lane, next);
         commit_copies();
         ahead += 64;
         next.key += 64 * QW;
@@ -624,14 +658,14 @@ __device__ void history_partials(
         __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
         stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
         Tile<D, ROWS> tile;
-        read_tile<D, ROWS>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D>::BYTES, at);
+        read_tile<D, ROWS, PAIR>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D>::BYTES, at);
         // loop-invariant fragments stay in registers (ptxas would rather rebuild the masked query every tile)
         for (auto& x : init) keep(x);
         for (auto& plane : qb)
             for (auto& word : plane)
                 for (auto& parity : word)
                     for (auto& x : parity) keep(x);
-        attend_tile<D, ROWS>(st, tile, qb, row_sum, init, hi - t0 - first, low);
+        attend_tile<D, ROWS, PAIR>(st, tile, qb, row_sum, init, hi - t0 - first, low);
     }
     float (&acc)[4][H][4] = st.acc;
     float (&m_i)[2] = st.m;
@@ -685,20 +719,25 @@ __device__ void history_partials(
     }
 }
 
-#define HISTORY_KERNEL(NAME, D, ROWS)                                                                            \
+// Kernels per head_dim, query rows and pair format: float16 pairs (u32) or compact one-byte codes (`_compact`)
+#define HISTORY_KERNEL(NAME, D, ROWS, PAIR_T)                                                                    \
     extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                     \
         const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh, \
-        const u32* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,                \
-        const u32* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,        \
+        const PAIR_T* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,             \
+        const PAIR_T* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,     \
         int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,                 \
         int length_from_ptr, int split_multiple, float q_scale) {                                                \
-        history_partials<D, ROWS>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
+        history_partials<D, ROWS, PAIR_T>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
                                   value_codes, svb, svh, value_sz, swb, swh, out, lse, length_ptr, length,      \
                                   groups, kv_heads, q_len, dense_splits, split_len, total_splits,              \
                                   length_from_ptr, split_multiple, q_scale);                                    \
     }
 
-HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4)
-HISTORY_KERNEL(int2_history_partials_d64_r8, 64, 8)
-HISTORY_KERNEL(int2_history_partials_d128_r4, 128, 4)
-HISTORY_KERNEL(int2_history_partials_d128_r8, 128, 8)
+HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4, u32)
+HISTORY_KERNEL(int2_history_partials_d64_r8, 64, 8, u32)
+HISTORY_KERNEL(int2_history_partials_d128_r4, 128, 4, u32)
+HISTORY_KERNEL(int2_history_partials_d128_r8, 128, 8, u32)
+HISTORY_KERNEL(int2_history_partials_d64_r4_compact, 64, 4, unsigned short)
+HISTORY_KERNEL(int2_history_partials_d64_r8_compact, 64, 8, unsigned short)
+HISTORY_KERNEL(int2_history_partials_d128_r4_compact, 128, 4, unsigned short)
+HISTORY_KERNEL(int2_history_partials_d128_r8_compact, 128, 8, unsigned short)

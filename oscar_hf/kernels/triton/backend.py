@@ -8,10 +8,10 @@ covering the BF16 tiers and the quantized history (`stage1.py`) and one stage-2 
 un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`merge.py`); where the GPU has
 programmatic dependent launch (Hopper and newer), each is launched as a dependent of the one before, so that its
 launch and prologue overlap the previous kernel's tail. On CUDA, where the call qualifies
-(`kernels.cuda.history.history_kernel_supports`: 2-bit history with float16 pairs, no mask, head_dim 64/128, <= 8
-rows per KV head, no left padding, a history of at least `CudaHistoryConfig.min_history_bytes`), the history splits
-come from the hand-written kernel instead and the Triton stage 1 covers the BF16 tiers alone, queued behind it as a
-dependent that runs beside its tail. The scratch (split partials, rotated query) is reused across calls (no
+(`kernels.cuda.history.history_kernel_supports`: 2-bit history with float16 or compact pairs, no mask, head_dim
+64/128, <= 8 rows per KV head, no left padding, a history of at least `CudaHistoryConfig.min_history_bytes`), the
+history splits come from the hand-written kernel instead and the Triton stage 1 covers the BF16 tiers alone, queued
+behind it as a dependent that runs beside its tail. The scratch (split partials, rotated query) is reused across calls (no
 allocation that grows with the history), and nothing synchronizes the host.
 """
 
@@ -224,11 +224,8 @@ class TritonBackend(ReferenceBackend):
         hist_len = tensors.plan_length if tensors is not None else 0
         launch = self.launch_for(dim)
         plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
-        # the CUDA history kernel reads every history row of a batch row, and float16 pairs: padded rows and
-        # compact pairs go through Triton's
-        compact = tensors is not None and tensors.quantized and tensors.key_scale_zero.dtype == COMPACT
-        cuda = (history_start is None and not compact
-                and self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len))
+        # the CUDA history kernel reads every history row of a batch row: padded rows go through Triton's
+        cuda = history_start is None and self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
         if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
             plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
                                              self._cuda_slots(query.device, dim), self.cuda_history_config)
@@ -276,7 +273,8 @@ class TritonBackend(ReferenceBackend):
     def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
             return False
-        history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1])
+        history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1],
+                                                   tensors.key_scale_zero.dtype)
         if history_bytes < self.cuda_history_config.min_history_bytes:
             return False
         return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config)
