@@ -29,7 +29,14 @@ Format names:
   `calibrate.retrieval_layers.rank_retrieval_layers` for the base format, ranked on probes from the calibration
   plays, as `oscar-calibrate --rank-retrieval-layers` ranks them for `oscar-hifi`);
 - `mixh<bits>[q]:<heads>:<base>`: (layer, KV head) pairs (`17.0+18.2`) at higher uniform precision (`auto<n>`: the
-  top n by `needle_attention.kv_head_sensitivity` on the same probes): precision per head instead of per layer.
+  top n by `needle_attention.kv_head_sensitivity` on the same probes): precision per head instead of per layer;
+- `smooth<alpha>[p][v]:<base>`: per-channel key smoothing before the rotation: keys (post-RoPE, model basis) are
+  divided by `s = rms(K)^alpha / rms(Q)^(1 - alpha)` per (layer, KV head, channel), rotated and stored as `base`,
+  and multiplied back after reading (the query would take `s` instead: scores unchanged before quantization).
+  Alpha 0.5 balances the score error `sum_c q_c^2 s_c^2 * mean_c k_c^2 / s_c^2` (Cauchy-Schwarz). `p`: one scale per
+  RoPE pair (c, c + d/2), the geometric mean of the pair's, so that the scales commute with RoPE and fold into
+  the query and key projections; `v`: the values too, by `rms(V)^1/2 / |W_o column|^1/2` (the output projection's
+  weight on that channel, over the KV head's query heads). Statistics: 2,048 tokens of a calibration play.
 """
 
 from __future__ import annotations
@@ -45,9 +52,11 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from oscar_hf.rotations.math import rotate
+
 from oscar_hf import OscarCache
 from oscar_hf.calibrate.retrieval_layers import full_precision_answers, rank_retrieval_layers, retrieval_trace
-from oscar_hf.eval.assets import EVALUATION_PLAYS, load_model, play_tokens
+from oscar_hf.eval.assets import CALIBRATION_PLAYS, EVALUATION_PLAYS, load_model, play_tokens
 from oscar_hf.eval.decode_equivalent import SimulationPlan, simulate_logits
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets, kv_head_sensitivity
 from oscar_hf.eval.needles import make_needle_suite
@@ -174,6 +183,21 @@ def mixed_heads(heads: set[tuple[int, int]], kv_heads: int, high: Format, base: 
     return read_back, bits
 
 
+def smoothed(alpha: float, pairs: bool, values: bool, context, base: Format) -> tuple:
+    """Keys (and with `values` the values) smoothed per channel before the rotation (module docstring)."""
+    scales = context.smoothing_scales(alpha, pairs, values)
+
+    def read_back(rows, layer, side):
+        if side == "value" and not values:
+            return base.read_back(rows, layer, side)
+        rotation = context.template_rotation(layer, side)
+        s = scales[layer][side][None, :, None, :]  # [1, Hkv, 1, d]
+        smooth = rotate(rotate(rows, rotation, transpose=True) / s, rotation)
+        return rotate(rotate(base.read_back(smooth, layer, side), rotation, transpose=True) * s, rotation)
+
+    return read_back, base.bits
+
+
 def parse(name: str, context) -> Format:
     m = re.fullmatch(r"u(\d)(?:/(\d))?(?:g(\d+))?(c)?(l)?(q)?", name)
     if m:
@@ -186,6 +210,9 @@ def parse(name: str, context) -> Format:
     m = re.fullmatch(r"s(\d)(?:/(\d))?(q)?", name)
     if m:
         return Format(name, *sigma_scaled(int(m[1]), int(m[2] or m[1]), bool(m[3])))
+    m = re.fullmatch(r"smooth([\d.]+)(p)?(v)?:(.+)", name)
+    if m:
+        return Format(name, *smoothed(float(m[1]), bool(m[2]), bool(m[3]), context, parse(m[4], context)))
     m = re.fullmatch(r"salient([\d.]+):(.+)", name)
     if m:
         return Format(name, *salient(float(m[1]) / 100, parse(m[2], context)))
@@ -248,6 +275,43 @@ class Study:
         os.makedirs(out, exist_ok=True)
         json.dump(stored, open(path, "w"))
         return found
+
+    def template_rotation(self, layer: int, side: str) -> torch.Tensor | None:
+        return self.template.layers[layer].key_rotation if side == "key" else self.template.layers[layer].value_rotation
+
+    @torch.no_grad()
+    def smoothing_scales(self, alpha: float, pairs: bool, values: bool) -> dict:
+        """Per layer and side, `[Hkv, d]` channel scales from root-mean-square statistics of the BF16 forward on
+        2,048 tokens of the first calibration play (module docstring, `smooth`); geometric mean 1 per head."""
+        if not hasattr(self, "_channel_rms"):
+            rms = {}
+
+            def record(probe):
+                q = probe.query  # [B, Hq, L, D]
+                b, hq, length, d = q.shape
+                q = q.reshape(b, self.kv_heads, hq // self.kv_heads, length, d)
+                rms[probe.layer_idx] = dict(
+                    query=q.pow(2).mean(dim=(0, 2, 3)).sqrt(), key=probe.keys.pow(2).mean(dim=(0, 2)).sqrt(),
+                    value=probe.values.pow(2).mean(dim=(0, 2)).sqrt(),
+                    out=probe.module.o_proj.weight.float().reshape(-1, self.kv_heads, hq // self.kv_heads, d)
+                    .pow(2).sum(dim=(0, 2)).sqrt())
+            text = play_tokens(self.tokenizer, CALIBRATION_PLAYS[0], 2048)
+            plan = SimulationPlan.from_cache(self.template, prefill=text.shape[1], recorder=record)
+            simulate_logits(self.model, text, plan)
+            self._channel_rms = rms
+        scales = {}
+        for layer, stat in self._channel_rms.items():
+            key = stat["key"].clamp_min(1e-6) ** alpha / stat["query"].clamp_min(1e-6) ** (1 - alpha)
+            value = (stat["value"].clamp_min(1e-6) / stat["out"].clamp_min(1e-6)) ** 0.5
+            out = {}
+            for side, x in (("key", key), ("value", value)):
+                if pairs:  # one scale per RoPE pair (c, c + d/2): the geometric mean of the two
+                    half = x.shape[-1] // 2
+                    tied = (x[:, :half] * x[:, half:]).sqrt()
+                    x = torch.cat([tied, tied], dim=-1)
+                out[side] = x / x.log().mean(-1, keepdim=True).exp()
+            scales[layer] = out
+        return scales
 
     def plan(self, fmt: Format, prefill: int) -> SimulationPlan:
         return SimulationPlan.from_cache(self.template, prefill=prefill, row_format=fmt.read_back)
