@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92,
                       help="value clip ratio without a search (default 0.92)")
+    fit.add_argument("--smooth-keys", action="store_true",
+                     help="also store per-channel key smoothing, sqrt(rms(k) / rms(q)) per KV head and channel over "
+                          "the calibration text (oscar_hf.calibrate.smoothing): keys are divided by it before the "
+                          "rotation, the query multiplied; safetensors output only")
     rank = p.add_argument_group("retrieval ranking (the oscar-hifi and oscar-next presets)")
     rank.add_argument("--rank-retrieval-layers", action="store_true",
                       help="rank the layers and the KV heads by how much retrieval their 2-bit history loses, on "
@@ -115,6 +119,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.skip_tokens >= args.context:
         parser.error(f"--skip-tokens {args.skip_tokens} drops every token of a {args.context}-token sequence "
                      "(--context)")
+    if args.smooth_keys and args.format != "safetensors":
+        parser.error(f"--smooth-keys writes scales that RotationZoo files cannot hold; --format {args.format} "
+                     "asks for them (use --format safetensors)")
     for name in ("key_clip_ratio", "value_clip_ratio"):
         if not 0.0 < getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
@@ -239,6 +246,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         "created_with": "oscar-calibrate " + " ".join(_redacted(sys.argv[1:] if argv is None else argv)),
     }
     rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
+    if args.smooth_keys:  # before the clip search and the ranking: both measure the history as it will be stored
+        from oscar_hf.calibrate.smoothing import describe, key_smoothing
+
+        scales = key_smoothing(model, statistics, args.chunk_tokens, progress="key smoothing" if progress else False)
+        rotations = rotations.with_key_smoothing({i: s for i, s in scales.items() if i in rotations.key},
+                                                 describe(sum(x.shape[-1] for x in statistics), args.data))
     if args.clip_search != "none":
         choice = clip_search.search_clip_ratios(
             model, search, rotations, layers, head_dim, per_layer=args.clip_search == "layer",

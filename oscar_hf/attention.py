@@ -73,7 +73,7 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
         out = _hook_output(module, query, key, value, attention_mask, scaling, segment, kwargs)
         if out is None:
             out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
-                                                   segment.history, segment.key_rotation, segment.value_rotation,
+                                                   segment.history, segment.query_rotation, segment.value_rotation,
                                                    scaling, kwargs.get("softcap"), segment.history_start)
         segment.close(None, out)  # the demotion's history write follows this read of the history
         return out, None
@@ -168,7 +168,7 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, softcap
     if segment.layer_idx != getattr(module, "layer_idx", segment.layer_idx):
         raise RuntimeError(f"OSCAR segment of layer {segment.layer_idx} reached layer {module.layer_idx}")
     return segment.backend.tiered_attention(query, key, value, attention_mask, segment.history, segment.sink_length,
-                                            segment.key_rotation, segment.value_rotation, scaling, softcap)
+                                            segment.query_rotation, segment.value_rotation, scaling, softcap)
 
 
 def _softcapped_dense(query, key, value, attention_mask, scaling, softcap):

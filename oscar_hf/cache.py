@@ -124,12 +124,15 @@ class OscarCache(Cache):
         for i, kind in enumerate(shape.layer_kinds):
             if kind == OSCAR_LAYER:
                 key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
-                key_r, value_r = local_heads(key_r, tp_rank, tp_size), local_heads(value_r, tp_rank, tp_size)
+                query_r = None  # the key rotation, unless the keys are smoothed (`Rotations.key_transforms`)
+                if resolved is not None and i in resolved.key_smoothing:
+                    key_r, query_r = resolved.key_transforms(i)
+                key_r, value_r, query_r = (local_heads(r, tp_rank, tp_size) for r in (key_r, value_r, query_r))
                 layer_config = local_head_config(config.for_layer(i), tp_rank, tp_size, shape.num_kv_heads)
                 if recorded_clip_ratios and i not in config.high_precision_layers:
                     layer_config = _recorded_clip_config(layer_config, resolved, i)
                 layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend,
-                                         max_cache_len=max_cache_len))
+                                         max_cache_len=max_cache_len, query_rotation=query_r))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
         super().__init__(layers=layers)

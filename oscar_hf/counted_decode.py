@@ -94,7 +94,7 @@ class CountedDecode:
         self._segment_fresh = False
         layer.history.prepare_staging(self.block)
         _static(layer.keys_buffer, layer.values_buffer, self.counts, self.window, layer.key_rotation,
-                layer.value_rotation, layer.row_start, *layer.history.static_tensors())
+                layer.query_rotation, layer.value_rotation, layer.row_start, *layer.history.static_tensors())
 
     @property
     def rows(self) -> torch.Tensor:

@@ -50,7 +50,7 @@ class HistorySegment:
     backend: Backend
     history: HistoryTensors | None
     sink_length: int
-    key_rotation: torch.Tensor | None
+    query_rotation: torch.Tensor | None  # what the history's attention rotates the query by (`OscarLayer`)
     value_rotation: torch.Tensor | None
     on_close: Callable[[torch.Tensor | None, torch.Tensor | None], None]
     # counted decode (`counted_decode`): `history` spans the buffers' capacity with its length on the device

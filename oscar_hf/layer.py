@@ -66,11 +66,15 @@ class OscarLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, config: OscarConfig, key_rotation: torch.Tensor | None,
                  value_rotation: torch.Tensor | None, backend: Backend | None = None,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, query_rotation: torch.Tensor | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
+        # keys are stored as `k @ key_rotation`; the history's attention rotates the query by `query_rotation`,
+        # the same matrix unless the keys are smoothed (`Rotations.key_transforms`: then `key_rotation` times
+        # `query_rotation`ᵀ is the identity, and stored rows go back to keys through `query_rotation`ᵀ)
         self.key_rotation = key_rotation
+        self._query_rotation = query_rotation
         self.value_rotation = value_rotation
         self.backend = backend
         # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
@@ -100,6 +104,11 @@ class OscarLayer(CacheLayerMixin):
         self.counted: CountedDecode | None = None
         self.updates = 0  # `update` calls since the last reset (eager ones: a compiled step does not count)
         self.is_initialized = False
+
+    @property
+    def query_rotation(self) -> torch.Tensor | None:
+        """What the history's attention rotates the query by (see `__init__`)."""
+        return self.key_rotation if self._query_rotation is None else self._query_rotation
 
     # ------------------------------------------------------------------------------------------ compiling
     def graph_problem(self, device: torch.device, key_dim: int, value_dim: int) -> str | None:
@@ -134,7 +143,8 @@ class OscarLayer(CacheLayerMixin):
         batch, heads, _, key_dim = key_states.shape
         value_dim = value_states.shape[-1]
         self.dtype, self.device = key_states.dtype, key_states.device
-        for kind, rotation, dim in (("key", self.key_rotation, key_dim), ("value", self.value_rotation, value_dim)):
+        for kind, rotation, dim in (("key", self.key_rotation, key_dim), ("value", self.value_rotation, value_dim),
+                                    ("query", self._query_rotation, key_dim)):
             if rotation is None:
                 continue
             if rotation.shape[-1] != dim or (rotation.dim() == 3 and rotation.shape[0] != heads):
@@ -144,6 +154,8 @@ class OscarLayer(CacheLayerMixin):
                 )
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(self.device, torch.float32)
+        if self._query_rotation is not None:
+            self._query_rotation = self._query_rotation.to(self.device, torch.float32)
         if self.value_rotation is not None:
             self.value_rotation = self.value_rotation.to(self.device, torch.float32)
         self.history = make_history(self.config, batch, heads, key_dim, value_dim, self.dtype, self.device)
@@ -229,11 +241,11 @@ class OscarLayer(CacheLayerMixin):
             stored, dense_start, history_start = self.counted.segment_counts(self.row_start)
             history = self.history.counted_view(stored)
             return HistorySegment(self.layer_idx, self.op_attention_backend, history, self.counted.sink,
-                                  self.key_rotation, self.value_rotation, on_close=self._close_counted, counted=True,
+                                  self.query_rotation, self.value_rotation, on_close=self._close_counted, counted=True,
                                   dense_start=dense_start, dense_length=self.counted.rows,
                                   history_start=history_start)
         return HistorySegment(self.layer_idx, self.attention_backend, self.history.kernel_view(), self.sink_length,
-                              self.key_rotation, self.value_rotation, on_close=self._close_segment,
+                              self.query_rotation, self.value_rotation, on_close=self._close_segment,
                               row_start=self.row_start)
 
     def _close_segment(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
@@ -250,7 +262,7 @@ class OscarLayer(CacheLayerMixin):
         step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
         segment = self.open_segment()
         self.attention_backend.decode_attention(step, self.keys_buffer, self.values_buffer, segment.dense_length,
-                                      segment.dense_start, segment.history, self.key_rotation, self.value_rotation,
+                                      segment.dense_start, segment.history, self.query_rotation, self.value_rotation,
                                       1.0, None, segment.history_start)
         self.segment_open = False
 
@@ -376,7 +388,7 @@ class OscarLayer(CacheLayerMixin):
         if not self.history_length:
             return keys, values
         hist_k, hist_v = self.history.dequantize(0, self.history_length)
-        hist_k = rotate(hist_k, self.key_rotation, transpose=True).to(self.dtype)
+        hist_k = rotate(hist_k, self.query_rotation, transpose=True).to(self.dtype)
         hist_v = rotate(hist_v, self.value_rotation, transpose=True).to(self.dtype)
         s = self.sink_length
         out = []

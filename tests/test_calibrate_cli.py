@@ -77,6 +77,22 @@ def test_cli_writes_rotations_that_load_bit_exactly_and_run(model_folder, text_f
     assert torch.equal(cache.layers[1].key_rotation.cpu(), ours.key[1])
 
 
+def test_cli_smooth_keys_stores_scales_that_the_cache_applies(model_folder, text_file, tmp_path):
+    out = tmp_path / "smoothed"
+    assert run_cli("--model", model_folder, "--data", text_file, "--tokens", 200, "--context", 100, "--out", out,
+                   "--smooth-keys", "--no-progress") == 0
+    rotations = Rotations.from_pretrained(out)
+    assert set(rotations.key_smoothing) == {0, 1} and rotations.key_smoothing[0].shape == (2, 16)
+    assert json.loads(rotations.metadata["key_smoothing"])["tokens"] == 200
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder).eval()
+    cache = OscarCache(model, rotations=str(out), sink_tokens=4, recent_tokens=8)
+    forward(model, torch.randint(1, 20, (1, 40)), cache)
+    layer = cache.layers[0]
+    key_matrix, query_matrix = rotations.key_transforms(0)
+    assert layer.history_length > 0 and torch.equal(layer.key_rotation.cpu(), key_matrix)
+    assert torch.equal(layer.query_rotation.cpu(), query_matrix)
+
+
 def test_cli_shared_rotations_use_format_v1(model_folder, text_file, tmp_path):
     out = tmp_path / "shared"
     run_cli("--model", model_folder, "--data", text_file, "--tokens", 200, "--context", 100, "--out", out,
@@ -218,6 +234,7 @@ BAD_ARGUMENTS = {
     "device and device map": (["--device", "cpu", "--device-map", "auto"], "exclude each other"),
     "device that does not parse": (["--device", "gpu0"], "--device 'gpu0'"),
     "subfolder without an upload": (["--subfolder", "x"], "apply only with --push-to-hub"),
+    "key smoothing in RotationZoo files": (["--smooth-keys", "--format", "both"], "RotationZoo files cannot hold"),
     "repo id": (["--push-to-hub", "me/bad--id"], "--push-to-hub: 'me/bad--id' is not a valid Hub repo id"),
 }
 

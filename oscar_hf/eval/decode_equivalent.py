@@ -62,6 +62,8 @@ class SimulationPlan:
     propagate: bool = True
     layer_configs: dict[int, OscarConfig] = field(default_factory=dict)  # per-layer settings (clips, code width)
     row_format: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None
+    # per layer, what the query is rotated by where it is not the key rotation (smoothed keys: `OscarLayer`)
+    query_rotations: dict[int, torch.Tensor] = field(default_factory=dict)
     _history: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -70,7 +72,10 @@ class SimulationPlan:
         layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
         rotations = {layer.layer_idx: (layer.key_rotation, layer.value_rotation) for layer in layers}
         configs = {layer.layer_idx: layer.config for layer in layers}
-        return cls(cache.oscar_config, rotations, prefill=prefill, chunk=chunk, layer_configs=configs, **kwargs)
+        queries = {layer.layer_idx: layer.query_rotation for layer in layers
+                   if layer.query_rotation is not layer.key_rotation}
+        return cls(cache.oscar_config, rotations, prefill=prefill, chunk=chunk, layer_configs=configs,
+                   query_rotations=queries, **kwargs)
 
     def history(self, batch: int, length: int, device) -> torch.Tensor:
         """`[batch, length]` history length seen by each query (cached per shape)."""
@@ -147,6 +152,8 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
     groups = q_heads // key.shape[1]
     key_r = None if key_rotation is None else key_rotation.to(query.device, torch.float32)
     value_r = None if value_rotation is None else value_rotation.to(query.device, torch.float32)
+    query_r = plan.query_rotations.get(layer_idx)
+    query_r = key_r if query_r is None else query_r.to(query.device, torch.float32)
     if plan.row_format is None:
         layer_cfg = plan.layer_configs.get(layer_idx) or cfg.for_layer(layer_idx)
         k_hat = reconstruct(key, key_rotation, layer_cfg, "key")
@@ -155,7 +162,7 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
         k_hat = plan.row_format(rotate(key, key_r), layer_idx, "key")
         v_hat = plan.row_format(rotate(value, value_r), layer_idx, "value")
     q = query.float()
-    q_rot = rotate(q, expand_heads(key_r, groups))
+    q_rot = rotate(q, expand_heads(query_r, groups))
     k, v = key.float(), value.float()
     history = plan.history(batch, length, query.device)
     positions = torch.arange(length, device=query.device)
@@ -183,7 +190,7 @@ def simulate_attention(module, query, key, value, attention_mask, plan: Simulati
     if plan.recorder is not None:
         plan.recorder(LayerProbe(
             layer_idx, module, q, k, v,
-            rotate(k_hat, key_r, transpose=True), rotate(v_hat, value_r, transpose=True),
+            rotate(k_hat, query_r, transpose=True), rotate(v_hat, value_r, transpose=True),
             history, cfg.sink_tokens, mask, scaling, softcap, out_bf16, out,
         ))
     chosen = out if plan.propagate else out_bf16

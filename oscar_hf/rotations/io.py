@@ -14,7 +14,8 @@ the provenance and clip ratios that our safetensors metadata holds, in both file
 one clip pair from its environment (`SGLANG_OSCAR_K_CLIP_RATIO` / `SGLANG_OSCAR_V_CLIP_RATIO`), never from the file.
 
 Our format: `oscar_rotations.safetensors` with tensors `key.<layer>`, `value.<layer>` (and optionally
-`key_eigenvalues.<layer>`, `value_eigenvalues.<layer>`); provenance in the safetensors metadata.
+`key_eigenvalues.<layer>`, `value_eigenvalues.<layer>`, and `key_smoothing.<layer>`: per-channel key scales
+`[kv_heads, d]`, which RotationZoo files cannot hold); provenance in the safetensors metadata.
 
 Files are read into plain tables (`RotationTables`: tensors by layer, and string metadata) and written from them;
 `rotations.Rotations` checks what they hold. `.pt` files are read with `torch.load(weights_only=True)`: tensors and
@@ -39,7 +40,7 @@ SAFETENSORS_NAME = "oscar_rotations.safetensors"
 FORMAT_TAG = "oscar-hf-rotations"
 ZOO_KEY_PATTERN = "k_rotation*.pt"
 ZOO_VALUE_PATTERN = "v_rotation*.pt"
-TABLES = ("key", "value", "key_eigenvalues", "value_eigenvalues")
+TABLES = ("key", "value", "key_eigenvalues", "value_eigenvalues", "key_smoothing")
 ZOO_GROUPINGS = ("layer", "kv_head")
 ZOO_COMPOSITION = "r_h_pbr"  # R = U · H · P_bitrev, the only composition this library fits
 ZOO_METADATA = "metadata"

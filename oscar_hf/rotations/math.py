@@ -67,6 +67,18 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor | None, transpose: bool = Fal
     return torch.einsum("bhtd,hde->bhte", x, r)
 
 
+def smoothed_key_transforms(rotation: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and query matrices of key rotation `rotation` (`[d, d]` or `[H, d, d]`) with per-channel key
+    smoothing `scales` `[H, d]` (positive): keys are stored as `(k / s) @ R`, queries rotated as `(q * s) @ R`, so
+    every score `q . k` is unchanged before quantization, and `rotate(x, query_matrix, transpose=True)` takes stored
+    rows back to keys. Both `[H, d, d]` float32."""
+    r = rotation.float()
+    if r.dim() == 2:
+        r = r.expand(scales.shape[0], -1, -1)
+    s = scales.to(r.device, torch.float32)[:, :, None]
+    return (r / s).contiguous(), (r * s).contiguous()
+
+
 def expand_heads(rotation: torch.Tensor | None, groups: int) -> torch.Tensor | None:
     """Per-KV-head rotations `[Hkv, d, d]` repeated for the `groups` query heads of each group."""
     if rotation is None or rotation.dim() == 2 or groups == 1:

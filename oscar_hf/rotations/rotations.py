@@ -19,7 +19,7 @@ from oscar_hf.rotations.io import (
     save_safetensors,
     save_zoo,
 )
-from oscar_hf.rotations.math import hadamard_matrix, is_power_of_two, orthogonality_error
+from oscar_hf.rotations.math import hadamard_matrix, is_power_of_two, orthogonality_error, smoothed_key_transforms
 
 ORTHOGONALITY_TOLERANCE = 1e-3
 
@@ -27,6 +27,7 @@ ORTHOGONALITY_TOLERANCE = 1e-3
 DEFAULT_CLIP_BITS = 2
 RETRIEVAL_LAYERS_KEY = "retrieval_layers"  # metadata: JSON list of layer indices, most retrieval-sensitive first
 RETRIEVAL_HEADS_KEY = "retrieval_heads"  # metadata: JSON list of [layer, KV head] pairs, most sensitive first
+KEY_SMOOTHING_KEY = "key_smoothing"  # metadata: how the key smoothing scales were computed
 
 
 class Rotations:
@@ -34,7 +35,11 @@ class Rotations:
 
     Each rotation is `[d, d]` (shared by the KV heads of the layer; RotationZoo format v1) or `[Hkv, d, d]` (one
     per KV head; format v2), used as `x_rot = x @ R`. Eigenvalues (ascending, as `eigh` returns them) and a
-    string metadata dict (provenance) are optional.
+    string metadata dict (provenance) are optional. So is `key_smoothing`: per layer, positive per-(KV head,
+    channel) scales `s` `[Hkv, d]`; the history then stores keys as `(k / s) @ R` and the query is rotated by
+    `(q * s) @ R` (`key_transforms`), which leaves every score unchanged before quantization and spreads the
+    rounding error where the query weighs it least (`oscar_hf.calibrate.smoothing`). RotationZoo files cannot hold
+    it.
 
     `from_pretrained` / `save_pretrained` / `push_to_hub` follow `huggingface_hub.ModelHubMixin`: the same
     arguments and return values, a model card (`README.md`) written beside the file unless one exists, pushes
@@ -51,11 +56,13 @@ class Rotations:
         key_eigenvalues: Mapping[int, torch.Tensor] | None = None,
         value_eigenvalues: Mapping[int, torch.Tensor] | None = None,
         metadata: Mapping[str, str] | None = None,
+        key_smoothing: Mapping[int, torch.Tensor] | None = None,
     ):
         self.key = _float_table("key rotation", key)
         self.value = _float_table("value rotation", value)
         self.key_eigenvalues = _float_table("key eigenvalues", _or_empty(key_eigenvalues))
         self.value_eigenvalues = _float_table("value eigenvalues", _or_empty(value_eigenvalues))
+        self.key_smoothing = _float_table("key smoothing", _or_empty(key_smoothing))
         metadata = _or_empty(metadata)
         if not isinstance(metadata, Mapping):
             raise RotationFileError(
@@ -64,6 +71,7 @@ class Rotations:
         self.metadata = {str(k): str(v) for k, v in metadata.items()}
         self._check_consistent()
         self._check_eigenvalues()
+        self._check_smoothing()
         self._check_metadata()
 
     # ----------------------------------------------------------------------------------------- constructors
@@ -138,6 +146,23 @@ class Rotations:
             raise RotationFileError(f"no rotation for layer {layer_idx}; these rotations cover layers {self.layer_ids}")
         return self.key[layer_idx], self.value[layer_idx]
 
+    def key_transforms(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what keys are multiplied by when stored, what the query is multiplied by) for a global layer index:
+        the key rotation twice, or with key smoothing `(R / s, R * s)` per KV head (`[Hkv, d, d]`)."""
+        rotation = self.for_layer(layer_idx)[0]
+        if layer_idx not in self.key_smoothing:
+            return rotation, rotation
+        return smoothed_key_transforms(rotation, self.key_smoothing[layer_idx])
+
+    def with_key_smoothing(self, scales: Mapping[int, torch.Tensor], description: str) -> "Rotations":
+        """These rotations with per-channel key smoothing `scales` (`{layer: [Hkv, d]}`), `description` recorded
+        in the metadata (`key_smoothing`). Retrieval rankings recorded without the smoothing are dropped: they
+        rank what the unsmoothed history loses, and the smoothed one loses it elsewhere (rank again:
+        `oscar_hf.calibrate.retrieval_layers`)."""
+        metadata = {k: v for k, v in self.metadata.items() if k not in (RETRIEVAL_LAYERS_KEY, RETRIEVAL_HEADS_KEY)}
+        return Rotations(self.key, self.value, self.key_eigenvalues, self.value_eigenvalues,
+                         {**metadata, KEY_SMOOTHING_KEY: description}, key_smoothing=scales)
+
     def clip_ratios(self, layer_idx: int, bits: int | None = None) -> tuple[float | None, float | None] | None:
         """(key, value) clip ratios recorded for `layer_idx` by a clip search (None in a pair: no clipping), or None
         when the metadata records none (`recorded_clip_ratios`), or when `bits` is given and differs from the code
@@ -185,7 +210,8 @@ class Rotations:
     def tables(self) -> RotationTables:
         """The rotations as plain tables (what `rotations.io` reads and writes)."""
         return {"key": self.key, "value": self.value, "key_eigenvalues": self.key_eigenvalues,
-                "value_eigenvalues": self.value_eigenvalues, "metadata": self.metadata}
+                "value_eigenvalues": self.value_eigenvalues, "key_smoothing": self.key_smoothing,
+                "metadata": self.metadata}
 
     def save_pretrained(
         self,
@@ -258,6 +284,9 @@ class Rotations:
         Both files carry the metadata, so the clip ratios a search recorded load back with them; the reference
         loader reads only the rotations and takes its clip ratios from its environment.
         """
+        if self.key_smoothing:
+            raise RotationFileError("these rotations smooth their keys (key_smoothing), which RotationZoo files "
+                                    "cannot hold; save_pretrained writes them (oscar-hf's safetensors format)")
         return save_zoo(self.tables(), folder, key_objective, value_objective)
 
     # ------------------------------------------------------------------------------------------- checks
@@ -306,6 +335,23 @@ class Rotations:
                 if not torch.isfinite(ev).all():
                     raise RotationFileError(f"{kind} eigenvalues of layer {i} hold NaN or infinite values")
 
+    def _check_smoothing(self) -> None:
+        """Key smoothing scales belong to a key rotation: `[Hkv, d]` (Hkv the rotation's heads when it has its
+        own per head), finite and positive."""
+        orphans = sorted(set(self.key_smoothing) - set(self.key))
+        if orphans:
+            raise RotationFileError(f"key smoothing for layers {orphans}, which have no key rotation")
+        for i, scales in self.key_smoothing.items():
+            rotation = self.key[i]
+            heads_ok = rotation.dim() == 2 or scales.shape[0] == rotation.shape[0]
+            if scales.dim() != 2 or scales.shape[-1] != rotation.shape[-1] or not heads_ok or not scales.numel():
+                raise RotationFileError(
+                    f"key smoothing of layer {i} has shape {tuple(scales.shape)}; expected [kv_heads, "
+                    f"{rotation.shape[-1]}] for its key rotation {tuple(rotation.shape)}"
+                )
+            if not (torch.isfinite(scales).all() and (scales > 0).all()):
+                raise RotationFileError(f"key smoothing of layer {i} holds values that are not finite and positive")
+
     def _check_metadata(self) -> None:
         """The metadata that changes what a cache does (clip ratios, their code width, the retrieval ranking) must
         parse, so that a malformed file fails when it is loaded, not when a cache first asks for it."""
@@ -321,7 +367,8 @@ class Rotations:
         self.retrieval_heads()
 
     def check_model(self, layer_ids: list[int], head_dim: int, num_kv_heads: int) -> None:
-        """Raise `RotationFileError` unless every listed layer has rotations of the model's shape."""
+        """Raise `RotationFileError` unless every listed layer has rotations (and key smoothing, where there is
+        any) of the model's shape."""
         missing = [i for i in layer_ids if i not in self.key]
         if missing:
             raise RotationFileError(
@@ -341,6 +388,10 @@ class Rotations:
                         f"{kind} rotation of layer {i} has {r.shape[0]} per-head matrices but the model has "
                         f"{num_kv_heads} KV heads"
                     )
+        wrong = sorted(i for i, s in self.key_smoothing.items() if i in layer_ids and s.shape[0] != num_kv_heads)
+        if wrong:
+            raise RotationFileError(f"key smoothing of layers {wrong} has scales for another number of KV heads "
+                                    f"than this model's {num_kv_heads}: it was made for another model")
 
     def __repr__(self) -> str:
         kind = "per KV head" if self.per_head else "shared per layer"

@@ -1,0 +1,116 @@
+"""Per-channel key smoothing: the scales `s` that `Rotations(key_smoothing=...)` stores.
+
+The history stores keys as `(k / s) @ R` and the query is rotated by `(q * s) @ R`, so a score `q . k` is unchanged
+before quantization. After it, with the rounding error of a rotated row spread evenly over its channels, the error
+of a score goes as `(sum_c q_c^2 s_c^2) * (sum_c k_c^2 / s_c^2)`, which is smallest (Cauchy-Schwarz) at
+`s_c = sqrt(rms(k_c) / rms(q_c))`: the root mean squares of each post-RoPE key and query channel, per layer and KV
+head (a GQA group's queries pooled), over calibration text. The scales of a head are normalized to a geometric
+mean of 1 (their overall size changes nothing). Measured in `docs/retrieval.md` ("Per-channel key smoothing").
+
+    python -m oscar_hf.calibrate.smoothing --model smollm2 --rotations <folder | hadamard> --out <folder>
+
+then `python -m oscar_hf.calibrate.retrieval_layers --model smollm2 --rotations <folder>` ranks the heads under the
+smoothed keys (a ranking made without them picks other heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterable
+
+import torch
+
+from oscar_hf.calibrate.capture import feed
+from oscar_hf.eval.assets import CALIBRATION_PLAYS
+from oscar_hf.rotations.io import SAFETENSORS_NAME
+from oscar_hf.rotations.rotations import Rotations
+
+DEFAULT_TOKENS = 2048  # of the first calibration play: the statistics settle well before (docs/retrieval.md)
+FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
+
+
+class _ChannelPower:
+    """Running sums of squares per (layer, KV head, channel) of the keys and the queries, and their counts."""
+
+    def __init__(self):
+        self.sums: dict[int, dict[str, torch.Tensor]] = {}
+        self.counts: dict[int, dict[str, int]] = {}
+
+    def __call__(self, module, query, key, value, scaling, softcap) -> None:
+        layer = module.layer_idx
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        new_keys = key[:, :, -q_len:].float()  # a chunked feed's key holds the earlier chunks' tokens too
+        grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads, q_len, dim)
+        sums = self.sums.setdefault(layer, {"key": 0.0, "query": 0.0})
+        counts = self.counts.setdefault(layer, {"key": 0, "query": 0})
+        sums["key"] = sums["key"] + new_keys.pow(2).sum(dim=(0, 2)).cpu()
+        sums["query"] = sums["query"] + grouped.pow(2).sum(dim=(0, 2, 3)).cpu()
+        counts["key"] += batch * q_len
+        counts["query"] += batch * q_len * (q_heads // kv_heads)
+
+    def scales(self) -> dict[int, torch.Tensor]:
+        out = {}
+        for layer, sums in self.sums.items():
+            key_rms = (sums["key"] / self.counts[layer]["key"]).sqrt().clamp_min(FLOOR)
+            query_rms = (sums["query"] / self.counts[layer]["query"]).sqrt().clamp_min(FLOOR)
+            s = (key_rms / query_rms).sqrt()
+            out[layer] = s / s.log().mean(dim=-1, keepdim=True).exp()
+        return out
+
+
+def key_smoothing(model, sequences: Iterable[torch.Tensor], chunk_tokens: int = 2048,
+                  progress: bool = False) -> dict[int, torch.Tensor]:
+    """`{layer: [Hkv, d]}` key smoothing scales (module docstring) from the model's attention over `sequences`
+    (token id tensors `[1, L]` or `[B, L]`), for every layer whose attention goes through transformers'
+    interface."""
+    power = _ChannelPower()
+    feed(model, sequences, chunk_tokens=chunk_tokens, progress=progress, observer=power)
+    return power.scales()
+
+
+def describe(tokens: int, plays: str) -> str:
+    """What `Rotations.with_key_smoothing` records in the metadata."""
+    return json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel", "tokens": tokens, "text": plays})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from oscar_hf.eval.assets import load_model, play_tokens
+    from oscar_hf.eval.cli_options import add_model_arguments, add_progress_argument, resolve_device, resolve_dtype
+    from oscar_hf.model_support import attention_shape
+
+    p = argparse.ArgumentParser(prog="python -m oscar_hf.calibrate.smoothing",
+                                description="Add per-channel key smoothing to a model's rotations.")
+    add_model_arguments(p)
+    p.add_argument("--rotations", required=True, help='a rotations folder or "hadamard"')
+    p.add_argument("--out", required=True, help="folder to write the smoothed rotations to")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens of the first calibration play to measure on (default {DEFAULT_TOKENS})")
+    add_progress_argument(p)
+    args = p.parse_args(argv)
+    if args.tokens < 1:
+        p.error(f"--tokens {args.tokens} must be at least 1")
+    start = time.time()
+    model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+    shape = attention_shape(model.config)
+    if args.rotations == "hadamard":
+        rotations = Rotations.hadamard(shape.oscar_layer_ids, shape.head_dim)
+        rotations.metadata.update(model=args.model, objective="hadamard")
+    else:
+        rotations = Rotations.from_pretrained(args.rotations)
+    text = play_tokens(tokenizer, CALIBRATION_PLAYS[0], args.tokens)
+    scales = key_smoothing(model, [text], progress=not args.no_progress)
+    scales = {layer: s for layer, s in scales.items() if layer in rotations.key}
+    smoothed = rotations.with_key_smoothing(scales, describe(text.shape[1], CALIBRATION_PLAYS[0]))
+    smoothed.save_pretrained(args.out)
+    spread = max(float(s.max() / s.min()) for s in scales.values())
+    print(f"key smoothing for {len(scales)} layers (largest ratio of two scales in a head: {spread:.1f}); wrote "
+          f"{os.path.join(args.out, SAFETENSORS_NAME)} in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
