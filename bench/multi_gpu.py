@@ -114,7 +114,8 @@ def placement_errors(model, cache: OscarCache) -> list[str]:
             continue
         expected = model.model.layers[i].self_attn.k_proj.weight.device
         tensors = dict(keys_buffer=layer.keys_buffer, values_buffer=layer.values_buffer,
-                       key_rotation=layer.key_rotation, value_rotation=layer.value_rotation,
+                       key_rotation=layer.key_rotation, query_rotation=layer.query_rotation,
+                       value_rotation=layer.value_rotation,
                        **{f"history.{name}": getattr(layer.history, name) for name in layer.history._names})
         wrong = [f"{name} on {t.device}" for name, t in tensors.items() if t is not None and t.device != expected]
         if layer.device != expected:

@@ -145,3 +145,45 @@ def test_the_smoothing_command_checks_its_arguments_before_loading_the_model(tmp
                         "--tokens", "0", "--no-progress"])
     assert exit_info.value.code == 2 and "--tokens 0 must be at least 1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_kernels_decode_smoothed_keys_like_the_reference(monkeypatch):
+    """Smoothed (non-orthogonal, per KV head) key and query matrices through the Triton demotion and attention
+    kernels (Triton's interpreter on CPU): a greedy generate gives the reference backend's tokens, and its history
+    really went through the kernels."""
+    triton = pytest.importorskip("triton", reason="the kernels need triton")  # noqa: F841
+    from conftest import cache_argument_name, kernel_qwen3
+    from oscar_hf.kernels.reference.backend import ReferenceBackend
+    from oscar_hf.kernels.triton import backend as triton_backend
+    from oscar_hf.kernels.triton.backend import TritonBackend
+    from oscar_hf.kernels.triton.interpreter import kernel_device
+
+    device = kernel_device()
+    model = kernel_qwen3(device=device)
+    cfg = model.config
+    plain = Rotations.hadamard(range(cfg.num_hidden_layers), cfg.head_dim)
+    generator = torch.Generator().manual_seed(5)
+    smoothed = plain.with_key_smoothing({i: 4.0 ** torch.rand(cfg.num_key_value_heads, cfg.head_dim,
+                                                              generator=generator)
+                                         for i in range(cfg.num_hidden_layers)}, "random, for a test")
+    ids = torch.randint(3, 256, (2, 37), device=device)
+    options = dict(rotations=smoothed, method="quarot", sink_tokens=4, recent_tokens=8, demote_block=8)
+
+    def run(backend):
+        cache = OscarCache(model, backend=backend, **options)
+        return model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, disable_compile=True,
+                              **{cache_argument_name(model): cache})
+
+    reference = run(ReferenceBackend())
+    demoted, read = [], []
+    demote, partials = triton_backend.demote_rows, triton_backend.attention_partials
+
+    def spy_partials(query, keys, values, history, *args, **kwargs):
+        if history is not None and history.length:
+            read.append(1)
+        return partials(query, keys, values, history, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "demote_rows", lambda *a, **k: demoted.append(1) or demote(*a, **k))
+    monkeypatch.setattr(triton_backend, "attention_partials", spy_partials)
+    kernels = run(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16))
+    assert demoted and read and torch.equal(kernels, reference)

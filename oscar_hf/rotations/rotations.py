@@ -396,7 +396,8 @@ class Rotations:
     def __repr__(self) -> str:
         kind = "per KV head" if self.per_head else "shared per layer"
         objective = self.metadata.get("objective", "?")
-        return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective})"
+        smoothed = f", keys smoothed in {len(self.key_smoothing)} layers" if self.key_smoothing else ""
+        return f"Rotations({len(self.key)} layers, head_dim={self.head_dim}, {kind}, objective={objective}{smoothed})"
 
 
 def recorded_clip_ratios(metadata: Mapping[str, str]):
