@@ -151,7 +151,7 @@ def test_the_kernels_decode_smoothed_keys_like_the_reference(monkeypatch):
     """Smoothed (non-orthogonal, per KV head) key and query matrices through the Triton demotion and attention
     kernels (Triton's interpreter on CPU): a greedy generate gives the reference backend's tokens, and its history
     really went through the kernels."""
-    triton = pytest.importorskip("triton", reason="the kernels need triton")  # noqa: F841
+    pytest.importorskip("triton", reason="the kernels need triton")
     from conftest import cache_argument_name, kernel_qwen3
     from oscar_hf.kernels.reference.backend import ReferenceBackend
     from oscar_hf.kernels.triton import backend as triton_backend
