@@ -305,3 +305,7 @@ def test_a_file_of_hadamard_rotations_is_not_labelled_calibrated():
     assert hadamard["oscar"] == "OSCAR (Hadamard rotations from a file)"
     assert hadamard["oscar-next"].startswith("OSCAR-next (Hadamard rotations from a file;")
     assert calibrated["oscar"] == "OSCAR (calibrated)"
+    smoothed = {m.name: m.label for m in select_methods("oscar", rotations=str(repo / "smollm2-135m-smoothed"))}
+    assert smoothed["oscar"] == "OSCAR (calibrated, keys smoothed)"
+    smoothed = {m.name: m.label for m in select_methods("oscar", rotations=str(repo / "smollm2-135m-hadamard-smoothed"))}
+    assert smoothed["oscar"] == "OSCAR (Hadamard rotations from a file, keys smoothed)"

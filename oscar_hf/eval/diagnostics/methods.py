@@ -23,6 +23,7 @@ from oscar_hf.cache import NAMED_ROTATIONS, OscarCache
 from oscar_hf.config import PRESETS, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
 from oscar_hf.layer import OscarLayer
 from oscar_hf.rotations.io import rotation_metadata
+from oscar_hf.rotations.rotations import KEY_SMOOTHING_KEY
 
 logger = logging.get_logger(__name__)
 
@@ -89,14 +90,17 @@ def _rotations_label(rotations: str | None) -> str:
         return "needs --rotations"
     if rotations in NAMED_ROTATIONS:
         return f"rotations={rotations}"
-    # a saved file of Hadamard rotations (kept for its recorded rankings) is not calibrated: say so in the tables
+    # a saved file of Hadamard rotations (kept for its recorded rankings) is not calibrated: say so in the tables,
+    # and say when a file smooths its keys (`Rotations.key_smoothing`), which changes what its rows lose
     if os.path.exists(rotations):
         try:
-            objective = rotation_metadata(rotations).get("objective")
+            metadata = rotation_metadata(rotations)
         except (OSError, ValueError):
-            objective = None  # the build reports the unreadable file; the label need not
-        if objective == "hadamard":
-            return "Hadamard rotations from a file"
+            metadata = {}  # the build reports the unreadable file; the label need not
+        smoothed = ", keys smoothed" if KEY_SMOOTHING_KEY in metadata else ""
+        if metadata.get("objective") == "hadamard":
+            return f"Hadamard rotations from a file{smoothed}"
+        return f"calibrated{smoothed}"
     return "calibrated"
 
 
