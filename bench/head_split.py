@@ -28,10 +28,12 @@ from bench import harness
 from bench.harness import graphed
 from oscar_hf import OscarCache
 from oscar_hf.kernels.cuda import history as cuda_history
+from oscar_hf.rotations.rotations import Rotations
 
 FORMAT = dict(scale_dtype="compact", encoder="sigma", key_clip_ratio=None, value_clip_ratio=None)
 # (label, high-precision KV heads of the layer, or "all" for a 4-bit layer, row format); the first is the base
 VARIANTS = (("2-bit, min-max rows, float16 pairs (the default)", (), {}), ("2-bit", (), FORMAT),
+            ("2-bit, keys smoothed (a key and a query matrix per KV head)", (), {**FORMAT, "smoothed": True}),
             ("1 head 4-bit (runs 0-2 | 3 | 4-7)", (3,), FORMAT), ("2 heads 4-bit (runs 0-1 | 2-7)", (0, 1), FORMAT),
             ("4-bit", "all", FORMAT))
 
@@ -44,11 +46,16 @@ def layer_config():
 def time_variant(heads, row_format: dict, batch: int, context: int) -> dict:
     config = layer_config()
     options = dict(row_format)
+    rotations = "hadamard"
+    if options.pop("smoothed", False):  # random scales: the cost of per-head matrices, not a quality point
+        scales = 4.0 ** (2 * torch.rand(config.num_key_value_heads, config.head_dim) - 1)
+        rotations = Rotations.hadamard([0], config.head_dim).with_key_smoothing({0: scales}, "random, for a benchmark")
+        options["method"] = "hadamard"
     if heads == "all":
         options["high_precision_layers"] = (0,)
     elif heads:
         options["high_precision_heads"] = tuple((0, h) for h in heads)
-    cache = OscarCache(config, rotations="hadamard", **options)
+    cache = OscarCache(config, rotations=rotations, **options)
 
     harness.fill_layers(cache, batch, config.num_key_value_heads, config.head_dim, context)
     layer = cache.layers[0]
