@@ -22,10 +22,10 @@ and then called through these operations only:
 - `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of
   these sizes and formats cannot be captured in a CUDA graph, or None when it can.
 
-Rotations are `[d, d]` or `[H, d, d]`, applied as `x @ R`, and need not be orthogonal. `demote_kv` stores keys times
-its `key_rotation`; the attention calls rotate the query by theirs and nothing else, so a layer whose keys are
-smoothed passes its query rotation there (`OscarLayer.query_rotation`), and the history's values are un-rotated by
-`value_rotation`ᵀ.
+Rotations are `[d, d]` or `[H, d, d]`, applied as `x @ R`. `demote_kv` stores keys times its `key_rotation`, which
+need not be orthogonal; the attention calls rotate the query by theirs and nothing else, so a layer whose keys are
+smoothed passes its query rotation there (`OscarLayer.query_rotation`). Value rotations are orthogonal: attention
+un-rotates the history's output by `value_rotation`ᵀ.
 
 The PyTorch reference (`kernels.reference`) defines the semantics; every other backend is tested against it.
 """
