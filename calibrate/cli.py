@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--skip-tokens", type=int, default=0, help="drop the first positions of every sequence")
     fit.add_argument("--chunk-tokens", type=int, default=2048,
                      help="feed longer sequences in chunks of this many tokens (bounded memory)")
+    fit.add_argument("--smooth-keys", action="store_true",
+                     help="also store per-channel key smoothing, sqrt(rms(k) / rms(q)) per KV head and channel over "
+                          "the calibration text (oscar_hf.calibrate.smoothing): keys are divided by it before the "
+                          "rotation, the query multiplied; safetensors output only")
     clip = p.add_argument_group("clip ratios")
     clip.add_argument("--clip-search", default="none", choices=["none", "model", "layer"],
                       help="search clip ratios on held-out calibration tokens (attention-output error); needs "
@@ -76,10 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92,
                       help="value clip ratio without a search (default 0.92)")
-    fit.add_argument("--smooth-keys", action="store_true",
-                     help="also store per-channel key smoothing, sqrt(rms(k) / rms(q)) per KV head and channel over "
-                          "the calibration text (oscar_hf.calibrate.smoothing): keys are divided by it before the "
-                          "rotation, the query multiplied; safetensors output only")
     rank = p.add_argument_group("retrieval ranking (the oscar-hifi and oscar-next presets)")
     rank.add_argument("--rank-retrieval-layers", action="store_true",
                       help="rank the layers and the KV heads by how much retrieval their 2-bit history loses, on "
@@ -247,11 +247,10 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     }
     rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
     if args.smooth_keys:  # before the clip search and the ranking: both measure the history as it will be stored
-        from oscar_hf.calibrate.smoothing import describe, key_smoothing
+        from oscar_hf.calibrate.smoothing import smooth_keys
 
-        scales = key_smoothing(model, statistics, args.chunk_tokens, progress="key smoothing" if progress else False)
-        rotations = rotations.with_key_smoothing({i: s for i, s in scales.items() if i in rotations.key},
-                                                 describe(sum(x.shape[-1] for x in statistics), args.data))
+        rotations = smooth_keys(rotations, model, statistics, args.data, args.chunk_tokens,
+                                progress="key smoothing" if progress else False)
     if args.clip_search != "none":
         choice = clip_search.search_clip_ratios(
             model, search, rotations, layers, head_dim, per_layer=args.clip_search == "layer",

@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -63,7 +63,7 @@ class _ChannelPower:
 
 
 def key_smoothing(model, sequences: Iterable[torch.Tensor], chunk_tokens: int = 2048,
-                  progress: bool = False) -> dict[int, torch.Tensor]:
+                  progress: bool | str = False) -> dict[int, torch.Tensor]:
     """`{layer: [Hkv, d]}` key smoothing scales (module docstring) from the model's attention over `sequences`
     (token id tensors `[1, L]` or `[B, L]`), for every layer whose attention goes through transformers'
     interface."""
@@ -72,9 +72,14 @@ def key_smoothing(model, sequences: Iterable[torch.Tensor], chunk_tokens: int = 
     return power.scales()
 
 
-def describe(tokens: int, plays: str) -> str:
-    """What `Rotations.with_key_smoothing` records in the metadata."""
-    return json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel", "tokens": tokens, "text": plays})
+def smooth_keys(rotations: Rotations, model, sequences: Sequence[torch.Tensor], text: str,
+                chunk_tokens: int = 2048, progress: bool | str = False) -> Rotations:
+    """`rotations` with the key smoothing of `key_smoothing` over `sequences` for the layers they rotate, the rule,
+    the token count and `text` (where the sequences come from) recorded in the metadata."""
+    scales = key_smoothing(model, sequences, chunk_tokens, progress)
+    description = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel",
+                              "tokens": sum(ids.shape[-1] for ids in sequences), "text": text})
+    return rotations.with_key_smoothing({i: s for i, s in scales.items() if i in rotations.key}, description)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,10 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rotations = Rotations.from_pretrained(args.rotations)
     text = play_tokens(tokenizer, CALIBRATION_PLAYS[0], args.tokens)
-    scales = key_smoothing(model, [text], progress=not args.no_progress)
-    scales = {layer: s for layer, s in scales.items() if layer in rotations.key}
-    smoothed = rotations.with_key_smoothing(scales, describe(text.shape[1], CALIBRATION_PLAYS[0]))
+    smoothed = smooth_keys(rotations, model, [text], CALIBRATION_PLAYS[0], progress=not args.no_progress)
     smoothed.save_pretrained(args.out)
+    scales = smoothed.key_smoothing
     spread = max(float(s.max() / s.min()) for s in scales.values())
     print(f"key smoothing for {len(scales)} layers (largest ratio of two scales in a head: {spread:.1f}); wrote "
           f"{os.path.join(args.out, SAFETENSORS_NAME)} in {time.time() - start:.0f} s")

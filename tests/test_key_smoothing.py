@@ -57,15 +57,11 @@ def test_smoothed_keys_leave_an_unquantized_history_exact(model):
     assert (cached_logits(model, ids, broken, 10, 1) - reference).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("method", ["hadamard", "oscar-next"])
-def test_the_simulation_follows_a_smoothed_quantized_cache(model, method):
+@pytest.mark.parametrize("method,options", [("hadamard", {}), ("quarot", dict(high_precision_heads=[(0, 1)]))],
+                         ids=["2-bit", "one KV head at 4 bits"])
+def test_the_simulation_follows_a_smoothed_quantized_cache(model, method, options):
     plain, smoothed = _smoothed(model)
     cfg = model.config
-    if method == "oscar-next":  # 4-bit heads need a ranking
-        options = dict(high_precision_heads=[(0, 1)])
-        method = "quarot"
-    else:
-        options = {}
     torch.manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (1, 48))
     template = OscarCache(cfg, rotations=smoothed, method=method, **LAYOUT, **options)
