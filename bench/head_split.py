@@ -4,7 +4,7 @@ same layer stored uniformly, on the GPU.
     python -m bench.head_split --out bench/results/head_split.json [--contexts 100000] [--batches 8]
 
 Shape: Qwen3-8B's layer (32 query / 8 KV heads, head_dim 128), bf16, Hadamard rotations, oscar-next's row format
-(sigma rows, one-byte scale and zero; 4-bit runs: min-max, unclipped), against the default format (min-max rows,
+(sigma rows, one-byte scale and zero; 4-bit runs: min-max, unclipped, float16 pairs), against the default format (min-max rows,
 float16 pairs). The cache is filled with random K/V through its own update and demotion path
 (`bench.harness.fill_oscar`), then counted decode starts and the layer's decode attention
 (`segment.backend.decode_attention`, what a step runs) is captured in a CUDA graph and timed by

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_hf.kernels.reference.quantize import ENCODERS
+from oscar_hf.kernels.reference.quantize import COMPACT, ENCODERS
 
 # A preset fixes how the INT2 history is made. `rotation` is the default rotation source when the user
 # passes none: "hadamard" (data-free), "identity" (no rotation) or "file" (calibrated, must be given).
@@ -68,8 +68,8 @@ class OscarConfig:
             (`from_method` with `bits=4` gives None unless the ratios are passed too).
         scale_dtype: storage dtype of the per-row (scale, zero) pair: float16 (2.25 bits/element at 2 bits and
             head_dim 128), bfloat16, float32, or "compact" (`torch.uint8`: one byte each, 2.125 bits/element at
-            head_dim 128; `kernels.reference.quantize`, 7; the Triton kernels demote and attend to it, the CUDA
-            history kernel does not).
+            head_dim 128; `kernels.reference.quantize`, 7; the Triton kernels demote and attend to it, and so does the
+            CUDA history kernel).
         quantize: False keeps the history in the model dtype (same tiers and merge, no quantization); for tests.
         history_chunk: tokens of history dequantized at a time by the PyTorch reference attention.
         encoder: how a history row's codes and (scale, zero) are chosen: "minmax" (default, the OSCAR reference),
@@ -170,9 +170,12 @@ class OscarConfig:
     def high_precision(self) -> "OscarConfig":
         """The settings of high-precision rows: `high_precision_bits`-bit min-max codes without clipping (a clip that
         suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them; the sigma grid would saturate
-        them too)."""
+        them too), with float16 (scale, zero) pairs where the others are compact: the GPU kernel of wide rows reads
+        float16 pairs at a higher bandwidth than compact ones (`bench/RESULTS.md`), and a 4-bit row's pair is a
+        small part of its bytes."""
+        pairs = torch.float16 if self.scale_dtype == COMPACT else self.scale_dtype
         return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
-                                   encoder="minmax" if self.encoder == "sigma" else self.encoder,
+                                   encoder="minmax" if self.encoder == "sigma" else self.encoder, scale_dtype=pairs,
                                    high_precision_layers=(), high_precision_heads=())
 
     def high_precision_kv_heads(self, layer_idx: int) -> tuple[int, ...]:

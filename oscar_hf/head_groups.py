@@ -4,18 +4,19 @@ the attention over such a history, one call per run.
 A query head of a GQA layer attends to its own KV head only, so a layer's attention splits exactly along its KV
 heads: the run of KV heads `[start, stop)` takes query heads `[start * G, stop * G)`, its slice of the BF16 tiers
 and of per-head rotations, and its own history; the runs' outputs, side by side along the heads, are the layer's
-output. Each run is one ordinary call of the layer's backend, so every backend (the reference, the GPU kernels,
-the custom ops of a compiled step) serves a split layer unchanged; a run is a view of the tensors, never a copy.
+output. Each run is one ordinary call of the layer's backend, so every backend serves a split layer unchanged; a
+run is a view of the tensors, never a copy. A decode step goes to a backend that `decodes_split_histories` (the
+kernel backends) whole instead, so that the layer's query rotation, BF16 tiers and merge run once and only the
+history's reads are per run (`kernels.interface.HeadSplitTensors`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
-from oscar_hf.kernels.interface import HistoryTensors
+from oscar_hf.kernels.interface import HeadSplitTensors, decode_by_runs, heads_of
 
 
 def head_runs(num_heads: int, high: Iterable[int]) -> list[tuple[int, int, bool]]:
@@ -33,39 +34,10 @@ def head_runs(num_heads: int, high: Iterable[int]) -> list[tuple[int, int, bool]
     return runs
 
 
-def heads_of(rotation: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
-    """The rotation of KV heads `[start, stop)`: a slice of a per-head `[Hkv, d, d]` rotation; a shared `[d, d]` one
-    as it is."""
-    return rotation if rotation is None or rotation.dim() == 2 else rotation[start:stop]
-
-
-@dataclass(frozen=True)
-class HeadRun:
-    """KV heads `[start, stop)` of a split history and their own history view (None while it is empty)."""
-
-    start: int
-    stop: int
-    history: HistoryTensors | None
-
-
-@dataclass(frozen=True)
-class HeadSplitTensors:
-    """A split history as the attention reads it: one `HeadRun` per run of KV heads, all of the same length."""
-
-    runs: tuple[HeadRun, ...]
-
-    @property
-    def length(self) -> int:
-        return self.runs[0].history.length
-
-    @property
-    def length_ptr(self) -> torch.Tensor | None:
-        return self.runs[0].history.length_ptr
-
-
 class HeadSplitBackend:
     """The attention of `inner` (a kernel backend, or `kernels.ops.OpBackend`) over a `HeadSplitTensors` history:
-    one `inner` call per run of KV heads (module docstring). Other histories pass straight through."""
+    one `inner` call per run of KV heads, except for decode calls that `inner` takes whole (module docstring).
+    Other histories pass straight through."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -98,12 +70,8 @@ class HeadSplitBackend:
     def _decode(self, operation, query, keys, values, dense_length, dense_start, history, key_rotation,
                 value_rotation, scaling, softcap, history_start) -> torch.Tensor:
         call = getattr(self.inner, operation)
-        if not isinstance(history, HeadSplitTensors):
+        if not isinstance(history, HeadSplitTensors) or getattr(self.inner, "decodes_split_histories", False):
             return call(query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
                         scaling, softcap, history_start)
-        groups = query.shape[1] // keys.shape[1]
-        return torch.cat([
-            call(query[:, r.start * groups : r.stop * groups], keys[:, r.start : r.stop], values[:, r.start : r.stop],
-                 dense_length, dense_start, r.history, heads_of(key_rotation, r.start, r.stop),
-                 heads_of(value_rotation, r.start, r.stop), scaling, softcap, history_start)
-            for r in history.runs], dim=2)
+        return decode_by_runs(call, query, keys, values, dense_length, dense_start, history, key_rotation,
+                              value_rotation, scaling, softcap, history_start)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.head_groups import HeadRun, HeadSplitTensors, head_runs, heads_of
-from oscar_hf.kernels.interface import HistoryTensors
+from oscar_hf.head_groups import head_runs
+from oscar_hf.kernels.interface import HeadRun, HeadSplitTensors, HistoryTensors, heads_of
 from oscar_hf.kernels.ops import write_rows_eagerly  # also registers torch.ops.oscar_hf
 from oscar_hf.kernels.reference.attention import history_rows
 from oscar_hf.kernels.reference.quantize import row_bytes
@@ -341,11 +341,19 @@ class HeadSplitHistory:
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend,
                advance: torch.Tensor | None = None, after: torch.Tensor | None = None,
                at: torch.Tensor | None = None) -> torch.Tensor | None:
-        """`QuantizedHistory.append` run by run; every run drops the same tokens when full (one count)."""
+        """`QuantizedHistory.append` run by run; every run drops the same tokens when full (one count).
+
+        A counted step's demotions are ops whose writes are not declared (`kernels.ops.demote_into`), so each one
+        lives in a compiled graph only through its output: every run's output goes into the one returned."""
         dropped = [history.append(keys[:, start:stop], values[:, start:stop], heads_of(key_rotation, start, stop),
                                   heads_of(value_rotation, start, stop), backend, advance, after, at)
                    for start, stop, history in self.parts]
-        return dropped[0]
+        if dropped[0] is None:
+            return None
+        lost = dropped[0]
+        for more in dropped[1:]:
+            lost = torch.maximum(lost, more)
+        return lost
 
     def kernel_view(self) -> HeadSplitTensors | None:
         if not self.length:

@@ -70,6 +70,35 @@ def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
 
 
+def test_a_layer_split_by_kv_heads_compiles_into_one_op_per_layer(monkeypatch):
+    """A split layer (a 4-bit KV head beside a 2-bit one) decodes through one custom op per layer and step
+    (`oscar_hf::split_decode_attention`), compiled, with the eager steps' logits."""
+    from oscar_hf.kernels.reference.backend import ReferenceBackend
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(1, 96, (2, 40))
+    options = dict(OPTIONS, high_precision_heads=((0, 1), (1, 0)))
+    eager = _decode(model, ids, OscarCache(model, method="hadamard", **options), 24, _eager(model))
+    seen = []
+    decode = ReferenceBackend.decode_attention
+
+    def recording(self, query, keys, values, dense_length, dense_start, history, *args):
+        seen.append(type(history).__name__)
+        return decode(self, query, keys, values, dense_length, dense_start, history, *args)
+
+    monkeypatch.setattr(ReferenceBackend, "decode_attention", recording)
+    compiled_forward = torch.compile(model.forward, fullgraph=True)
+    name = cache_argument_name(model)
+    cache = OscarCache(model, method="hadamard", **options)
+    compiled = _decode(model, ids, cache, 24,
+                       lambda token, c: compiled_forward(input_ids=token, use_cache=True, **{name: c}))
+    assert [len(layer.history.parts) for layer in cache.layers] == [2, 2]
+    split_calls = seen.count("HeadSplitTensors")
+    assert split_calls >= 24 * 2 and split_calls * 2 == seen.count("HistoryTensors")  # each then read run by run
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
+
+
 def test_eager_steps_between_compiled_ones_read_the_counts_back():
     """Eager steps decide their demotions on the host (`CountedDecode.mirror`); compiled steps drop the mirror,
     and the next eager step reads the counts back. Steps alternating in runs of 5 (so the demotions fall on both

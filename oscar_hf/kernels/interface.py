@@ -22,6 +22,11 @@ and then called through these operations only:
 - `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of
   these sizes and formats cannot be captured in a CUDA graph, or None when it can.
 
+A backend whose `decodes_split_histories` is True also takes, in the two decode calls, a history kept as runs of
+adjacent KV heads of different code widths (`HeadSplitTensors`; `decode_by_runs` is the semantics: each run
+attends to its own heads as an ordinary call, the outputs side by side along the heads), so that it can serve the
+whole layer in one call; other backends are called once per run (`head_groups.HeadSplitBackend`).
+
 Rotations are `[d, d]` or `[H, d, d]`, applied as `x @ R`. `demote_kv` stores keys times its `key_rotation`, which
 need not be orthogonal; the attention calls rotate the query by theirs and nothing else, so a layer whose keys are
 smoothed passes its query rotation there (`OscarLayer.query_rotation`). Value rotations are orthogonal: attention
@@ -136,3 +141,51 @@ class Backend(Protocol):
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None: ...
+
+
+def heads_of(rotation: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """The rotation of KV heads `[start, stop)`: a slice of a per-head `[Hkv, d, d]` rotation; a shared `[d, d]` one
+    as it is."""
+    return rotation if rotation is None or rotation.dim() == 2 else rotation[start:stop]
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """KV heads `[start, stop)` of a split history and their own history view (None while it is empty)."""
+
+    start: int
+    stop: int
+    history: HistoryTensors | None
+
+
+@dataclass(frozen=True)
+class HeadSplitTensors:
+    """A history kept as runs of adjacent KV heads, each an ordinary history of its own code width and pair
+    format, all of the same length: one `HeadRun` per run, in head order, covering every KV head."""
+
+    runs: tuple[HeadRun, ...]
+
+    @property
+    def length(self) -> int:
+        return self.runs[0].history.length
+
+    @property
+    def length_ptr(self) -> torch.Tensor | None:
+        return self.runs[0].history.length_ptr
+
+    @property
+    def plan_length(self) -> int:
+        return self.runs[0].history.plan_length
+
+
+def decode_by_runs(call, query, keys, values, dense_length, dense_start, history: HeadSplitTensors, key_rotation,
+                   value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
+    """A decode call (`call`: a backend's `decode_attention` or `eager_decode_attention`) over a split history, one
+    call per run of KV heads: query heads `[start * G, stop * G)` with their slices of the BF16 rows and of per-head
+    rotations; the outputs concatenated along the heads (exact: a query head reads its own KV head only)."""
+    groups = query.shape[1] // keys.shape[1]
+    return torch.cat([
+        call(query[:, r.start * groups : r.stop * groups], keys[:, r.start : r.stop], values[:, r.start : r.stop],
+             dense_length, dense_start, r.history, heads_of(key_rotation, r.start, r.stop),
+             heads_of(value_rotation, r.start, r.stop), scaling, softcap, history_start)
+        for r in history.runs], dim=2)

@@ -6,6 +6,9 @@ shapes):
   of `keys`/`values`, minus each row's `dense_start` leading pads) and its history (the first `history_length`
   rows, minus each row's `history_start` leading pads). Both lengths are int32 `[1]` device tensors, so one
   compiled graph, or one captured CUDA graph, serves every step of a demotion cycle;
+- `oscar_hf::split_decode_attention`: the same over a history kept as runs of KV heads of different code widths
+  (`kernels.interface.HeadSplitTensors`), each run's buffers in lists, for a backend that takes such a history
+  whole (`decodes_split_histories`);
 - `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them), or
   nothing where the device flag `only_if` holds 0;
 - `oscar_hf::demote_into`: the same, straight into a quantized history's buffers at a device row (a counted
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.kernels.interface import Backend, HistoryTensors, block_start
+from oscar_hf.kernels.interface import Backend, HeadRun, HeadSplitTensors, HistoryTensors, block_start
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -61,6 +64,33 @@ def decode_attention(
 def _(query, keys, values, dense_length, dense_start, history_keys, history_key_scale_zero, history_values,
       history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap, backend,
       history_start=None):
+    batch, heads, q_len, dim = query.shape
+    return query.new_empty((batch, q_len, heads, dim))
+
+
+@torch.library.custom_op("oscar_hf::split_decode_attention", mutates_args=())
+def split_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dense_length: torch.Tensor,
+    dense_start: torch.Tensor | None, run_bounds: list[int], history_keys: list[torch.Tensor],
+    history_key_scale_zero: list[torch.Tensor], history_values: list[torch.Tensor],
+    history_value_scale_zero: list[torch.Tensor], history_length: torch.Tensor, bits: list[int],
+    key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float, softcap: float | None,
+    backend: str, history_start: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[B, 1, Hq, D]` in the query dtype; run i holds KV heads `[run_bounds[2i], run_bounds[2i + 1])`."""
+    runs = tuple(
+        HeadRun(run_bounds[2 * i], run_bounds[2 * i + 1],
+                HistoryTensors(k, v, kz, vz, k.shape[2], width, history_length))
+        for i, (k, kz, v, vz, width) in enumerate(zip(history_keys, history_key_scale_zero, history_values,
+                                                      history_value_scale_zero, bits)))
+    return _backend(backend).decode_attention(query, keys, values, dense_length, dense_start, HeadSplitTensors(runs),
+                                              key_rotation, value_rotation, scaling, softcap, history_start)
+
+
+@split_decode_attention.register_fake
+def _(query, keys, values, dense_length, dense_start, run_bounds, history_keys, history_key_scale_zero,
+      history_values, history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap,
+      backend, history_start=None):
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
 
@@ -148,6 +178,7 @@ class OpBackend:
         self.inner = backend
         self.name = backend.name
         self.key = register_backend(backend)
+        self.decodes_split_histories = getattr(backend, "decodes_split_histories", False)
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
@@ -179,6 +210,14 @@ class OpBackend:
             return self.inner.eager_decode_attention(query, keys, values, dense_length, dense_start, history,
                                                      key_rotation, value_rotation, scaling, softcap, history_start)
         h = history
+        if isinstance(h, HeadSplitTensors):
+            return torch.ops.oscar_hf.split_decode_attention(
+                query, keys, values, dense_length, dense_start, [b for r in h.runs for b in (r.start, r.stop)],
+                [r.history.keys for r in h.runs], [r.history.key_scale_zero for r in h.runs],
+                [r.history.values for r in h.runs], [r.history.value_scale_zero for r in h.runs], h.length_ptr,
+                [r.history.bits for r in h.runs], key_rotation, value_rotation, float(scaling),
+                None if softcap is None else float(softcap), self.key, history_start,
+            )
         return torch.ops.oscar_hf.decode_attention(
             query, keys, values, dense_length, dense_start,
             None if h is None else h.keys, None if h is None else h.key_scale_zero,

@@ -77,8 +77,9 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
-# out, lse, length pointer, 9 ints (length ... split multiple), the query scale
-ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F]
+# out, lse, length pointer, 9 ints (length ... split multiple), the query scale, the first query head of the call
+# in the partial buffers and their query heads
+ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F, _I, _I]
 
 
 def stage_bytes(dim: int) -> int:
@@ -184,12 +185,15 @@ def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
 
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor,
-                     config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False) -> None:
+                     config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False,
+                     head_offset: int = 0, partial_heads: int | None = None) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
     `kernels.triton.stage1.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
     `history` an `kernels.interface.HistoryTensors` that `history_kernel_supports`. `dependent`: launch as a
     programmatic dependent of the kernel queued just before (`rotate_query(launch_dependents=True)`, which wrote
-    `rotated_query`): the programs start staging codes at once and wait for it before reading the query."""
+    `rotated_query`): the programs start staging codes at once and wait for it before reading the query.
+    `head_offset` / `partial_heads`: the call's query heads are heads `[head_offset, head_offset + Hq)` of partial
+    buffers laid out for `partial_heads` (default: Hq, offset 0), as `attention_partials` takes them."""
     batch, q_heads, q_len, dim = rotated_query.shape
     if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
@@ -212,6 +216,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
             history.length, groups, kv_heads, q_len, plan.dense_splits,
-            plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E]
+            plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E,
+            head_offset, q_heads if partial_heads is None else partial_heads]
     with launch_device(rotated_query):
         kernel((plan.history_splits, batch * kv_heads), args, dependent)

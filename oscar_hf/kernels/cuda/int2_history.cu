@@ -528,7 +528,7 @@ __device__ void history_partials(
     const Pair* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
     int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
-    int total_splits, int length_from_ptr, int split_multiple, float q_scale) {
+    int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads) {
     constexpr int QW = D / 4;   // features per plane (bytes per token row)
     constexpr int KW = D / 64;  // key words per lane and token; also k-steps per plane
     constexpr int KB = 4 * KW;
@@ -693,8 +693,9 @@ __device__ void history_partials(
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[c][h][i] += __shfl_xor_sync(0xffffffffu, acc[c][h][i], 2);
     }
-    const int hq = kvh * groups;
-    const int heads = kv_heads * groups;
+    // partial rows: this launch's query heads are heads [head0, head0 + kv_heads * groups) of partial_heads
+    const int hq = head0 + kvh * groups;
+    const int heads = partial_heads;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = Layout<ROWS>::row(r, t);
@@ -726,11 +727,11 @@ __device__ void history_partials(
         const PAIR_T* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,             \
         const PAIR_T* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,     \
         int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,                 \
-        int length_from_ptr, int split_multiple, float q_scale) {                                                \
+        int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads) {                  \
         history_partials<D, ROWS, PAIR_T>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
                                   value_codes, svb, svh, value_sz, swb, swh, out, lse, length_ptr, length,      \
                                   groups, kv_heads, q_len, dense_splits, split_len, total_splits,              \
-                                  length_from_ptr, split_multiple, q_scale);                                    \
+                                  length_from_ptr, split_multiple, q_scale, head0, partial_heads);              \
     }
 
 HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4, u32)

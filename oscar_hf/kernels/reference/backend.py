@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.kernels.interface import HistoryTensors, block_start
+from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, block_start, decode_by_runs
 from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials, tiered_reference
 from oscar_hf.kernels.reference.quantize import quantize_pack
 from oscar_hf.rotations.math import rotate
@@ -30,6 +30,8 @@ class ReferenceBackend:
     """
 
     name = "reference"
+    decodes_split_histories = True  # run by run (`kernels.interface.decode_by_runs`), so that a compiled step
+    # holds one op per layer for them too
 
     def __init__(self, history_chunk: int = 4096):
         self.history_chunk = history_chunk
@@ -87,8 +89,11 @@ class ReferenceBackend:
                          scaling, softcap=None, history_start=None):
         """One query per row over the first `dense_length` rows of `keys`/`values` (row b from `dense_start[b]`)
         and the first `history.length_ptr` history rows (row b from `history_start[b]`; `kernels.interface`);
-        reads the lengths on the host."""
+        reads the lengths on the host. A split history (`HeadSplitTensors`) is read run by run."""
         refuse_capture(query, "decode step's attention")
+        if isinstance(history, HeadSplitTensors):
+            return decode_by_runs(self.decode_attention, query, keys, values, dense_length, dense_start, history,
+                                  key_rotation, value_rotation, scaling, softcap, history_start)
         dense = int(dense_length)
         if history is not None:
             length = int(history.length_ptr)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from oscar_hf.kernels.cuda import history as cuda_history
-from oscar_hf.kernels.interface import HistoryTensors, kernel_head_dim
+from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, decode_by_runs, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.kernels.reference.quantize import COMPACT
 from oscar_hf.kernels.replay import GraphReplay, layout
@@ -56,6 +56,7 @@ class TritonBackend(ReferenceBackend):
     """
 
     name = "triton"
+    decodes_split_histories = True  # `kernels.interface`: decode calls take a `HeadSplitTensors` whole
 
     def __init__(self, history_chunk: int = 4096, target_programs: int | None = None,
                  min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
@@ -166,7 +167,17 @@ class TritonBackend(ReferenceBackend):
     def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
                          value_rotation, scaling, softcap=None, history_start=None):
         """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
-        for the buffers' capacities and the kernels read the lengths, so nothing synchronizes the host."""
+        for the buffers' capacities and the kernels read the lengths, so nothing synchronizes the host. A split
+        history (`HeadSplitTensors`) is served in one call (`_run_split`)."""
+        if isinstance(history, HeadSplitTensors):
+            if not self._supported_split(query, keys, values, history):
+                return decode_by_runs(self.decode_attention, query, keys, values, dense_length, dense_start,
+                                      history, key_rotation, value_rotation, scaling, softcap, history_start)
+            out = self.new_output((query.shape[0], query.shape[2], query.shape[1], query.shape[3]), query.dtype,
+                                  query.device)
+            self._run_split(query, keys, values, history, key_rotation, value_rotation, scaling, softcap, out,
+                            dense_start, dense_length, history_start)
+            return out
         if not self._supported(query, keys, values, None, history):
             return super().decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
                                             value_rotation, scaling, softcap, history_start)
@@ -183,14 +194,14 @@ class TritonBackend(ReferenceBackend):
         """`decode_attention` for an eager step: on CUDA its kernels are captured once per layout (the second call
         with it) and replayed from the CUDA graph after that (`kernels.replay`), one launch for the host instead of
         four. The key names every tensor's layout and address and every setting the launches depend on."""
-        if self.graphs is None or not query.is_cuda or not self._supported(query, keys, values, None, history):
+        supported = (self._supported_split(query, keys, values, history) if isinstance(history, HeadSplitTensors)
+                     else self._supported(query, keys, values, None, history))
+        if self.graphs is None or not query.is_cuda or not supported:
             return self.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
                                          value_rotation, scaling, softcap, history_start)
-        h = history
         key = (layout(keys), layout(values), layout(dense_length), layout(dense_start), layout(history_start),
                layout(key_rotation), layout(value_rotation), float(scaling), softcap, self._settings(),
-               None if h is None else (layout(h.keys), layout(h.values), layout(h.key_scale_zero),
-                                       layout(h.value_scale_zero), h.length, h.bits, layout(h.length_ptr)))
+               _history_key(history))
         return self.graphs(
             key, query,
             lambda q: self.decode_attention(q, keys, values, dense_length, dense_start, history, key_rotation,
@@ -270,6 +281,67 @@ class TritonBackend(ReferenceBackend):
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
 
+    def _run_split(self, query, keys, values, split: HeadSplitTensors, key_rotation, value_rotation, scaling, softcap,
+                   out, dense_start, dense_length, history_start) -> None:
+        """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
+        rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and one history launch
+        per run (the CUDA kernel for the runs it takes, Triton's for the others) into the same partial buffers, all
+        cut by one plan, so that every run's splits line up for the merge."""
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = keys.shape[1]
+        groups = q_heads // kv_heads
+        hist_len = split.plan_length
+        launch = self.launch_for(dim)
+        plan = self.plan(query.device, batch, kv_heads, groups * q_len, keys.shape[2], hist_len, launch)
+        cuda = [history_start is None and self._use_cuda_history(query[:, r.start * groups : r.stop * groups],
+                                                                 r.history, None, softcap, r.stop - r.start,
+                                                                 hist_len)
+                for r in split.runs]
+        if any(cuda):  # whole tiles filling a wave of the CUDA kernel's programs over the whole layer
+            plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
+                                             self._cuda_slots(query.device, dim), self.cuda_history_config)
+        rows = batch * q_heads * q_len * plan.total_splits
+        partial_out, partial_lse, rotation_scratch = self._workspace(query.device, rows * dim, rows, query.numel())
+        dependent = dependent_launch(query.device)
+        rotated = rotation_scratch[: query.numel()].view(query.shape)
+
+        def dense_tiers():
+            attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0,
+                               partial_out, partial_lse, kv_heads, launch, dense_start, dense_only=True,
+                               launch_dependents=dependent, overlap_prior=dependent, dense_length=dense_length)
+
+        if not dependent:
+            dense_tiers()
+        rotating = key_rotation is not None
+        if rotating:
+            rotate_query(query, key_rotation, rotated, launch_dependents=dependent)
+        else:
+            rotated.copy_(query)
+        for i, (run, on_cuda) in enumerate(zip(split.runs, cuda)):
+            # the first history launch waits for the rotation as its dependent; the others follow in stream order
+            first_heads, last_heads = run.start * groups, run.stop * groups
+            wait = dependent and rotating and i == 0
+            if on_cuda:
+                cuda_history.history_partials(rotated[:, first_heads:last_heads], run.history, plan, scaling,
+                                              run.stop - run.start, partial_out, partial_lse,
+                                              self.cuda_history_config, dependent=wait, head_offset=first_heads,
+                                              partial_heads=q_heads)
+            else:
+                attention_partials(query[:, first_heads:last_heads], None, None, run.history,
+                                   rotated[:, first_heads:last_heads], None, plan, scaling, softcap, False, 0, 0,
+                                   partial_out, partial_lse, run.stop - run.start, launch,
+                                   launch_dependents=dependent, wait_for_rotation=wait, history_start=history_start,
+                                   history_only=True, head_offset=first_heads, partial_heads=q_heads)
+        if dependent:  # beside the last history launch's tail; the merge then waits for both
+            dense_tiers()
+        merge_splits(partial_out, partial_lse, plan.total_splits, out, "blhd", value_rotation, plan.dense_splits,
+                     kv_heads, None, after_stage1=dependent)
+
+    def _supported_split(self, query, keys, values, split: HeadSplitTensors) -> bool:
+        """Whether `_run_split` serves a decode call over this split history (else it runs run by run)."""
+        return all(r.history is not None and self._supported(query, keys, values, None, r.history)
+                   for r in split.runs)
+
     def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
             return False
@@ -331,3 +403,15 @@ class TritonBackend(ReferenceBackend):
             return False
         return True
 
+
+
+def _history_key(history) -> tuple | None:
+    """What a replayed call's key records of its history: every buffer's layout and the settings (per run of a
+    split history)."""
+    if history is None:
+        return None
+    if isinstance(history, HeadSplitTensors):
+        return tuple((run.start, run.stop, _history_key(run.history)) for run in history.runs)
+    h = history
+    return (layout(h.keys), layout(h.values), layout(h.key_scale_zero), layout(h.value_scale_zero), h.length, h.bits,
+            layout(h.length_ptr))

@@ -377,7 +377,7 @@ def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.cons
 
 
 @triton.jit(do_not_specialize=["Ld", "N", "gap_start", "hist_col0", "dense_splits", "dense_split_len",
-                                "hist_split_len", "total_splits"])
+                                "hist_split_len", "total_splits", "head0", "Hq_all"])
 def _attention_partials_kernel(
     q_ptr, sqb, sqh, sql,
     qr_ptr, srb, srh, srl,
@@ -387,26 +387,28 @@ def _attention_partials_kernel(
     m_ptr, smb, sml, smc,
     o_ptr, lse_ptr, n_ptr, ds_ptr, ld_ptr, hs_ptr,
     Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
-    scaling, softcap,
+    head0, Hq_all, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
     HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr, HAS_HIST_START: tl.constexpr,
     BLOCK_N: tl.constexpr, LD_FROM_PTR: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DT: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, ASM_UNPACK: tl.constexpr, SZ_DT: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
     FOLD_K: tl.constexpr, WAIT_ROTATION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    WAIT_AT_END: tl.constexpr = False,
+    WAIT_AT_END: tl.constexpr = False, HISTORY_ONLY: tl.constexpr = False,
 ):
     if LAUNCH_DEPENDENTS:  # the merge (launched as a programmatic dependent) may start its prologue now
         gdc_launch_dependents()
     split = tl.program_id(0)
+    if HISTORY_ONLY:  # the grid covers the history splits alone
+        split += dense_splits
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = tl.program_id(2) // Hkv
     kvh = tl.program_id(2) % Hkv
     row_ok = rows < G * Lq
     qi = tl.minimum(rows // G, Lq - 1)  # padding rows repeat the last query (computed, never stored)
     h = kvh * G + rows % G
-    Hq = Hkv * G
-    part = ((b * Hq + h).to(tl.int64) * Lq + qi) * total_splits + split
+    # the partial rows of this launch's query heads: heads [head0, head0 + Hkv * G) of Hq_all
+    part = ((b * Hq_all + head0 + h).to(tl.int64) * Lq + qi) * total_splits + split
     o_rows = o_ptr + part * D
     lse_rows = lse_ptr + part
     if N_FROM_PTR:
@@ -506,6 +508,9 @@ def attention_partials(
     overlap_prior: bool = False,
     dense_length: torch.Tensor | None = None,
     history_start: torch.Tensor | None = None,
+    history_only: bool = False,
+    head_offset: int = 0,
+    partial_heads: int | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
@@ -522,7 +527,11 @@ def attention_partials(
     call's inputs (the CUDA history kernel): the dense programs run beside its tail, then wait for it to finish, so
     that a dependent merge queued after them sees both kernels' partials. `dense_length` (int32 `[1]`, optional):
     only the first `dense_length` dense rows are keys (read on the device; the splits are cut for all of them).
-    `history_start` (int32 `[B]`, optional): row b skips its first `history_start[b]` history rows (left padding)."""
+    `history_start` (int32 `[B]`, optional): row b skips its first `history_start[b]` history rows (left padding).
+    `history_only`: launch the history splits alone (the BF16 tiers' come from another launch). `head_offset` /
+    `partial_heads`: this call's query heads are heads `[head_offset, head_offset + Hq)` of partial buffers laid
+    out for `partial_heads` query heads (default: Hq, offset 0): one run of KV heads of a split history
+    (`kernels.interface.HeadSplitTensors`), whose other runs other launches write."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -566,7 +575,12 @@ def attention_partials(
         raise RuntimeError("a CUDA graph cannot capture a mask over the history: its width would stay the captured "
                            "length while the history grows")
     n_ptr = history.length_ptr if n_from_ptr else partial_lse
-    grid = (plan.dense_splits if dense_only else plan.total_splits, plan.row_blocks, batch * kv_heads)
+    if dense_only and history_only:
+        raise ValueError("dense_only and history_only exclude each other")
+    splits = plan.dense_splits if dense_only else plan.history_splits if history_only else plan.total_splits
+    grid = (splits, plan.row_blocks, batch * kv_heads)
+    if splits == 0:
+        return
     with launch_device(query):
         _attention_partials_kernel[grid](
             query, query.stride(0), query.stride(1), query.stride(2),
@@ -580,6 +594,7 @@ def attention_partials(
             partial_lse if dense_length is None else dense_length,
             partial_lse if history_start is None else history_start, q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
             plan.dense_split_len, plan.history_split_len, plan.total_splits,
+            head_offset, q_heads if partial_heads is None else partial_heads,
             scaling, 1.0 if softcap is None else softcap,
             D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
             HAS_DENSE_START=dense_start is not None, HAS_HIST_START=history_start is not None and hist_len > 0,
@@ -591,6 +606,7 @@ def attention_partials(
             SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
             FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
             WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents, WAIT_AT_END=overlap_prior,
+            HISTORY_ONLY=history_only,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
             **(dict(launch_pdl=True) if wait_for_rotation or overlap_prior else {}),
