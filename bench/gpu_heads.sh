@@ -12,7 +12,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 if [[ $2 == tests ]]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2  # oscar_hf.calibrate is mapped, not on PYTHONPATH
   python3 -m pytest -q -rs --tb=short tests/test_head_precision.py tests/test_kernels_cache.py tests/test_kernels_compact.py \
-    tests/test_kernels_cuda_history.py 2>&1 | tail -25 | tee "$out/tests.log"
+    tests/test_kernels_cuda_history.py tests/test_kernels_head_split.py tests/test_compiled_decode.py 2>&1 | tail -25 | tee "$out/tests.log"
   python3 -m bench.head_split --out "$out/head_split.json" 2>&1 | tee "$out/head_split.log"
 fi
 if [[ $2 == attention ]]; then
