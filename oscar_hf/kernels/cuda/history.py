@@ -78,8 +78,8 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
 # out, lse, length pointer, 9 ints (length ... split multiple), the query scale, the first query head of the call
-# in the partial buffers and their query heads
-ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F, _I, _I]
+# in the partial buffers and their query heads, whether to wait for the kernel before only at the end
+ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F, _I, _I, _I]
 
 
 def stage_bytes(dim: int) -> int:
@@ -186,14 +186,17 @@ def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor,
                      config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False,
-                     head_offset: int = 0, partial_heads: int | None = None) -> None:
+                     head_offset: int = 0, partial_heads: int | None = None, beside: bool = False) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
     `kernels.triton.stage1.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
     `history` an `kernels.interface.HistoryTensors` that `history_kernel_supports`. `dependent`: launch as a
     programmatic dependent of the kernel queued just before (`rotate_query(launch_dependents=True)`, which wrote
     `rotated_query`): the programs start staging codes at once and wait for it before reading the query.
     `head_offset` / `partial_heads`: the call's query heads are heads `[head_offset, head_offset + Hq)` of partial
-    buffers laid out for `partial_heads` (default: Hq, offset 0), as `attention_partials` takes them."""
+    buffers laid out for `partial_heads` (default: Hq, offset 0), as `attention_partials` takes them. `beside`:
+    launch as a programmatic dependent of a kernel queued just before that writes none of this call's inputs (the
+    history splits of another run of KV heads): the programs run beside it and wait for it only before they
+    finish, so that a dependent queued after this call sees both kernels' partials."""
     batch, q_heads, q_len, dim = rotated_query.shape
     if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
@@ -217,6 +220,9 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
             history.length, groups, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E,
-            head_offset, q_heads if partial_heads is None else partial_heads]
+            head_offset, q_heads if partial_heads is None else partial_heads, int(beside)]
+    if dependent and beside:
+        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
+                         "(beside), not both")
     with launch_device(rotated_query):
-        kernel((plan.history_splits, batch * kv_heads), args, dependent)
+        kernel((plan.history_splits, batch * kv_heads), args, dependent or beside)

@@ -528,7 +528,8 @@ __device__ void history_partials(
     const Pair* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
     int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
-    int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads) {
+    int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads,
+    int wait_at_end) {
     constexpr int QW = D / 4;   // features per plane (bytes per token row)
     constexpr int KW = D / 64;  // key words per lane and token; also k-steps per plane
     constexpr int KB = 4 * KW;
@@ -599,8 +600,10 @@ __device__ void history_partials(
     for (int k = 0; k < STAGES - 1; ++k) stage_tile(k);
 #if __CUDA_ARCH__ >= 900
     // launched as a programmatic dependent of the query rotation: its output is read from here on (the codes
-    // above were written by kernels that finished before the rotation started)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // above were written by kernels that finished before the rotation started). With `wait_at_end`, the kernel
+    // before it wrote nothing it reads (another run's history splits): it runs beside it, and waits for it only
+    // before finishing, so that a dependent queued after it sees both kernels' partials.
+    if (!wait_at_end) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     // rotated query (the MMA's B, `QueryFragments`; k = permuted features), scaled and rounded to float16
     QueryFragments<D, ROWS> qb;
@@ -718,6 +721,9 @@ __device__ void history_partials(
             }
         }
     }
+#if __CUDA_ARCH__ >= 900
+    if (wait_at_end) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // Kernels per head_dim, query rows and pair format: float16 pairs (u32) or compact one-byte codes (`_compact`)
@@ -727,11 +733,11 @@ __device__ void history_partials(
         const PAIR_T* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,             \
         const PAIR_T* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,     \
         int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,                 \
-        int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads) {                  \
+        int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads, int wait_at_end) { \
         history_partials<D, ROWS, PAIR_T>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
                                   value_codes, svb, svh, value_sz, swb, swh, out, lse, length_ptr, length,      \
                                   groups, kv_heads, q_len, dense_splits, split_len, total_splits,              \
-                                  length_from_ptr, split_multiple, q_scale, head0, partial_heads);              \
+                                  length_from_ptr, split_multiple, q_scale, head0, partial_heads, wait_at_end); \
     }
 
 HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4, u32)

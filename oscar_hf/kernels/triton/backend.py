@@ -286,7 +286,12 @@ class TritonBackend(ReferenceBackend):
         """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
         rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and one history launch
         per run (the CUDA kernel for the runs it takes, Triton's for the others) into the same partial buffers, all
-        cut by one plan, so that every run's splits line up for the merge."""
+        cut by one plan sized for the whole layer, so that every run's splits line up for the merge.
+
+        Where launches can be programmatic dependents (Hopper+), the BF16 tiers' launch follows the rotation as an
+        ordinary launch (so the rotated query is complete when it starts), and each run's history launch is queued
+        as a dependent of the launch before it that runs beside it and waits for it only before finishing: the
+        runs share the GPU as one wave would, and the merge, a dependent of the last, sees every partial."""
         batch, q_heads, q_len, dim = query.shape
         kv_heads = keys.shape[1]
         groups = q_heads // kv_heads
@@ -304,36 +309,28 @@ class TritonBackend(ReferenceBackend):
         partial_out, partial_lse, rotation_scratch = self._workspace(query.device, rows * dim, rows, query.numel())
         dependent = dependent_launch(query.device)
         rotated = rotation_scratch[: query.numel()].view(query.shape)
-
-        def dense_tiers():
-            attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0,
-                               partial_out, partial_lse, kv_heads, launch, dense_start, dense_only=True,
-                               launch_dependents=dependent, overlap_prior=dependent, dense_length=dense_length)
-
-        if not dependent:
-            dense_tiers()
-        rotating = key_rotation is not None
-        if rotating:
-            rotate_query(query, key_rotation, rotated, launch_dependents=dependent)
+        if key_rotation is not None:
+            rotate_query(query, key_rotation, rotated)
         else:
             rotated.copy_(query)
+        attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0, partial_out,
+                           partial_lse, kv_heads, launch, dense_start, dense_only=True, launch_dependents=dependent,
+                           dense_length=dense_length)
         for i, (run, on_cuda) in enumerate(zip(split.runs, cuda)):
-            # the first history launch waits for the rotation as its dependent; the others follow in stream order
             first_heads, last_heads = run.start * groups, run.stop * groups
-            wait = dependent and rotating and i == 0
+            # beside the launch before; not beside the rotation, whose output it reads
+            beside = dependent and (i > 0 or plan.dense_splits > 0)
             if on_cuda:
                 cuda_history.history_partials(rotated[:, first_heads:last_heads], run.history, plan, scaling,
                                               run.stop - run.start, partial_out, partial_lse,
-                                              self.cuda_history_config, dependent=wait, head_offset=first_heads,
-                                              partial_heads=q_heads)
+                                              self.cuda_history_config, head_offset=first_heads,
+                                              partial_heads=q_heads, beside=beside)
             else:
                 attention_partials(query[:, first_heads:last_heads], None, None, run.history,
                                    rotated[:, first_heads:last_heads], None, plan, scaling, softcap, False, 0, 0,
                                    partial_out, partial_lse, run.stop - run.start, launch,
-                                   launch_dependents=dependent, wait_for_rotation=wait, history_start=history_start,
+                                   launch_dependents=dependent, overlap_prior=beside, history_start=history_start,
                                    history_only=True, head_offset=first_heads, partial_heads=q_heads)
-        if dependent:  # beside the last history launch's tail; the merge then waits for both
-            dense_tiers()
         merge_splits(partial_out, partial_lse, plan.total_splits, out, "blhd", value_rotation, plan.dense_splits,
                      kv_heads, None, after_stage1=dependent)
 

@@ -430,8 +430,6 @@ def _attention_partials_kernel(
             b, kvh, h, qi, row_ok, lo, hi, first_key, Lq, Ld, gap_start, N, scaling, softcap,
             D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, IS_CAUSAL, HAS_SOFTCAP, UPCAST_DOTS)
         _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
-        if WAIT_AT_END:  # a dependent of the kernel before it: finish no earlier than it (the merge waits on this one)
-            gdc_wait()
     else:
         if WAIT_ROTATION:  # launched as a dependent of the query rotation: its output is read from here on
             gdc_wait()
@@ -470,6 +468,8 @@ def _attention_partials_kernel(
                 b, kvh, h, qi, row_ok, lo, hi, 0, Lq, N, 0, hist_col0, scaling, softcap,
                 D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_BOOL, False, HAS_SOFTCAP, UPCAST_DOTS)
             _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, 0, D, True)
+    if WAIT_AT_END:  # a dependent of a kernel that writes none of its inputs: finish no earlier than it (a merge
+        gdc_wait()  # queued after this kernel waits for this one only)
 
 
 # Triton's interpreter multiplies bfloat16 dot operands as raw integers: there, the dense tier's dots run on
@@ -525,7 +525,8 @@ def attention_partials(
     `cuda_history.history_partials`, writes the history splits of the same buffers). `overlap_prior` (with
     `dense_only`): launch as a programmatic dependent of the kernel queued just before, which writes none of this
     call's inputs (the CUDA history kernel): the dense programs run beside its tail, then wait for it to finish, so
-    that a dependent merge queued after them sees both kernels' partials. `dense_length` (int32 `[1]`, optional):
+    that a dependent merge queued after them sees both kernels' partials (with `history_only` the same, beside
+    another run's history launch). `dense_length` (int32 `[1]`, optional):
     only the first `dense_length` dense rows are keys (read on the device; the splits are cut for all of them).
     `history_start` (int32 `[B]`, optional): row b skips its first `history_start[b]` history rows (left padding).
     `history_only`: launch the history splits alone (the BF16 tiers' come from another launch). `head_offset` /
