@@ -28,6 +28,7 @@ from bench import harness
 from bench.harness import graphed
 from oscar_hf import OscarCache
 from oscar_hf.kernels.cuda import history as cuda_history
+from oscar_hf.kernels.triton.backend import TritonBackend
 from oscar_hf.rotations.rotations import Rotations
 
 FORMAT = dict(scale_dtype="compact", encoder="sigma", key_clip_ratio=None, value_clip_ratio=None)
@@ -43,7 +44,7 @@ def layer_config():
                                     num_hidden_layers=1, intermediate_size=128, vocab_size=128)
 
 
-def time_variant(heads, row_format: dict, batch: int, context: int) -> dict:
+def time_variant(heads, row_format: dict, batch: int, context: int, split_waves: int | None = None) -> dict:
     config = layer_config()
     options = dict(row_format)
     rotations = "hadamard"
@@ -55,7 +56,8 @@ def time_variant(heads, row_format: dict, batch: int, context: int) -> dict:
         options["high_precision_layers"] = (0,)
     elif heads:
         options["high_precision_heads"] = tuple((0, h) for h in heads)
-    cache = OscarCache(config, rotations=rotations, **options)
+    backend = TritonBackend(split_waves=split_waves) if split_waves else None
+    cache = OscarCache(config, rotations=rotations, backend=backend, **options)
 
     harness.fill_layers(cache, batch, config.num_key_value_heads, config.head_dim, context)
     layer = cache.layers[0]
@@ -80,6 +82,8 @@ def main() -> int:
     p.add_argument("--contexts", default="100000")
     p.add_argument("--batches", default="8")
     p.add_argument("--out", default=None)
+    p.add_argument("--split-waves", type=lambda text: [int(x) for x in text.split(",")], default=[],
+                   help="also time the split layers with TritonBackend(split_waves=...) for each of these")
     args = p.parse_args()
     rows = []
     print("| context / batch | layer | history MB | CUDA runs | ms | target ms | within |", flush=True)
@@ -87,9 +91,12 @@ def main() -> int:
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             base = None
-            for label, heads, row_format in VARIANTS:
+            variants = [(label, heads, row_format, None) for label, heads, row_format in VARIANTS]
+            variants += [(f"{label}, split_waves={waves}", heads, row_format, waves) for waves in args.split_waves
+                         for label, heads, row_format in VARIANTS if heads and heads != "all"]
+            for label, heads, row_format, waves in variants:
                 row = dict(context=context, batch=batch, layer=label,
-                           **time_variant(heads, row_format, batch, context))
+                           **time_variant(heads, row_format, batch, context, waves))
                 base = base or row
                 row["target_ms"] = 1.15 * base["ms"] * row["history_bytes"] / base["history_bytes"]
                 rows.append(row)

@@ -53,6 +53,9 @@ class TritonBackend(ReferenceBackend):
         cuda_history: use the CUDA history kernel where a call qualifies; `cuda_history_config` its compile-time
             shape and the smallest history it takes.
         eager_graphs: replay an eager decode step's kernels from a CUDA graph (`eager_decode_attention`).
+        split_waves: a layer split by KV heads cuts its history for this many waves of the CUDA kernel's programs
+            (`_run_split`): its runs' launches share one plan, and more, shorter splits let the wider runs' longer
+            programs start first and finish among the others instead of after them.
     """
 
     name = "triton"
@@ -62,7 +65,7 @@ class TritonBackend(ReferenceBackend):
                  min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
                  cuda_history: bool = True,
                  cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig(),
-                 eager_graphs: bool = True):
+                 eager_graphs: bool = True, split_waves: int = 4):
         super().__init__(history_chunk=history_chunk)
         self.launch = launch
         self.target_programs = target_programs
@@ -72,6 +75,9 @@ class TritonBackend(ReferenceBackend):
         self.cuda_history_config = cuda_history_config
         self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.graphs = GraphReplay() if eager_graphs else None
+        if split_waves < 1:
+            raise ValueError(f"split_waves={split_waves}: expected a whole number of waves >= 1")
+        self.split_waves = split_waves
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None:
@@ -211,7 +217,7 @@ class TritonBackend(ReferenceBackend):
     def _settings(self) -> tuple:
         """The constructor settings a launch depends on (part of a replayed call's key)."""
         return (self.launch, self.target_programs, self.min_dense_tokens, self.min_history_tokens,
-                self.cuda_history, self.cuda_history_config)
+                self.cuda_history, self.cuda_history_config, self.split_waves)
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor `tiered_attention` writes every element of (uninitialized)."""
@@ -302,9 +308,10 @@ class TritonBackend(ReferenceBackend):
                                                                  r.history, None, softcap, r.stop - r.start,
                                                                  hist_len)
                 for r in split.runs]
-        if any(cuda):  # whole tiles filling a wave of the CUDA kernel's programs over the whole layer
+        if any(cuda):  # whole tiles filling `split_waves` waves of the CUDA kernel's programs over the layer
             plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
-                                             self._cuda_slots(query.device, dim), self.cuda_history_config)
+                                             self.split_waves * self._cuda_slots(query.device, dim),
+                                             self.cuda_history_config)
         rows = batch * q_heads * q_len * plan.total_splits
         partial_out, partial_lse, rotation_scratch = self._workspace(query.device, rows * dim, rows, query.numel())
         dependent = dependent_launch(query.device)
@@ -316,7 +323,9 @@ class TritonBackend(ReferenceBackend):
         attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0, partial_out,
                            partial_lse, kv_heads, launch, dense_start, dense_only=True, launch_dependents=dependent,
                            dense_length=dense_length)
-        for i, (run, on_cuda) in enumerate(zip(split.runs, cuda)):
+        # the widest runs first: their programs are the longest, and the GPU starts programs in launch order
+        order = sorted(range(len(split.runs)), key=lambda i: -split.runs[i].history.bits)
+        for i, (run, on_cuda) in enumerate((split.runs[j], cuda[j]) for j in order):
             first_heads, last_heads = run.start * groups, run.stop * groups
             # beside the launch before; not beside the rotation, whose output it reads
             beside = dependent and (i > 0 or plan.dense_splits > 0)
