@@ -8,10 +8,10 @@ python -m experiments.retrieval.frontier docs/results/levers/levers.jsonl --out 
   "Hadamard only=2.5=$R/needles-cpu-hadamard/needles.json=quarot" \
   "next per layer, calibrated=2.45=$R/needles-cpu-next-calibrated/needles.json=oscar-next" \
   "next per layer, Hadamard=2.45=$R/needles-cpu-next-hadamard/needles.json=oscar-next" \
-  "next calibrated=2.45=$R/needles-cpu-next-heads-calibrated/needles.json=oscar-next" \
-  "next Hadamard=2.45=$R/needles-cpu-next-heads-hadamard/needles.json=oscar-next" \
-  "next Hadamard, keys smoothed=2.45=$R/needles-cpu-next-smoothed-hadamard/needles.json=oscar-next" \
-  "next calibrated, keys smoothed=2.45=$R/needles-cpu-next-smoothed-calibrated/needles.json=oscar-next" \
+  "next calibrated=2.475=$R/needles-cpu-next-f16-4bit-calibrated/needles.json=oscar-next" \
+  "next Hadamard=2.475=$R/needles-cpu-next-f16-4bit-hadamard/needles.json=oscar-next" \
+  "next Hadamard, keys smoothed=2.475=$R/needles-cpu-next-f16-4bit-smoothed-hadamard/needles.json=oscar-next" \
+  "next calibrated, keys smoothed=2.475=$R/needles-cpu-next-f16-4bit-smoothed-calibrated/needles.json=oscar-next" \
   "hifi calibrated=2.9=$R/needles-cpu-hifi-calibrated/needles.json=oscar-hifi" \
   "hifi Hadamard=2.9=$R/needles-cpu-hifi-hadamard-generated-ranking/needles.json=oscar-hifi" \
   "hifi Hadamard, sentence ranking=2.9=$R/needles-cpu-hifi-hadamard/needles.json=oscar-hifi" \
