@@ -28,7 +28,10 @@ from oscar_hf.eval.assets import CALIBRATION_PLAYS
 from oscar_hf.rotations.io import SAFETENSORS_NAME
 from oscar_hf.rotations.rotations import Rotations
 
-DEFAULT_TOKENS = 2048  # of the first calibration play: the statistics settle well before (docs/retrieval.md)
+# of the first calibration play. Most scales settle by then, but those of slow RoPE channels keep moving with the
+# length (the rotation shares a pair's energy between its two channels only over enough positions), so longer text
+# suits longer contexts (docs/retrieval.md, "How much text the scales need")
+DEFAULT_TOKENS = 2048
 FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
 
 
