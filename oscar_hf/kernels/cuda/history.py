@@ -198,6 +198,9 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     history splits of another run of KV heads): the programs run beside it and wait for it only before they
     finish, so that a dependent queued after this call sees both kernels' partials."""
     batch, q_heads, q_len, dim = rotated_query.shape
+    if dependent and beside:
+        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
+                         "(beside), not both")
     if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
     if plan.block_n_history % TILE or plan.history_split_len % TILE:
@@ -221,8 +224,5 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             history.length, groups, kv_heads, q_len, plan.dense_splits,
             plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E,
             head_offset, q_heads if partial_heads is None else partial_heads, int(beside)]
-    if dependent and beside:
-        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
-                         "(beside), not both")
     with launch_device(rotated_query):
         kernel((plan.history_splits, batch * kv_heads), args, dependent or beside)

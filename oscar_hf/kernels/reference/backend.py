@@ -90,10 +90,10 @@ class ReferenceBackend:
         """One query per row over the first `dense_length` rows of `keys`/`values` (row b from `dense_start[b]`)
         and the first `history.length_ptr` history rows (row b from `history_start[b]`; `kernels.interface`);
         reads the lengths on the host. A split history (`HeadSplitTensors`) is read run by run."""
-        refuse_capture(query, "decode step's attention")
-        if isinstance(history, HeadSplitTensors):
+        if isinstance(history, HeadSplitTensors):  # each run's call refuses a capture it cannot serve
             return decode_by_runs(self.decode_attention, query, keys, values, dense_length, dense_start, history,
                                   key_rotation, value_rotation, scaling, softcap, history_start)
+        refuse_capture(query, "decode step's attention")
         dense = int(dense_length)
         if history is not None:
             length = int(history.length_ptr)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from oscar_hf.kernels.cuda import history as cuda_history
-from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, decode_by_runs, kernel_head_dim
+from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.kernels.reference.quantize import COMPACT
 from oscar_hf.kernels.replay import GraphReplay, layout
@@ -175,20 +175,15 @@ class TritonBackend(ReferenceBackend):
         """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
         for the buffers' capacities and the kernels read the lengths, so nothing synchronizes the host. A split
         history (`HeadSplitTensors`) is served in one call (`_run_split`)."""
-        if isinstance(history, HeadSplitTensors):
-            if not self._supported_split(query, keys, values, history):
-                return decode_by_runs(self.decode_attention, query, keys, values, dense_length, dense_start,
-                                      history, key_rotation, value_rotation, scaling, softcap, history_start)
-            out = self.new_output((query.shape[0], query.shape[2], query.shape[1], query.shape[3]), query.dtype,
-                                  query.device)
-            self._run_split(query, keys, values, history, key_rotation, value_rotation, scaling, softcap, out,
-                            dense_start, dense_length, history_start)
-            return out
-        if not self._supported(query, keys, values, None, history):
+        if not self._decode_supported(query, keys, values, history):  # split histories then go run by run
             return super().decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
                                             value_rotation, scaling, softcap, history_start)
         batch, q_heads, q_len, dim = query.shape
         out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
+        if isinstance(history, HeadSplitTensors):
+            self._run_split(query, keys, values, history, key_rotation, value_rotation, scaling, softcap, out,
+                            dense_start, dense_length, history_start)
+            return out
         self._run(query, keys, values, history, key_rotation, value_rotation if history is not None else None, None,
                   scaling, softcap, causal=False, gap_start=0, hist_col0=0, kv_heads=keys.shape[1], out=out,
                   out_layout="blhd", lse_out=None, dense_start=dense_start, dense_length=dense_length,
@@ -200,9 +195,7 @@ class TritonBackend(ReferenceBackend):
         """`decode_attention` for an eager step: on CUDA its kernels are captured once per layout (the second call
         with it) and replayed from the CUDA graph after that (`kernels.replay`), one launch for the host instead of
         four. The key names every tensor's layout and address and every setting the launches depend on."""
-        supported = (self._supported_split(query, keys, values, history) if isinstance(history, HeadSplitTensors)
-                     else self._supported(query, keys, values, None, history))
-        if self.graphs is None or not query.is_cuda or not supported:
+        if self.graphs is None or not query.is_cuda or not self._decode_supported(query, keys, values, history):
             return self.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
                                          value_rotation, scaling, softcap, history_start)
         key = (layout(keys), layout(values), layout(dense_length), layout(dense_start), layout(history_start),
@@ -343,10 +336,13 @@ class TritonBackend(ReferenceBackend):
         merge_splits(partial_out, partial_lse, plan.total_splits, out, "blhd", value_rotation, plan.dense_splits,
                      kv_heads, None, after_stage1=dependent)
 
-    def _supported_split(self, query, keys, values, split: HeadSplitTensors) -> bool:
-        """Whether `_run_split` serves a decode call over this split history (else it runs run by run)."""
-        return all(r.history is not None and self._supported(query, keys, values, None, r.history)
-                   for r in split.runs)
+    def _decode_supported(self, query, keys, values, history) -> bool:
+        """Whether the kernels serve a decode call over `history` (a split one in one call, `_run_split`), else
+        the reference does (a split history then run by run)."""
+        if isinstance(history, HeadSplitTensors):
+            return all(r.history is not None and self._supported(query, keys, values, None, r.history)
+                       for r in history.runs)
+        return self._supported(query, keys, values, None, history)
 
     def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
@@ -408,7 +404,6 @@ class TritonBackend(ReferenceBackend):
         if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.stride(-1) != 1):
             return False
         return True
-
 
 
 def _history_key(history) -> tuple | None:
