@@ -23,6 +23,7 @@ from oscar_hf.eval.assets import load_model, play_tokens
 from oscar_hf.eval.cli_options import (
     add_logging_argument,
     add_model_arguments,
+    add_oscar_options_argument,
     add_progress_argument,
     configure_logging,
     resolve_device,
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    help="rotations for oscar, oscar4, oscar-hifi and oscar-next (the last two need a retrieval "
                         "ranking)")
     p.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
+    add_oscar_options_argument(p)
     add_progress_argument(p)
     add_logging_argument(p)
     return p
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     configure_logging(args.verbosity)
-    options = {} if args.encoder == "minmax" else {"encoder": args.encoder}
+    options = dict(args.oscar_options) if args.encoder == "minmax" else {**args.oscar_options, "encoder": args.encoder}
     try:
         methods = [m for m in select_methods(args.methods, args.rotations, **options) if m.name != REFERENCE]
     except ValueError as error:

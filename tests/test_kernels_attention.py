@@ -388,6 +388,27 @@ def test_split_plan_shortens_splits_only_below_min_programs():
         assert plan.history_split_len >= 512
 
 
+def test_run_plans_share_a_layers_programs_by_bytes():
+    """A layer of 8 KV heads at 100k tokens, one of them at 4 bits (twice a 2-bit row's bytes): the 4-bit run's
+    programs read as many bytes as the others' (twice the splits, half as long), the layer keeps about its
+    programs, every run covers every token once, and the partial rows hold the most splits any run takes."""
+    from oscar_hf.kernels.triton.launch_plan import plan_runs, plan_splits
+
+    plan = plan_splits(8, 8, 4, 330, 100_000, 2112, block_n_history=64)
+    heads, row_bytes = (1, 1, 6), (34, 68, 34)
+    plans, partial_splits = plan_runs(plan, 100_000, heads, row_bytes, 128)
+    narrow, wide = plans[0].history_splits, plans[1].history_splits
+    assert plans[2] == plans[0] and abs(wide - 2 * narrow) <= 1
+    assert abs(sum(h * p.history_splits for h, p in zip(heads, plans)) - 8 * plan.history_splits) <= 8
+    for p in plans:
+        assert p.history_split_len % 64 == 0 and p.dense_splits == plan.dense_splits
+        assert p.history_splits * p.history_split_len >= 100_000 > (p.history_splits - 1) * p.history_split_len
+    assert partial_splits == plan.dense_splits + wide
+    capped, _ = plan_runs(plan, 100_000, heads, row_bytes, narrow)  # no run beyond max_splits
+    assert max(p.history_splits for p in capped) <= narrow
+    assert plan_runs(plan, 100_000, (8,), (34,), 128) == ((plan,), plan.total_splits)  # one run: the layer's plan
+
+
 def test_backend_takes_the_history_split_minimum_from_its_launch():
     from oscar_hf.kernels.triton.launch_plan import default_launch
 

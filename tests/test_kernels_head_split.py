@@ -34,7 +34,8 @@ from oscar_hf.kernels.triton import backend as triton_backend  # noqa: E402
 from conftest import poisoned_output_backend  # noqa: E402
 
 BATCH, KV_HEADS, GROUPS, DIM = (3, 8, 4, 128) if ON_GPU else (2, 4, 2, 64)
-HISTORY, DENSE = (40000, 330) if ON_GPU else (150, 40)  # GPU: every 2-bit run above the CUDA kernel's minimum
+# GPU: every 2-bit run above the CUDA kernel's minimum; CPU: long enough for the 4-bit runs to take more splits
+HISTORY, DENSE = (40000, 330) if ON_GPU else (600, 40)
 TOLERANCE = 1.5e-2  # bfloat16 decode over the BF16 tiers and the history (`test_kernels_compact`'s "dense")
 REFERENCE_OPS = ("dense_attention", "history_attention", "tiered_attention", "decode_attention")
 
@@ -86,10 +87,14 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
                          *rotations, scaling, None, history_start)
 
     launches = Counter()
+    run_splits = {}  # code width -> the history splits its runs' launches were cut into
 
     def counting(name, fn, kind=None):
         def wrapped(*args, **kwargs):
             launches[name if kind is None else kind(*args, **kwargs)] += 1
+            if name == "cuda" or kwargs.get("history_only"):
+                history, plan = (args[1], args[2]) if name == "cuda" else (args[3], args[6])
+                run_splits.setdefault(history.bits, set()).add(plan.history_splits)
             return fn(*args, **kwargs)
         return wrapped
 
@@ -114,6 +119,8 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
     assert launches["history"] + launches["cuda"] == runs and "whole" not in launches
     if ON_GPU and not padded and cuda_history.available(cuda_history.device_index(DEVICE)):
         assert launches["cuda"] == runs - len(high_heads), "the 2-bit runs go to the CUDA history kernel"
+    # the layer's programs shared by bytes: a 4-bit row is twice a 2-bit one's bytes, so its run takes more splits
+    assert len(run_splits[2]) == len(run_splits[4]) == 1 and min(run_splits[4]) > max(run_splits[2]), run_splits
 
 
 def test_split_histories_go_whole_only_to_backends_that_take_them():

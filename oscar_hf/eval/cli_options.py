@@ -16,6 +16,7 @@ rows that are not presets (`bf16`, `oscar4`, the peer caches); `oscar_hf.eval.di
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -48,6 +49,22 @@ def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                             help="model dtype (default: float32; auto: the checkpoint's)")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:1, ... (default: cuda when a GPU is visible, else cpu)")
+
+
+def add_oscar_options_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--oscar-options`: OscarConfig fields for every OSCAR method, as a JSON object."""
+    parser.add_argument("--oscar-options", type=_json_object, default={},
+                        help='OscarConfig fields for every OSCAR row, as JSON (e.g. \'{"recent_tokens": 128}\')')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of OscarConfig fields, got {text!r}")
+    return value
 
 
 def add_progress_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

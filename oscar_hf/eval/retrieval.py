@@ -26,6 +26,7 @@ from oscar_hf.eval.assets import load_model
 from oscar_hf.eval.cli_options import (
     add_logging_argument,
     add_model_arguments,
+    add_oscar_options_argument,
     add_progress_argument,
     configure_logging,
     resolve_device,
@@ -161,8 +162,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
                              f"peers ({', '.join(builtin_methods())}; default: "
                              f"{','.join(default_methods())}, with oscar,oscar4 for hadamard,hadamard4 when "
                              "--rotations is given)")
-    parser.add_argument("--oscar-options", type=json.loads, default={},
-                        help='OscarConfig fields for every OSCAR row, as JSON (e.g. \'{"recent_tokens": 128}\')')
+    add_oscar_options_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--no-shared-prefill", action="store_true", help="plain generate (one prefill per method)")

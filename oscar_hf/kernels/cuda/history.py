@@ -77,9 +77,9 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
-# out, lse, length pointer, 9 ints (length ... split multiple), the query scale, the first query head of the call
+# out, lse, length pointer, 10 ints (length ... split multiple), the query scale, the first query head of the call
 # in the partial buffers and their query heads, whether to wait for the kernel before only at the end
-ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 9 + [_F, _I, _I, _I]
+ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 10 + [_F, _I, _I, _I]
 
 
 def stage_bytes(dim: int) -> int:
@@ -186,7 +186,8 @@ def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor,
                      config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False,
-                     head_offset: int = 0, partial_heads: int | None = None, beside: bool = False) -> None:
+                     head_offset: int = 0, partial_heads: int | None = None, beside: bool = False,
+                     partial_splits: int | None = None) -> None:
     """Write the history splits `[plan.dense_splits, plan.total_splits)` of the partial buffers (the layout of
     `kernels.triton.stage1.attention_partials`). `rotated_query` `[B, Hq, Lq, D]` float32 (`query_rotation.rotate_query`);
     `history` an `kernels.interface.HistoryTensors` that `history_kernel_supports`. `dependent`: launch as a
@@ -196,7 +197,9 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     buffers laid out for `partial_heads` (default: Hq, offset 0), as `attention_partials` takes them. `beside`:
     launch as a programmatic dependent of a kernel queued just before that writes none of this call's inputs (the
     history splits of another run of KV heads): the programs run beside it and wait for it only before they
-    finish, so that a dependent queued after this call sees both kernels' partials."""
+    finish, so that a dependent queued after this call sees both kernels' partials. `partial_splits`: the partial
+    buffers hold that many splits per row (default: `plan.total_splits`), more than this call's plan cuts when
+    another run of the layer takes more; the launch covers all of them, the ones past the plan's history empty."""
     batch, q_heads, q_len, dim = rotated_query.shape
     if dependent and beside:
         raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
@@ -205,7 +208,11 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
         raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
     if plan.block_n_history % TILE or plan.history_split_len % TILE:
         raise ValueError(f"history splits must be multiples of {TILE} tokens, got {plan.history_split_len}")
-    if plan.history_splits == 0:
+    if partial_splits is None:
+        partial_splits = plan.total_splits
+    elif partial_splits < plan.total_splits:
+        raise ValueError(f"partial_splits={partial_splits} is fewer than the plan's {plan.total_splits} splits")
+    if plan.history_splits == 0 and partial_splits == plan.total_splits:
         return
     keys, values = history.keys, history.values
     pairs = history.key_scale_zero.dtype
@@ -222,7 +229,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
             values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
             partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
             history.length, groups, kv_heads, q_len, plan.dense_splits,
-            plan.history_split_len, plan.total_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E,
+            plan.history_split_len, max(plan.history_splits, 1), partial_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E,
             head_offset, q_heads if partial_heads is None else partial_heads, int(beside)]
     with launch_device(rotated_query):
-        kernel((plan.history_splits, batch * kv_heads), args, dependent or beside)
+        kernel((partial_splits - plan.dense_splits, batch * kv_heads), args, dependent or beside)

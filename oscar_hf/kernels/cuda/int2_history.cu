@@ -527,7 +527,7 @@ __device__ void history_partials(
     const unsigned char* __restrict__ value_codes, int svb, int svh,
     const Pair* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
-    int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len,
+    int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len, int history_splits,
     int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads,
     int wait_at_end) {
     constexpr int QW = D / 4;   // features per plane (bytes per token row)
@@ -546,7 +546,8 @@ __device__ void history_partials(
     const int split = blockIdx.x;
     const int b = blockIdx.y / kv_heads, kvh = blockIdx.y % kv_heads;
     const int rows = groups * q_len;
-    const int history_splits = total_splits - dense_splits;
+    // history_splits: the splits this launch cuts a length read from the device into; its grid may hold more
+    // (the partial rows' splits of a layer whose runs of heads take different counts), which stay empty
     if (length_from_ptr) {
         length = *length_ptr;
         const int per_split = (length + history_splits - 1) / history_splits;
@@ -732,11 +733,13 @@ __device__ void history_partials(
         const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh, \
         const PAIR_T* key_sz, int szb, int szh, const unsigned char* value_codes, int svb, int svh,             \
         const PAIR_T* value_sz, int swb, int swh, float* out, float* lse, const int* length_ptr, int length,     \
-        int groups, int kv_heads, int q_len, int dense_splits, int split_len, int total_splits,                 \
-        int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads, int wait_at_end) { \
+        int groups, int kv_heads, int q_len, int dense_splits, int split_len, int history_splits,               \
+        int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads, \
+        int wait_at_end) {                                                                                       \
         history_partials<D, ROWS, PAIR_T>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
                                   value_codes, svb, svh, value_sz, swb, swh, out, lse, length_ptr, length,      \
-                                  groups, kv_heads, q_len, dense_splits, split_len, total_splits,              \
+                                  groups, kv_heads, q_len, dense_splits, split_len, history_splits,            \
+                                  total_splits,                                                                \
                                   length_from_ptr, split_multiple, q_scale, head0, partial_heads, wait_at_end); \
     }
 

@@ -114,7 +114,7 @@ class Kernel:
                                      attrs=ctypes.pointer(self._attribute))
 
     def __call__(self, grid: tuple[int, int], args: Sequence, dependent: bool = False) -> None:
-        for slot, value in zip(self._slots, args):
+        for slot, value in zip(self._slots, args, strict=True):
             slot.value = value
         config = self._config
         config.grid_x, config.grid_y = grid

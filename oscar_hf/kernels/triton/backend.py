@@ -22,11 +22,18 @@ import torch
 from oscar_hf.kernels.cuda import history as cuda_history
 from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
-from oscar_hf.kernels.reference.quantize import COMPACT
+from oscar_hf.kernels.reference.quantize import COMPACT, row_bytes
 from oscar_hf.kernels.replay import GraphReplay, layout
 from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
 from oscar_hf.kernels.triton.demote import KERNEL_ENCODERS, demote_rows
-from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan, default_launch, plan_splits
+from oscar_hf.kernels.triton.launch_plan import (
+    MAX_SPLITS,
+    LaunchConfig,
+    SplitPlan,
+    default_launch,
+    plan_runs,
+    plan_splits,
+)
 from oscar_hf.kernels.triton.merge import merge_splits
 from oscar_hf.kernels.triton.query_rotation import rotate_query
 from oscar_hf.kernels.triton.stage1 import attention_partials
@@ -284,8 +291,9 @@ class TritonBackend(ReferenceBackend):
                    out, dense_start, dense_length, history_start) -> None:
         """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
         rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and one history launch
-        per run (the CUDA kernel for the runs it takes, Triton's for the others) into the same partial buffers, all
-        cut by one plan sized for the whole layer, so that every run's splits line up for the merge.
+        per run (the CUDA kernel for the runs it takes, Triton's for the others) into the same partial buffers. The
+        layer's history programs are shared among the runs in proportion to their bytes (`plan_runs`): a 4-bit
+        run's splits are half as long as a 2-bit run's, so that all programs take about as long.
 
         Where launches can be programmatic dependents (Hopper+), the BF16 tiers' launch follows the rotation as an
         ordinary launch (so the rotated query is complete when it starts), and each run's history launch is queued
@@ -301,11 +309,16 @@ class TritonBackend(ReferenceBackend):
                                                                  r.history, None, softcap, r.stop - r.start,
                                                                  hist_len)
                 for r in split.runs]
+        max_splits = MAX_SPLITS
         if any(cuda):  # whole tiles filling `split_waves` waves of the CUDA kernel's programs over the layer
             plan = cuda_history.plan_history(plan, hist_len, batch * kv_heads * plan.row_blocks,
                                              self.split_waves * self._cuda_slots(query.device, dim),
                                              self.cuda_history_config)
-        rows = batch * q_heads * q_len * plan.total_splits
+            max_splits = self.cuda_history_config.max_splits
+        run_plans, partial_splits = plan_runs(
+            plan, hist_len, tuple(r.stop - r.start for r in split.runs),
+            tuple(row_bytes(dim, r.history.bits, r.history.key_scale_zero.dtype) for r in split.runs), max_splits)
+        rows = batch * q_heads * q_len * partial_splits
         partial_out, partial_lse, rotation_scratch = self._workspace(query.device, rows * dim, rows, query.numel())
         dependent = dependent_launch(query.device)
         rotated = rotation_scratch[: query.numel()].view(query.shape)
@@ -315,25 +328,27 @@ class TritonBackend(ReferenceBackend):
             rotated.copy_(query)
         attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0, partial_out,
                            partial_lse, kv_heads, launch, dense_start, dense_only=True, launch_dependents=dependent,
-                           dense_length=dense_length)
-        # the widest runs first: their programs are the longest, and the GPU starts programs in launch order
+                           dense_length=dense_length, partial_splits=partial_splits)
+        # the widest runs first: the GPU starts programs in launch order, and theirs are the most
         order = sorted(range(len(split.runs)), key=lambda i: -split.runs[i].history.bits)
-        for i, (run, on_cuda) in enumerate((split.runs[j], cuda[j]) for j in order):
+        for i, j in enumerate(order):
+            run, run_plan = split.runs[j], run_plans[j]
             first_heads, last_heads = run.start * groups, run.stop * groups
             # beside the launch before; not beside the rotation, whose output it reads
             beside = dependent and (i > 0 or plan.dense_splits > 0)
-            if on_cuda:
-                cuda_history.history_partials(rotated[:, first_heads:last_heads], run.history, plan, scaling,
+            if cuda[j]:
+                cuda_history.history_partials(rotated[:, first_heads:last_heads], run.history, run_plan, scaling,
                                               run.stop - run.start, partial_out, partial_lse,
                                               self.cuda_history_config, head_offset=first_heads,
-                                              partial_heads=q_heads, beside=beside)
+                                              partial_heads=q_heads, beside=beside, partial_splits=partial_splits)
             else:
                 attention_partials(query[:, first_heads:last_heads], None, None, run.history,
-                                   rotated[:, first_heads:last_heads], None, plan, scaling, softcap, False, 0, 0,
+                                   rotated[:, first_heads:last_heads], None, run_plan, scaling, softcap, False, 0, 0,
                                    partial_out, partial_lse, run.stop - run.start, launch,
                                    launch_dependents=dependent, overlap_prior=beside, history_start=history_start,
-                                   history_only=True, head_offset=first_heads, partial_heads=q_heads)
-        merge_splits(partial_out, partial_lse, plan.total_splits, out, "blhd", value_rotation, plan.dense_splits,
+                                   history_only=True, head_offset=first_heads, partial_heads=q_heads,
+                                   partial_splits=partial_splits)
+        merge_splits(partial_out, partial_lse, partial_splits, out, "blhd", value_rotation, plan.dense_splits,
                      kv_heads, None, after_stage1=dependent)
 
     def _decode_supported(self, query, keys, values, history) -> bool:

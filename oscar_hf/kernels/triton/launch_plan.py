@@ -8,7 +8,7 @@ call.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
@@ -60,6 +60,9 @@ def default_launch(head_dim: int) -> LaunchConfig:
     return DEFAULT_LAUNCH.get(head_dim, LaunchConfig())
 
 
+MAX_SPLITS = 128  # splits per KV head row of one kind (dense or history) a plan cuts at most
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """How the keys are cut: `dense_splits` splits of `dense_split_len` dense keys, then `history_splits` of
@@ -89,7 +92,7 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
 
 @functools.lru_cache(maxsize=1024)
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
-                min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = 128,
+                min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = MAX_SPLITS,
                 block_n_history: int = BLOCK_N_HISTORY, block_n_dense: int = BLOCK_N_DENSE,
                 small_block_m: int = 16, min_programs: int = 0) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
@@ -115,3 +118,27 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
             min(min_dense_tokens, 2 * block_n_dense), min(min_history_tokens, block_n_history))
     return SplitPlan(block_m, row_blocks, block_n_history, dense_splits, dense_len_each, hist_splits, hist_len_each,
                      block_n_dense)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_runs(plan: SplitPlan, history_len: int, run_heads: tuple[int, ...], run_row_bytes: tuple[int, ...],
+              max_splits: int) -> tuple[tuple[SplitPlan, ...], int]:
+    """Each run's history cut, for a layer whose KV heads are kept as runs of different code widths: `plan`'s
+    history programs (its `history_splits` for every KV head) shared among the runs in proportion to their heads
+    times the bytes of one of their history rows (`run_row_bytes`), so that every program reads about as many
+    bytes and no run's programs outlast the others'. Splits stay whole `plan.block_n_history` tiles, at most
+    `max_splits` per KV head row.
+
+    Returns the runs' plans (the layer's dense splits, their own history splits) and the splits per partial row:
+    the dense splits plus the most history splits any run takes; a run with fewer leaves the rest empty."""
+    if plan.history_splits == 0 or history_len <= 0:
+        return tuple(plan for _ in run_heads), plan.total_splits
+    block = plan.block_n_history
+    programs = plan.history_splits * sum(run_heads)  # per batch row and row block
+    per_byte = programs / sum(h * b for h, b in zip(run_heads, run_row_bytes))
+    plans = []
+    for row_bytes in run_row_bytes:
+        splits = max(1, min(max_splits, triton.cdiv(history_len, block), round(per_byte * row_bytes)))
+        length = triton.cdiv(triton.cdiv(history_len, splits), block) * block
+        plans.append(replace(plan, history_splits=triton.cdiv(history_len, length), history_split_len=length))
+    return tuple(plans), plan.dense_splits + max(p.history_splits for p in plans)

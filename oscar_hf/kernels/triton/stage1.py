@@ -377,7 +377,7 @@ def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.cons
 
 
 @triton.jit(do_not_specialize=["Ld", "N", "gap_start", "hist_col0", "dense_splits", "dense_split_len",
-                                "hist_split_len", "total_splits", "head0", "Hq_all"])
+                                "hist_split_len", "hist_splits", "total_splits", "head0", "Hq_all"])
 def _attention_partials_kernel(
     q_ptr, sqb, sqh, sql,
     qr_ptr, srb, srh, srl,
@@ -386,8 +386,8 @@ def _attention_partials_kernel(
     hv_ptr, shvb, shvh, shvt, hvz_ptr, shwb, shwh, shwt,
     m_ptr, smb, sml, smc,
     o_ptr, lse_ptr, n_ptr, ds_ptr, ld_ptr, hs_ptr,
-    Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, total_splits,
-    head0, Hq_all, scaling, softcap,
+    Lq, Ld, N, G, Hkv, gap_start, hist_col0, dense_splits, dense_split_len, hist_split_len, hist_splits,
+    total_splits, head0, Hq_all, scaling, softcap,
     D: tl.constexpr, BITS: tl.constexpr, HIST_QUANT: tl.constexpr, N_FROM_PTR: tl.constexpr,
     HAS_DENSE_START: tl.constexpr, BLOCK_M: tl.constexpr, HAS_HIST_START: tl.constexpr,
     BLOCK_N: tl.constexpr, LD_FROM_PTR: tl.constexpr, BLOCK_NQ: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
@@ -413,7 +413,7 @@ def _attention_partials_kernel(
     lse_rows = lse_ptr + part
     if N_FROM_PTR:
         N = tl.load(n_ptr)
-        hist_split_len = tl.cdiv(tl.cdiv(N, total_splits - dense_splits), BLOCK_NQ) * BLOCK_NQ
+        hist_split_len = tl.cdiv(tl.cdiv(N, hist_splits), BLOCK_NQ) * BLOCK_NQ
     if LD_FROM_PTR:  # the dense rows in use, of a buffer of `Ld` (a compiled decode step's BF16 tier)
         Ld = tl.load(ld_ptr)
     if split < dense_splits:
@@ -511,6 +511,7 @@ def attention_partials(
     history_only: bool = False,
     head_offset: int = 0,
     partial_heads: int | None = None,
+    partial_splits: int | None = None,
 ) -> None:
     """Launch stage 1. `query` `[B, Hq, Lq, D]`; `keys`/`values` `[B, Hkv, Ld, D]` (dense tier, may be None when
     `plan.dense_splits == 0`); for the history, `rotated_query` `[B, Hq, Lq, D]` (`query @ R_K` in float32 from
@@ -532,7 +533,10 @@ def attention_partials(
     `history_only`: launch the history splits alone (the BF16 tiers' come from another launch). `head_offset` /
     `partial_heads`: this call's query heads are heads `[head_offset, head_offset + Hq)` of partial buffers laid
     out for `partial_heads` query heads (default: Hq, offset 0): one run of KV heads of a split history
-    (`kernels.interface.HeadSplitTensors`), whose other runs other launches write."""
+    (`kernels.interface.HeadSplitTensors`), whose other runs other launches write. `partial_splits` (with
+    `history_only`): the partial buffers hold that many splits per row (default: `plan.total_splits`), more than
+    this run's plan cuts when another run of the layer takes more; the launch covers all of them, and the programs
+    past the plan's history write empty partials (-inf, 0) that the merge ignores."""
     batch, q_heads, q_len, dim = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
@@ -578,7 +582,12 @@ def attention_partials(
     n_ptr = history.length_ptr if n_from_ptr else partial_lse
     if dense_only and history_only:
         raise ValueError("dense_only and history_only exclude each other")
-    splits = plan.dense_splits if dense_only else plan.history_splits if history_only else plan.total_splits
+    if partial_splits is None:
+        partial_splits = plan.total_splits
+    elif partial_splits < plan.total_splits or not (history_only or dense_only):
+        raise ValueError(f"partial_splits={partial_splits} needs dense_only or history_only and at least the "
+                         f"plan's {plan.total_splits} splits")
+    splits = plan.dense_splits if dense_only else partial_splits - plan.dense_splits if history_only else plan.total_splits
     grid = (splits, plan.row_blocks, batch * kv_heads)
     if splits == 0:
         return
@@ -594,7 +603,7 @@ def attention_partials(
             partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
             partial_lse if dense_length is None else dense_length,
             partial_lse if history_start is None else history_start, q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
-            plan.dense_split_len, plan.history_split_len, plan.total_splits,
+            plan.dense_split_len, plan.history_split_len, max(plan.history_splits, 1), partial_splits,
             head_offset, q_heads if partial_heads is None else partial_heads,
             scaling, 1.0 if softcap is None else softcap,
             D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
