@@ -30,7 +30,7 @@ from oscar_hf.eval.cli_options import (
     resolve_dtype,
     timed,
 )
-from oscar_hf.eval.diagnostics.methods import select_methods
+from oscar_hf.eval.diagnostics.methods import ROTATION_METHODS, select_methods
 from oscar_hf.eval.perplexity import compare_caches
 
 logger = logging.get_logger(__name__)
@@ -49,8 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=["none,hadamard,quarot,clip,identity"],
                    help="method names, comma- or space-separated (default: none,hadamard,quarot,clip,identity)")
     p.add_argument("--rotations", default=None,
-                   help="rotations for oscar, oscar4, oscar-hifi and oscar-next (the last two need a retrieval "
-                        "ranking)")
+                   help=f"rotations for {', '.join(ROTATION_METHODS)} (oscar-mixed, oscar-hifi and oscar-next "
+                        "need a retrieval ranking)")
     p.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
     add_oscar_options_argument(p)
     add_progress_argument(p)

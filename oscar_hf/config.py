@@ -22,6 +22,12 @@ PRESETS: dict[str, dict] = {
     # bits they free spent on the top tenth of the KV heads of the retrieval ranking at 4 bits
     "oscar-next": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
                        scale_dtype=torch.uint8),
+    # the 2-bit default of rotations that record a retrieval ranking (`OscarCache` picks it): sigma rows with
+    # one-byte (scale, zero) codes, and the bits they free spent on the top tenth of the ranked layers at 4 bits.
+    # Per layer rather than per KV head (`oscar-next`): a layer of one code width decodes at the bandwidth of a
+    # uniform one, a layer split by heads does not (docs/retrieval.md)
+    "oscar-mixed": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
+                        scale_dtype=torch.uint8),
     "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
     "quarot": dict(rotation="hadamard", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
     "clip": dict(rotation="identity", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
@@ -31,7 +37,14 @@ PRESETS: dict[str, dict] = {
 
 # share of the full-attention layers a preset keeps at 4 bits: the top of the rotations' retrieval ranking
 HIFI_LAYER_SHARE = 0.2
-RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE}
+MIXED_LAYER_SHARE = 0.1
+RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE, "oscar-mixed": MIXED_LAYER_SHARE}
+# what a cache given rotations with a layer ranking and no format options stores (`OscarCache`); without a ranking
+# it stores `oscar`'s uniform rows
+RANKED_DEFAULT_METHOD = "oscar-mixed"
+# the `OscarConfig` fields that choose a row format: with any of them given, the default stays `oscar`
+FORMAT_FIELDS = ("quantize", "bits", "key_clip_ratio", "value_clip_ratio", "scale_dtype", "encoder",
+                 "high_precision_layers", "high_precision_heads", "high_precision_bits")
 # share of the full-attention layers' KV heads a preset keeps at 4 bits: the top of the rotations' per-head ranking
 # (precision per KV head retrieves more than per layer at equal bits: docs/retrieval.md)
 RANKED_HEAD_SHARES = {"oscar-next": 0.1}
@@ -53,10 +66,10 @@ class OscarConfig:
     that exactly `recent_tokens` remain (a decode step demotes `demote_block` tokens at a time).
 
     Args:
-        method: name of the preset the settings came from (`oscar`, `oscar-hifi`, `oscar-next`, `hadamard`,
-            `quarot`, `clip`, `identity`, `none`); informational once the other fields are set, except that an
-            `oscar-hifi` cache without `high_precision_layers` takes them from its rotations' retrieval ranking
-            (`RANKED_LAYER_SHARES`), and an `oscar-next` cache without `high_precision_heads` takes those from its
+        method: name of the preset the settings came from (`oscar`, `oscar-mixed`, `oscar-hifi`, `oscar-next`,
+            `hadamard`, `quarot`, `clip`, `identity`, `none`); informational once the other fields are set, except
+            that an `oscar-mixed` or `oscar-hifi` cache without `high_precision_layers` takes them from its
+            rotations' retrieval ranking (`RANKED_LAYER_SHARES`), and an `oscar-next` cache without `high_precision_heads` takes those from its
             rotations' per-head ranking (`RANKED_HEAD_SHARES`).
         sink_tokens: leading tokens kept in BF16 (attention sinks). Left padding is added on top, so every row
             keeps `sink_tokens` real tokens.

@@ -34,7 +34,7 @@ from oscar_hf.eval.cli_options import (
     timed,
 )
 from oscar_hf.eval.diagnostics.generation import full_precision_prefill, greedy_through_cache
-from oscar_hf.eval.diagnostics.methods import Method, builtin_methods, default_methods, select_methods
+from oscar_hf.eval.diagnostics.methods import ROTATION_METHODS, Method, builtin_methods, default_methods, select_methods
 
 logger = logging.get_logger(__name__)
 
@@ -155,8 +155,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
     (the vocabulary of `oscar_hf.eval.cli_options`)."""
     add_model_arguments(parser, default_model="smollm2")
     parser.add_argument("--rotations", default=None,
-                        help="calibrated rotations (folder/file/Hub id, or 'hadamard') for oscar, oscar4, oscar-hifi, "
-                             "oscar-next; those methods need them")
+                        help="calibrated rotations (folder/file/Hub id, or 'hadamard') for "
+                             f"{', '.join(ROTATION_METHODS)}; those methods need them")
     parser.add_argument("--methods", default=None,
                         help="comma-separated method names: the OscarConfig presets, hadamard4, oscar4, bf16 and the "
                              f"peers ({', '.join(builtin_methods())}; default: "

@@ -34,7 +34,7 @@ from oscar_hf.eval.cli_options import (
     resolve_dtype,
     timed,
 )
-from oscar_hf.eval.diagnostics.methods import builtin_methods, select_methods
+from oscar_hf.eval.diagnostics.methods import ROTATION_METHODS, builtin_methods, select_methods
 from oscar_hf.eval.diagnostics.report import terminal_table, write_report, write_results_json
 from oscar_hf.eval.diagnostics.run import RunSettings, run_methods
 
@@ -68,8 +68,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a one-minute check: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()
                                                            if k != "simulate") + ", no simulation (each overridable)")
     p.add_argument("--rotations", default=None,
-                   help="calibrated rotations (folder/file/Hub id, or 'hadamard') for oscar, oscar4, oscar-hifi, "
-                        "oscar-next; those methods need them")
+                   help="calibrated rotations (folder/file/Hub id, or 'hadamard') for "
+                        f"{', '.join(ROTATION_METHODS)}; those methods need them")
     p.add_argument("--methods", default=None,
                    help="comma-separated method names (default: bf16, the ablations, the OSCAR rows and the peers)")
     p.add_argument("--text", default="lear_gut.txt", help="held-out play (oscar_hf.assets.EVALUATION_PLAYS) or a file")

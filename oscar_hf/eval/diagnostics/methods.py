@@ -109,7 +109,7 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     4-bit rows `hadamard4` and `oscar4`, the BF16 reference `bf16` and the peer caches.
 
     `rotations` (folder, file or Hub id, or "hadamard") feed the presets that read calibrated rotations
-    (`ROTATION_METHODS`: `oscar`, `oscar-hifi`, `oscar-next`, `oscar4`); without them those rows are listed but
+    (`ROTATION_METHODS`: `oscar`, `oscar-mixed`, `oscar-hifi`, `oscar-next`, `oscar4`); without them those rows are listed but
     cannot be built (`select_methods` says so before any work). `hadamard` and `hadamard4` are the same
     settings as `oscar` and `oscar4` with the data-free Hadamard rotation. `oscar_options` (e.g.
     `recent_tokens=128`) apply to every OSCAR-layout row.
@@ -125,6 +125,9 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
         Method("clip", "clip only", _oscar("clip", **oscar_options), oscar=True),
         Method("hadamard", "OSCAR (Hadamard)", _oscar("hadamard", **oscar_options), oscar=True),
         Method("oscar", f"OSCAR ({given})", _oscar("oscar", rotations, **oscar_options), oscar=True),
+        Method("oscar-mixed", f"OSCAR-mixed ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of "
+               "the layers by retrieval ranking at 4 bits)", _oscar("oscar-mixed", rotations, **oscar_options),
+               oscar=True),
         Method("oscar-hifi", f"OSCAR-hifi ({given}; 2-bit, the top fifth of the layers by retrieval ranking at 4 bits)",
                _oscar("oscar-hifi", rotations, **oscar_options), oscar=True),
         Method("oscar-next", f"OSCAR-next ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
@@ -182,7 +185,7 @@ def select_methods(names: str | Sequence[str] | None = None, rotations: str | No
         chosen = list(default_methods(rotations))
         if rotations is None:
             logger.info("no rotations given: the OSCAR rows are hadamard and hadamard4 (data-free Hadamard "
-                        "rotation); oscar, oscar4, oscar-hifi and oscar-next need calibrated rotations")
+                        "rotation); %s need calibrated rotations", ", ".join(ROTATION_METHODS))
     else:
         chosen = parse_method_names(names)
     if not chosen:
