@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_argument_name
+from oscar_hf.config import PRESETS
 from oscar_hf.eval.assets import load_smollm2, play_text
 
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotations", "smollm2-135m")
@@ -28,7 +29,9 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotati
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", default=None, help="oscar | hadamard | quarot | clip | identity | none")
+    parser.add_argument("--method", default=None, choices=sorted(PRESETS),
+                        help="the preset (default: inferred from --rotations: oscar-mixed for the shipped ones, "
+                             "whose layers are ranked by retrieval; hadamard for 'hadamard')")
     parser.add_argument("--rotations", default=SHIPPED if os.path.isdir(SHIPPED) else "hadamard",
                         help="'hadamard', 'identity', a folder or a Hub repo id (default: the shipped SmolLM2 ones)")
     parser.add_argument("--prompt-tokens", type=int, default=1500)

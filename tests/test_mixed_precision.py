@@ -108,3 +108,33 @@ def test_retrieval_ranking_is_recorded_and_oscar_hifi_keeps_its_top_layers_at_4_
     loaded.metadata["retrieval_layers"] = "[0, 9]"
     with pytest.raises(Exception, match="lack"):
         OscarCache(model, rotations=loaded, method="oscar-hifi", **LAYOUT)
+
+
+def test_ranked_rotations_default_to_oscar_mixed_unless_a_row_format_is_asked_for(tmp_path):
+    """Rotations that record a layer ranking give `oscar-mixed` when no method is named: sigma rows with compact
+    pairs, the top tenth of the ranked layers (at least one) at 4 bits; a named method, any row-format option, or
+    rotations without a ranking keep `oscar`. The setup survives save_pretrained / from_pretrained."""
+    from oscar_hf.calibrate.retrieval_layers import record_retrieval_layers
+    from oscar_hf.kernels.reference.quantize import COMPACT
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(layers=4)
+    rotations = Rotations.hadamard([0, 1, 2, 3], 32)
+    assert OscarCache(model, rotations=rotations, **LAYOUT).oscar_config.method == "oscar"
+    record_retrieval_layers(rotations, [2, 0, 3, 1])
+    cache = OscarCache(model, rotations=rotations, **LAYOUT)
+    config = cache.oscar_config
+    assert (config.method, config.encoder, config.scale_dtype, config.key_clip_ratio) == ("oscar-mixed", "sigma",
+                                                                                          COMPACT, None)
+    assert config.high_precision_layers == (2,)
+    assert [(layer.config.bits, layer.config.scale_dtype) for layer in cache.layers] == [
+        (2, COMPACT), (2, COMPACT), (4, torch.float16), (2, COMPACT)]
+    for asked in (dict(method="oscar"), dict(bits=4), dict(encoder="minmax"), dict(key_clip_ratio=0.9),
+                  dict(high_precision_layers=(1,))):
+        assert OscarCache(model, rotations=rotations, **LAYOUT, **asked).oscar_config.method == "oscar", asked
+    ids = torch.randint(1, 96, (1, 30))
+    forward(model, ids, cache)
+    cache.save_pretrained(tmp_path)
+    rebuilt = OscarCache.from_pretrained(model, tmp_path)
+    assert rebuilt.oscar_config == config
