@@ -12,6 +12,10 @@ python -m experiments.retrieval.frontier docs/results/levers/levers.jsonl --out 
   "next Hadamard=2.475=$R/needles-cpu-next-f16-4bit-hadamard/needles.json=oscar-next" \
   "next Hadamard, keys smoothed=2.475=$R/needles-cpu-next-f16-4bit-smoothed-hadamard/needles.json=oscar-next" \
   "next calibrated, keys smoothed=2.475=$R/needles-cpu-next-f16-4bit-smoothed-calibrated/needles.json=oscar-next" \
+  "mixed (default) calibrated, keys smoothed=2.475=$R/needles-cpu-mixed-smoothed-calibrated/needles.json=oscar-mixed" \
+  "mixed calibrated=2.475=$R/needles-cpu-mixed-calibrated/needles.json=oscar-mixed" \
+  "mixed Hadamard, keys smoothed=2.475=$R/needles-cpu-mixed-hadamard-smoothed/needles.json=oscar-mixed" \
+  "mixed Hadamard=2.475=$R/needles-cpu-mixed-hadamard/needles.json=oscar-mixed" \
   "hifi calibrated=2.9=$R/needles-cpu-hifi-calibrated/needles.json=oscar-hifi" \
   "hifi Hadamard=2.9=$R/needles-cpu-hifi-hadamard-generated-ranking/needles.json=oscar-hifi" \
   "hifi Hadamard, sentence ranking=2.9=$R/needles-cpu-hifi-hadamard/needles.json=oscar-hifi" \
