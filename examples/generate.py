@@ -7,7 +7,8 @@ On a GPU, `generate` compiles OscarCache's decode step and replays it from CUDA 
 includes the compile).
 
 The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history. The default
-rotations are the calibrated SmolLM2 ones shipped in `rotations/smollm2-135m` (made by `oscar-calibrate`).
+rotations are the calibrated SmolLM2 ones with smoothed keys and a retrieval ranking, shipped in
+`rotations/smollm2-135m-smoothed` (made by `oscar-calibrate`), so the cache is the 2-bit default `oscar-mixed`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from oscar_hf.compat import cache_argument_name
 from oscar_hf.config import PRESETS
 from oscar_hf.eval.assets import load_smollm2, play_text
 
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotations", "smollm2-135m")
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotations", "smollm2-135m-smoothed")
 
 
 def main() -> None:
