@@ -134,13 +134,10 @@ class CountedDecode:
         full = (rows - self.sink >= self.recent + self.block).to(torch.int32)
         advance = full * self.block
         stored = self.history_count()
-        keys, values = layer.demoted_rows(stored, self.block, full)
+        keys, values, sink_rows = layer.demoted_rows(stored, self.block, full)
         dropped = layer.history.append(keys, values, layer.key_rotation, layer.value_rotation, backend,
                                        advance=advance, after=after, at=stored)
-        source = self._window() + advance.long()
-        window = slice(self.sink, self.sink + self.recent)
-        for buffer in (layer.keys_buffer, layer.values_buffer):
-            buffer[:, :, window] = buffer.index_select(2, source)
+        layer.move_tiers(sink_rows, self._window() + advance.long(), after=dropped)
         # the demoted rows leave the BF16 buffer whether the history kept them or not
         self.counts[ROWS : ROWS + 1].sub_(advance)
         self.counts[DROPPED : DROPPED + 1].add_(dropped)

@@ -44,7 +44,7 @@ from oscar_hf.handoff import HistorySegment, layer_handle
 from oscar_hf.head_groups import HeadSplitBackend
 from oscar_hf.history import HeadSplitHistory, make_history
 from oscar_hf.kernels.interface import Backend
-from oscar_hf.kernels.ops import OpBackend
+from oscar_hf.kernels.ops import OpBackend, move_rows
 from oscar_hf.kernels.select import backend_for
 from oscar_hf.rotations.math import rotate
 
@@ -343,39 +343,47 @@ class OscarLayer(CacheLayerMixin):
         if not demote:
             return
         cfg = self.config
-        keep = slice(sink + demote, self.bf16_length)
         if self.allow_counted_decode:  # one allocation for the prompt's history and the decode steps after it
             target = history_capacity(self.history_length + demote, self._decode_reserve(), cfg.demote_block,
                                       bucket=self.max_cache_len is None)
             self.history.reserve(target - self.history_length)
         # a history pinned by counted decode keeps its count on the device too, and appends write at that count
         stored = self.history.device_length if self.history.device_length is not None else self.history_length
-        self.history.append(*self.demoted_rows(stored, demote), self.key_rotation, self.value_rotation, self.backend)
-        for name in ("keys_buffer", "values_buffer"):
-            buffer = getattr(self, name)
-            buffer[:, :, sink : sink + cfg.recent_tokens] = buffer[:, :, keep].clone()
+        keys, values, sink_rows = self.demoted_rows(stored, demote)
+        self.history.append(keys, values, self.key_rotation, self.value_rotation, self.backend)
+        self.move_tiers(sink_rows, torch.arange(sink + demote, self.bf16_length, device=self.keys_buffer.device))
         self.bf16_length = sink + cfg.recent_tokens
         if self.keys_buffer.shape[2] > 2 * self._steady_capacity():
             self._resize_buffers(self._steady_capacity())
 
     def demoted_rows(self, history_length, tokens: int, demoting: torch.Tensor | None = None):
-        """(keys, values) `[B, H, tokens, d]`: the rows a demotion of `tokens` tokens appends to the history, with
-        `history_length` (an int, or an int32 `[1]` on the device) tokens stored before it. Unpadded: the oldest
-        recent rows. Left-padded rows hand pads from their sink to the history and take real tokens into the sink
-        in their place (`demotion.demotion_index`; the sink slots are rewritten here, where `demoting`, a device
-        flag, holds 1 or is None)."""
+        """(keys, values, sink) for a demotion of `tokens` tokens with `history_length` (an int, or an int32 `[1]`
+        on the device) tokens stored before it: the rows `[B, H, tokens, d]` it appends to the history, and where
+        each row's sink comes from afterwards (long `[B, S]`; None: unchanged). Unpadded: the oldest recent rows.
+        Left-padded rows hand pads from their sink to the history and take real tokens into the sink in their
+        place (`demotion.demotion_index`), where `demoting`, a device flag, holds 1 or is None. `move_tiers`
+        rewrites the sink once the history has the rows."""
         sink = self.sink_size
         if self.row_start is None:
-            return (self.keys_buffer[:, :, sink : sink + tokens], self.values_buffer[:, :, sink : sink + tokens])
+            return self.keys_buffer[:, :, sink : sink + tokens], self.values_buffer[:, :, sink : sink + tokens], None
         appended, kept = demotion_index(self.row_start, history_length, sink, tokens, demoting)
         rows = []
         for buffer in (self.keys_buffer, self.values_buffer):
-            head = buffer[:, :, : sink + tokens]
             heads, dim = buffer.shape[1], buffer.shape[3]
-            block = head.gather(2, appended[:, None, :, None].expand(-1, heads, -1, dim))
-            buffer[:, :, :sink] = head.gather(2, kept[:, None, :, None].expand(-1, heads, -1, dim))
-            rows.append(block)
-        return rows
+            rows.append(buffer.gather(2, appended[:, None, :, None].expand(-1, heads, -1, dim)))
+        return rows[0], rows[1], kept
+
+    def move_tiers(self, sink_rows: torch.Tensor | None, window_rows: torch.Tensor,
+                   after: torch.Tensor | None = None) -> None:
+        """The BF16 tiers after a demotion, in one move (`kernels.ops.move_rows`): each row's sink from
+        `sink_rows` (long `[B, S]`, `demoted_rows`; None: kept) and the recent window from `window_rows` (long
+        `[R]`). `after`: what the move must follow (a counted step's history write, after its attention)."""
+        buffers = [self.keys_buffer, self.values_buffer]
+        if sink_rows is None:
+            move_rows(buffers, window_rows[None], self.sink_size, after)
+        else:
+            index = torch.cat([sink_rows, window_rows[None].expand(sink_rows.shape[0], -1)], dim=1)
+            move_rows(buffers, index, 0, after)
 
     # ------------------------------------------------------------------------------------------ views
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,9 @@ shapes):
   nothing where the device flag `only_if` holds 0;
 - `oscar_hf::demote_into`: the same, straight into a quantized history's buffers at a device row (a counted
   decode step's demotion: one kernel, no staging block);
-- `oscar_hf::write_rows`: rows into a full-precision history's buffers at a device row (the `none` method).
+- `oscar_hf::write_rows`: rows into a full-precision history's buffers at a device row (the `none` method);
+- `oscar_hf::gather_rows`: rows of a BF16 buffer moved within it (the window's shift after a demotion, the sink of
+  a left-padded row taking real tokens), every source row read before any is written.
 
 A backend instance is not a tensor, so an op names it: `register_backend` gives each backend a key, and the op
 looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the backend).
@@ -167,6 +169,44 @@ def write_rows_eagerly(buffers: list[torch.Tensor], rows: list[torch.Tensor], le
 @write_rows.register_fake
 def _(buffers, rows, length, advance, after):
     return torch.empty_like(advance)
+
+
+@torch.library.custom_op("oscar_hf::gather_rows", mutates_args=("buffers",))
+def gather_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int,
+                after: torch.Tensor | None = None) -> None:
+    """`buffer[:, :, start : start + n] = buffer[b, :, index[b]]` for each buffer `[B, H, rows, d]` and index
+    (long `[B, n]`, or `[1, n]` for every row alike), every source row read before any row is written.
+
+    An op, declared as mutating, because the same move written as tensor code (`buffer[..., window] =
+    buffer.index_select(...)`) reads and writes one graph input, and inductor fuses the two into one kernel that
+    reads rows other threads (CPU) or programs (GPU) have already overwritten: compiled steps stored wrong rows
+    (on the CPU with 8 threads, every layer but the first, a block per demotion). `after`: a tensor computed by the
+    last reader of the rows being overwritten (a counted step's attention, through its history write); without it
+    the graph may order that reader after this op, and inductor then copies the whole buffer to keep the old rows
+    for it."""
+    gather_rows_eagerly(buffers, index, start)
+
+
+def gather_rows_eagerly(buffers: list[torch.Tensor], index: torch.Tensor, start: int) -> None:
+    """`gather_rows` without the op's dispatch (what it runs; eager callers save the dispatcher's host time)."""
+    n = index.shape[1]
+    for buffer in buffers:
+        batch, heads, _, dim = buffer.shape
+        source = buffer.gather(2, index[:, None, :, None].expand(batch, heads, n, dim))  # a copy: read all first
+        buffer[:, :, start : start + n].copy_(source)
+
+
+@gather_rows.register_fake
+def _(buffers, index, start, after=None):
+    return None
+
+
+def move_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int, after: torch.Tensor | None = None) -> None:
+    """`gather_rows` through the op while `torch.compile` traces, straight otherwise."""
+    if torch.compiler.is_compiling():
+        torch.ops.oscar_hf.gather_rows(buffers, index, start, after)
+    else:
+        gather_rows_eagerly(buffers, index, start)
 
 
 class OpBackend:
