@@ -180,17 +180,35 @@ class OscarCache(Cache):
             # a compiled prefill: the attention runs this update with itself, as one opaque op (`handoff`)
             publish_segment(key_states, kwargs, UpdateRequest(layer_idx, layer.handle))
             return key_states, value_states
-        keys, values = layer.update(key_states, value_states)
         if not self.uses_oscar_attention:
-            if not self._warned_fallback:
-                logger.warning(
-                    "the model's attention is %r, not 'oscar': OscarCache returns dequantized K/V (correct, slow). "
-                    "Call oscar_hf.use_oscar_attention(model).", self._model_config._attn_implementation,
-                )
-                self._warned_fallback = True
-            return layer.dense_kv()
+            return self._dense_update(layer, key_states, value_states)
+        keys, values = layer.update(key_states, value_states)
         publish_segment(keys, kwargs, layer.open_segment())
         return keys, values
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if not self.uses_oscar_attention:
+            self._leave_counted_decode()  # the mask must span every cached token, as `_dense_update` returns them
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def _dense_update(self, layer: OscarLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`layer.update` for an attention other than "oscar" (the model switched away from it): every cached
+        token, history dequantized, in time order (`OscarLayer.dense_kv`), `[B, Hkv, length, d]`. Counted decode
+        is left first: its buffers and mask width are fixed, while this attention's keys grow by a token a step."""
+        layer.stop_counted_decode()
+        layer.update(key_states, value_states)
+        if not self._warned_fallback:
+            logger.warning(
+                "the model's attention is %r, not 'oscar': OscarCache returns dequantized K/V (correct, slow). "
+                "Call oscar_hf.use_oscar_attention(model).", self._model_config._attn_implementation,
+            )
+            self._warned_fallback = True
+        return layer.dense_kv()
+
+    def _leave_counted_decode(self) -> None:
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                layer.stop_counted_decode()
 
     def _check_whole_forwards(self) -> None:
         """Refuse to go on after a forward that updated some layers and not the others (an exception inside one
@@ -232,7 +250,10 @@ class OscarCache(Cache):
     def is_compileable(self) -> bool:
         """Whether transformers' `generate` may compile the decode step: every layer must allow it. A layer not yet
         filled answers for the device of the model's weights (`OscarLayer.compileable_on`), since `generate`
-        decides before the prefill."""
+        decides before the prefill. Never under another attention than "oscar": the dequantized K/V it is given
+        grow by a token a step."""
+        if not self.uses_oscar_attention:
+            return False
         model = self._model_ref() if self._model_ref is not None else None
         device = getattr(model, "device", None)
         dim = self.shape.head_dim

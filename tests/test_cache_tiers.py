@@ -174,6 +174,41 @@ def test_switching_attention_back_falls_back_to_dense_and_stays_correct():
     assert cache.layers[0].history_length > 0
 
 
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("method", ["none", "hadamard"])
+def test_switching_attention_after_a_forward_gets_every_cached_token(method, attention):
+    """After an "oscar" prefill the layers decode device-counted, with a mask of their fixed capacity; another
+    attention reads the dequantized K/V of every token, and its mask must span them all."""
+    ids, step = ids_of(1, 60), ids_of(1, 1, seed=1)
+    model = tiny_model("llama")
+    cache = OscarCache(model, method=method, sink_tokens=4, recent_tokens=8, demote_block=2)
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        forward(model, ids, cache)
+        model.set_attn_implementation(attention)
+        forward(model, ids, reference)
+        logits = forward(model, step, cache).logits
+        expected = forward(model, step, reference).logits
+    assert cache.layers[0].history_length > 0
+    if method == "none":  # an unquantized history: the same K/V as DynamicCache's
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["none", "hadamard"])
+def test_generate_after_switching_attention_continues_the_cache(method):
+    ids = ids_of(1, 60)
+    model = tiny_model("llama")
+    cache = OscarCache(model, method=method, sink_tokens=4, recent_tokens=8, demote_block=2)
+    first = generate(model, ids, cache, max_new_tokens=10)
+    model.set_attn_implementation("sdpa")
+    out = generate(model, first, cache, max_new_tokens=10)
+    assert out.shape == (1, 80)
+    if method == "none":
+        reference = DynamicCache(config=model.config)
+        expected = generate(model, generate(model, ids, reference, max_new_tokens=10), reference, max_new_tokens=10)
+        assert torch.equal(out, expected)
+
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="bits=3"):
         OscarConfig(bits=3)
