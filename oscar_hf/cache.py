@@ -27,6 +27,8 @@ from oscar_hf.config import (
     RANKED_HEAD_SHARES,
     RANKED_LAYER_SHARES,
     OscarConfig,
+    checked_bool,
+    checked_int,
 )
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
@@ -64,7 +66,8 @@ class OscarCache(Cache):
         max_cache_len: tokens the cache will hold at most (prompt and generated), as for `StaticCache`: decode
             steps run with fixed buffers (`counted_decode`), and a history sized for this many tokens lets every
             step of a compiled `generate` replay one graph. Default: room for `counted_decode.DECODE_RESERVE`
-            more history tokens than the prompt left (eager steps grow it; compiled steps cannot).
+            more history tokens than the prompt left (eager steps grow it; compiled steps cannot). At most
+            `config.MAX_TOKENS`.
         backend: the kernel backend of every layer (`kernels.interface.Backend`, e.g.
             `oscar_hf.kernels.reference.backend.ReferenceBackend()`); default: `kernels.select.backend_for` of each
             layer's device, on first use.
@@ -99,8 +102,11 @@ class OscarCache(Cache):
         **options,
     ):
         register()
-        if max_cache_len is not None and max_cache_len < 1:
-            raise ValueError(f"max_cache_len={max_cache_len}: expected a positive number of tokens (or None)")
+        checked_bool("fold_value_rotation", fold_value_rotation)
+        if max_cache_len is not None:
+            max_cache_len = checked_int("max_cache_len", max_cache_len, 1)
+        if recorded_clip_ratios is not None:
+            checked_bool("recorded_clip_ratios", recorded_clip_ratios)
         model_config = getattr(model, "config", model)
         shape = attention_shape(model_config)
         if recorded_clip_ratios is None:
@@ -330,12 +336,7 @@ class OscarCache(Cache):
             raise FileNotFoundError(f"{path} does not exist: {os.fspath(pretrained_model_name_or_path)!r} holds no "
                                     f"OSCAR setup (OscarCache.save_pretrained writes {CONFIG_NAME})")
         with open(path, encoding="utf-8") as f:
-            setup = json.load(f)
-        expected = {"oscar_config", "rotations", "recorded_clip_ratios", "fold_value_rotation", "max_cache_len",
-                    "attention_shape"}
-        if not isinstance(setup, dict) or set(setup) != expected:
-            found = sorted(setup) if isinstance(setup, dict) else type(setup).__name__
-            raise ValueError(f"{path} holds {found}; an OSCAR setup has the keys {sorted(expected)}")
+            setup = _checked_setup(path, json.load(f))
         saved_shape, shape = setup["attention_shape"], _shape_record(attention_shape(getattr(model, "config", model)))
         if saved_shape != shape:
             raise ValueError(f"{path} was saved for a model with attention shape {saved_shape}, and this model's is "
@@ -344,7 +345,11 @@ class OscarCache(Cache):
         if name not in (*NAMED_ROTATIONS, SAFETENSORS_NAME):
             raise ValueError(f"{path}: rotations={name!r}; expected one of {[*NAMED_ROTATIONS, SAFETENSORS_NAME]}")
         rotations = name if name in NAMED_ROTATIONS else Rotations.from_pretrained(os.path.join(folder, name))
-        return cls(model, rotations, config=OscarConfig.from_dict(setup["oscar_config"]),
+        try:
+            config = OscarConfig.from_dict(setup["oscar_config"])
+        except ValueError as error:
+            raise ValueError(f"{path}: oscar_config: {error}") from None
+        return cls(model, rotations, config=config,
                    recorded_clip_ratios=setup["recorded_clip_ratios"],
                    fold_value_rotation=setup["fold_value_rotation"], max_cache_len=setup["max_cache_len"],
                    backend=backend)
@@ -388,6 +393,31 @@ def _shape_record(shape) -> dict:
     """The parts of an `AttentionShape` a saved setup must match, as JSON types."""
     return {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
             "full_attention_layers": shape.oscar_layer_ids}
+
+
+SETUP_KEYS = ("oscar_config", "rotations", "recorded_clip_ratios", "fold_value_rotation", "max_cache_len",
+              "attention_shape")
+
+
+def _checked_setup(path: str, setup) -> dict:
+    """The setup `save_pretrained` wrote to `path` (its keys, each of the type written), or ValueError: a value
+    of another type would be read as something else (the string "false" is true, and folds the model's weights)."""
+    if not isinstance(setup, dict) or set(setup) != set(SETUP_KEYS):
+        found = sorted(setup) if isinstance(setup, dict) else type(setup).__name__
+        raise ValueError(f"{path} holds {found}; an OSCAR setup has the keys {sorted(SETUP_KEYS)}")
+    try:
+        for name, kind in (("oscar_config", dict), ("rotations", str), ("attention_shape", dict)):
+            if not isinstance(setup[name], kind):
+                raise ValueError(f"{name}={setup[name]!r}: expected a {kind.__name__} (JSON "
+                                 f"{'object' if kind is dict else 'string'}), got {type(setup[name]).__name__}")
+        checked_bool("recorded_clip_ratios", setup["recorded_clip_ratios"])
+        checked_bool("fold_value_rotation", setup["fold_value_rotation"])
+        if setup["max_cache_len"] is not None:
+            checked_int("max_cache_len", setup["max_cache_len"], 1)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}; edit the file, or save the setup again with "
+                         "OscarCache.save_pretrained") from None
+    return setup
 
 
 def _live_caches(model) -> weakref.WeakSet:

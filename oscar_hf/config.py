@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -56,6 +57,45 @@ SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
 CONFIG_NAME = "oscar_config.json"  # what `OscarCache.save_pretrained` writes beside the rotations
 
+# the largest size in tokens a config or cache takes: a buffer sized beyond it overflows torch's size arithmetic or
+# cannot be allocated, deep inside the first forward
+MAX_TOKENS = 2**31
+
+
+def checked_bool(name: str, value) -> bool:
+    """`value` if it is a bool; ValueError otherwise (JSON's "false" is a string, and a non-empty string is true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: expected a bool (True or False; true or false in JSON), got "
+                         f"{type(value).__name__}")
+    return value
+
+
+def checked_int(name: str, value, low: int, high: int = MAX_TOKENS) -> int:
+    """`value` as an int if it is a whole number (not a bool, not a float) in [low, high]; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r}: expected an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r}: expected an int from {low} to {high}")
+    return int(value)
+
+
+def checked_ratio(name: str, value) -> float | None:
+    """`value` as a float if it is a number (not a bool) in (0, 1], or None; ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r}: expected a float in (0, 1] or None, got {type(value).__name__}")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name}={value!r}: expected a ratio in (0, 1], or None to disable clipping")
+    return float(value)
+
+
+def checked_str(name: str, value, choices) -> str:
+    """`value` if it is one of the strings `choices`; ValueError otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {sorted(choices)}")
+    return value
+
 
 @dataclass(frozen=True)
 class OscarConfig:
@@ -96,6 +136,9 @@ class OscarConfig:
             at `bits`: the layer's history is kept as runs of adjacent KV heads, one width each
             (`head_groups`). Heads of a layer in `high_precision_layers` are high-precision already.
         high_precision_bits: code width of those layers and heads, 2 or 4.
+
+    Every field is checked for its type as well as its range (a bool is not an int, a float not a size, a string
+    not a bool); sizes in tokens are at most `MAX_TOKENS`.
     """
 
     method: str = "hadamard"
@@ -114,53 +157,28 @@ class OscarConfig:
     high_precision_bits: int = 4
 
     def __post_init__(self):
-        if isinstance(self.scale_dtype, str):
-            if self.scale_dtype not in SCALE_DTYPES:
-                raise ValueError(f"scale_dtype={self.scale_dtype!r}: expected one of {sorted(SCALE_DTYPES)}")
-            object.__setattr__(self, "scale_dtype", SCALE_DTYPES[self.scale_dtype])
-        if self.scale_dtype not in SCALE_DTYPES.values():
-            raise ValueError(f"scale_dtype={self.scale_dtype}: expected torch.float16, torch.bfloat16, torch.float32 "
-                             "or torch.uint8 (compact)")
-        for name in ("sink_tokens", "recent_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 0")
-        for name in ("demote_block", "history_chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+        # every field is checked for its type too: a JSON file or a loose argument must not turn "false" into a
+        # truthy string, 2.0 into a float shape, or True into the integer 1
+        checked_str("method", self.method, PRESETS)
+        object.__setattr__(self, "scale_dtype", _checked_scale_dtype(self.scale_dtype))
+        for name, low in (("sink_tokens", 0), ("recent_tokens", 0), ("demote_block", 1), ("history_chunk", 1)):
+            object.__setattr__(self, name, checked_int(name, getattr(self, name), low))
         for name in ("bits", "high_precision_bits"):
-            if getattr(self, name) not in (2, 4):
-                raise ValueError(f"{name}={getattr(self, name)!r}: OscarCache stores 2-bit or 4-bit codes")
-        layers = self.high_precision_layers
-        if isinstance(layers, int) or not all(isinstance(i, int) and i >= 0 for i in layers):
-            raise ValueError(f"high_precision_layers={layers!r}: expected layer indices (integers >= 0)")
-        object.__setattr__(self, "high_precision_layers", tuple(sorted(set(layers))))
-        heads = self.high_precision_heads
-        try:
-            pairs = [(layer, head) for layer, head in heads]
-        except (TypeError, ValueError):
-            pairs = None
-        if pairs is None or not all(isinstance(i, int) and i >= 0 for pair in pairs for i in pair):
-            raise ValueError(f"high_precision_heads={heads!r}: expected (layer, KV head) pairs of integers >= 0")
-        object.__setattr__(self, "high_precision_heads", tuple(sorted(set(pairs))))
+            object.__setattr__(self, name, _checked_bits(name, getattr(self, name)))
         for name in ("key_clip_ratio", "value_clip_ratio"):
-            ratio = getattr(self, name)
-            if ratio is not None and not 0.0 < ratio <= 1.0:
-                raise ValueError(f"{name}={ratio!r}: expected a ratio in (0, 1], or None to disable clipping")
-        if self.encoder not in ENCODERS:
-            raise ValueError(f"encoder={self.encoder!r}: expected one of {ENCODERS}")
+            object.__setattr__(self, name, checked_ratio(name, getattr(self, name)))
+        checked_bool("quantize", self.quantize)
+        checked_str("encoder", self.encoder, ENCODERS)
         if self.scale_dtype == torch.uint8 and self.encoder == "lloyd":
             raise ValueError("encoder='lloyd' refines float (scale, zero) pairs; compact pairs take 'minmax' or "
                              "'sigma'")
-        if self.method not in PRESETS:
-            raise ValueError(f"method={self.method!r}: expected one of {sorted(PRESETS)}")
+        object.__setattr__(self, "high_precision_layers", _checked_layers(self.high_precision_layers))
+        object.__setattr__(self, "high_precision_heads", _checked_heads(self.high_precision_heads))
 
     @classmethod
     def from_method(cls, method: str, **overrides) -> "OscarConfig":
         """The preset `method` with `overrides` applied (any field of this class)."""
-        if method not in PRESETS:
-            raise ValueError(f"method={method!r}: expected one of {sorted(PRESETS)}")
+        checked_str("method", method, PRESETS)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -244,3 +262,53 @@ class OscarConfig:
     def default_rotation(self) -> str:
         """Rotation source the preset uses when none is given: "hadamard", "identity" or "file"."""
         return PRESETS[self.method]["rotation"]
+
+
+def _checked_scale_dtype(value) -> torch.dtype:
+    """The `SCALE_DTYPES` dtype `value` names or is."""
+    if isinstance(value, str):
+        if value not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={value!r}: expected one of {sorted(SCALE_DTYPES)}")
+        return SCALE_DTYPES[value]
+    if not isinstance(value, torch.dtype) or value not in SCALE_DTYPES.values():
+        raise ValueError(f"scale_dtype={value!r}: expected torch.float16, torch.bfloat16, torch.float32 or "
+                         "torch.uint8 (compact), or one of their names " + str(sorted(SCALE_DTYPES)))
+    return value
+
+
+def _checked_bits(name: str, value) -> int:
+    """`value` if it is the int 2 or 4, the code widths OscarCache stores."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r}: expected the int 2 or 4, got {type(value).__name__}")
+    if value not in (2, 4):
+        raise ValueError(f"{name}={value!r}: OscarCache stores 2-bit or 4-bit codes")
+    return int(value)
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _checked_layers(layers) -> tuple[int, ...]:
+    """Sorted, distinct layer indices (ints >= 0)."""
+    if isinstance(layers, (str, bytes)) or not _all_indices(layers):
+        raise ValueError(f"high_precision_layers={layers!r}: expected a list of layer indices (ints >= 0)")
+    return tuple(sorted({int(i) for i in layers}))
+
+
+def _checked_heads(heads) -> tuple[tuple[int, int], ...]:
+    """Sorted, distinct (layer, KV head) pairs of ints >= 0."""
+    try:
+        pairs = [(layer, head) for layer, head in heads]
+    except (TypeError, ValueError):
+        pairs = None
+    if pairs is None or not all(_is_index(i) for pair in pairs for i in pair):
+        raise ValueError(f"high_precision_heads={heads!r}: expected a list of (layer, KV head) pairs of ints >= 0")
+    return tuple(sorted({(int(layer), int(head)) for layer, head in pairs}))
+
+
+def _all_indices(values) -> bool:
+    try:
+        return all(_is_index(i) for i in values)
+    except TypeError:  # not iterable
+        return False

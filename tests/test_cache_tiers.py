@@ -1,6 +1,7 @@
 """Tier layout, demotion schedule, cache operations and memory accounting."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -209,6 +210,7 @@ def test_generate_after_switching_attention_continues_the_cache(method):
         expected = generate(model, generate(model, ids, reference, max_new_tokens=10), reference, max_new_tokens=10)
         assert torch.equal(out, expected)
 
+
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="bits=3"):
         OscarConfig(bits=3)
@@ -225,3 +227,32 @@ def test_config_validation_messages():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="method='oscar' needs calibrated rotations"):
         OscarCache(model, method="oscar")
+
+
+@pytest.mark.parametrize("option, expected", [
+    (dict(sink_tokens=True), "sink_tokens=True: expected an int, got bool"),
+    (dict(high_precision_layers=[True]), "high_precision_layers=[True]: expected a list of layer indices"),
+    (dict(key_clip_ratio=True), "key_clip_ratio=True: expected a float in (0, 1] or None, got bool"),
+    (dict(quantize="false"), "quantize='false': expected a bool"),
+    (dict(fold_value_rotation="false"), "fold_value_rotation='false': expected a bool"),
+    (dict(recorded_clip_ratios="no"), "recorded_clip_ratios='no': expected a bool"),
+])
+def test_an_option_of_another_type_is_refused_with_the_type_expected(option, expected):
+    """A bool is an int to Python, and a non-empty string is true: neither may pass for a count or a flag."""
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        OscarCache(tiny_model("llama"), method="hadamard", **option)
+
+
+@pytest.mark.parametrize("option, expected", [
+    (dict(bits=2.0), "bits=2.0: expected the int 2 or 4, got float"),
+    (dict(max_cache_len=50.5), "max_cache_len=50.5: expected an int, got float"),
+    (dict(max_cache_len=1e30), "max_cache_len=1e+30: expected an int, got float"),
+    (dict(max_cache_len=10**18), f"max_cache_len={10**18}: expected an int from 1 to 2147483648"),
+    (dict(recent_tokens=10**18), f"recent_tokens={10**18}: expected an int from 0 to 2147483648"),
+    (dict(sink_tokens=10**18), f"sink_tokens={10**18}: expected an int from 0 to 2147483648"),
+])
+def test_a_float_or_absurd_size_is_refused_at_construction(option, expected):
+    """Accepted, these failed in the first forward, deep inside torch ("type must be tuple of ints", "Storage size
+    calculation overflowed", "can't allocate memory")."""
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        OscarCache(tiny_model("llama"), method="hadamard", **option)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -170,6 +171,37 @@ def test_a_config_file_naming_another_file_is_refused(tmp_path):
         with pytest.raises(ValueError, match=message):
             OscarCache.from_pretrained(tiny_model(), tmp_path)
 
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("fold_value_rotation", "false", "a bool"),
+    ("fold_value_rotation", None, "a bool"),
+    ("recorded_clip_ratios", "no", "a bool"),
+    ("max_cache_len", 50.5, "an int"),
+    ("max_cache_len", 10**18, "an int from 1 to 2147483648"),
+    ("oscar_config", [], "a dict"),
+    ("oscar_config.quantize", "false", "a bool"),
+    ("oscar_config.quantize", None, "a bool"),
+    ("oscar_config.bits", 2.0, "the int 2 or 4"),
+    ("oscar_config.sink_tokens", True, "an int"),
+    ("oscar_config.recent_tokens", 10**18, "an int from 0 to 2147483648"),
+    ("oscar_config.key_clip_ratio", True, "a float"),
+    ("oscar_config.high_precision_layers", [True], "a list of layer indices"),
+])
+def test_a_setup_value_of_another_type_is_refused_before_anything_changes(tmp_path, key, value, expected):
+    """JSON's "false" is a non-empty string, true in Python: read as it is, it folded the model's weights or
+    quantized a history the file said not to."""
+    model = tiny_model()
+    OscarCache(model, random_rotations(key_clip_ratio="0.9", value_clip_ratio="0.8"), method="oscar",
+               recorded_clip_ratios=False, **TIERS).save_pretrained(tmp_path)
+    setup = json.loads((tmp_path / CONFIG_NAME).read_text())
+    table, name = (setup["oscar_config"], key.split(".")[1]) if "." in key else (setup, key)
+    table[name] = value
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(setup))
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"{CONFIG_NAME}: .*" + re.escape(f"{name}={value!r}: expected {expected}")):
+        OscarCache.from_pretrained(model, tmp_path)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
 def test_a_setup_on_the_hub_is_downloaded_with_its_options(monkeypatch, tmp_path):
     import huggingface_hub
