@@ -138,7 +138,8 @@ def test_generate_paths_of_the_unquantized_cache_equal_dynamic_cache_with_paddin
 
 
 # ----------------------------------------------------------------------------------- quantized: identical K/V
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # a head size the GPU kernels take
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class _AttentionModule(torch.nn.Module):
@@ -172,13 +173,14 @@ def _ranked_rotations() -> Rotations:
     return rotations
 
 
-def _states(generator, tokens: int):
+def _states(generator, tokens: int, device: str):
     """(queries, keys, values) of `tokens` tokens for every layer; keys with a few large channels, as RoPE'd keys
     have, so that clipping and the code grid matter."""
     shape = (LAYERS, 2, KV_HEADS, tokens, HEAD_DIM)
     keys = torch.randn(shape, generator=generator) * (1 + 4 * (torch.arange(HEAD_DIM) % 7 == 0))
-    return (torch.randn((LAYERS, 2, 2 * KV_HEADS, tokens, HEAD_DIM), generator=generator), keys,
-            torch.randn(shape, generator=generator))
+    states = (torch.randn((LAYERS, 2, 2 * KV_HEADS, tokens, HEAD_DIM), generator=generator), keys,
+              torch.randn(shape, generator=generator))
+    return tuple(t.to(device) for t in states)
 
 
 def _stored(cache) -> dict[str, torch.Tensor]:
@@ -194,21 +196,23 @@ def _stored(cache) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", sorted(PRESETS))
-def test_every_path_stores_the_same_codes_and_pairs_from_the_same_states(method):
+def test_every_path_stores_the_same_codes_and_pairs_from_the_same_states(method, device):
+    """On CUDA the eager steps replay from CUDA graphs and the compiled ones run `reduce-overhead`."""
     torch._dynamo.reset()
     steps = 20
     generator = torch.Generator().manual_seed(2)
-    prompt = _states(generator, PROMPT)
-    decode = [_states(generator, 1) for _ in range(steps)]
+    prompt = _states(generator, PROMPT, device)
+    decode = [_states(generator, 1, device) for _ in range(steps)]
     options = dict(rotations=_ranked_rotations()) if PRESETS[method]["rotation"] == "file" else {}
-    compiled_step = torch.compile(_kv_step, fullgraph=True)
+    compiled_step = torch.compile(_kv_step, fullgraph=True, mode="reduce-overhead" if device == "cuda" else None)
     stored, outputs = {}, {}
     with threads():
         for path, step in (("eager", _kv_step), ("compiled", compiled_step)):
             cache = OscarCache(_tiny_config(), method=method, **options)
             _kv_step(cache, *prompt)
-            outputs[path] = torch.stack([step(cache, *states) for states in decode])
+            outputs[path] = torch.stack([step(cache, *states).clone() for states in decode])  # graphs reuse outputs
             stored[path] = _stored(cache)
     assert cache.layers[0].history_length == PROMPT - 64 - 256 + 16  # two demotions
     assert stored["compiled"].keys() == stored["eager"].keys()
