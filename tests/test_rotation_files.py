@@ -6,6 +6,7 @@ import logging
 import os
 import pathlib
 import pickle
+import re
 import tempfile
 
 import pytest
@@ -134,9 +135,37 @@ def test_rotations_checked_against_the_model():
         rot.check_model([0, 1, 2, 3], head_dim=16, num_kv_heads=2)
     with pytest.raises(RotationFileError, match="16x16 but the model's head_dim is 32"):
         rot.check_model([0, 1], head_dim=32, num_kv_heads=2)
+    with pytest.raises(RotationFileError, match=r"are 0 \(1 not among them\): they were made for another model"):
+        rot.check_model([0], head_dim=16, num_kv_heads=2)
     per_head = random_rotations(layers=(0,), heads=3)
-    with pytest.raises(RotationFileError, match="3 per-head matrices but the model has 2 KV heads"):
+    with pytest.raises(RotationFileError, match="3 per-head matrices but the model has 2 KV heads: they were made for "
+                                                r"another model \(rotations: 1 layers 0, head_dim 16, 3 KV heads;"):
         per_head.check_model([0], head_dim=16, num_kv_heads=2)
+
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotations", "smollm2-135m")
+
+
+@pytest.mark.skipif(not os.path.isdir(SHIPPED), reason="no shipped SmolLM2 rotations in this checkout")
+@pytest.mark.parametrize("method", [None, "oscar"])
+def test_rotations_for_a_model_of_another_depth_are_refused(method):
+    """A deeper model's file was used silently, its first layers' rotations for this model's layers; a shallower
+    one's was refused. Both say what shape the rotations and the model have, whatever the method (left to its
+    default, the rotations' ranking named a layer this model lacks as `high_precision_layers`)."""
+    from conftest import tiny_model
+
+    smollm2_like = dict(num_key_value_heads=3, num_attention_heads=3, head_dim=64, hidden_size=192)
+    with pytest.raises(RotationFileError, match=re.escape(
+            "the rotations cover layers 0-29 but the model's full-attention layers are 0-3 (4-29 not among them): "
+            "they were made for another model (rotations: 30 layers 0-29, head_dim 64, 3 KV heads; model: "
+            "full-attention layers 0-3, head_dim 64, 3 KV heads)")):
+        OscarCache(tiny_model(num_hidden_layers=4, **smollm2_like), SHIPPED, method=method)
+    shipped = Rotations.from_pretrained(SHIPPED)
+    shallow = Rotations({i: shipped.key[i] for i in range(4)}, {i: shipped.value[i] for i in range(4)})
+    with pytest.raises(RotationFileError, match=re.escape(
+            "(missing 4-7): they were made for another model (rotations: 4 layers 0-3, head_dim 64, 3 KV heads; "
+            "model: full-attention layers 0-7, head_dim 64, 3 KV heads)")):
+        OscarCache(tiny_model(num_hidden_layers=8, **smollm2_like), shallow, method=method)
 
 
 def test_missing_path_and_bad_repo_ids():

@@ -367,31 +367,44 @@ class Rotations:
         self.retrieval_heads()
 
     def check_model(self, layer_ids: list[int], head_dim: int, num_kv_heads: int) -> None:
-        """Raise `RotationFileError` unless every listed layer has rotations (and key smoothing, where there is
-        any) of the model's shape."""
-        missing = [i for i in layer_ids if i not in self.key]
-        if missing:
+        """Raise `RotationFileError` unless the rotations cover exactly the model's full-attention layers `layer_ids`
+        (no more: a deeper model's file would give each layer another layer's rotation), with its `head_dim`, and its
+        KV-head count wherever they hold one matrix (or smoothing scale) per KV head. The error says which shape
+        the rotations have and which the model has."""
+        problem = self._model_mismatch(layer_ids, head_dim, num_kv_heads)
+        if problem is not None:
             raise RotationFileError(
-                f"the rotations cover layers {_ranges(self.layer_ids)} but the model's full-attention layers are "
-                f"{_ranges(layer_ids)} (missing {_ranges(missing)}): they were made for another model"
+                f"{problem}: they were made for another model (rotations: {self._shape_text()}; model: full-attention "
+                f"layers {_ranges(layer_ids)}, head_dim {head_dim}, {num_kv_heads} KV heads)"
             )
+
+    def _model_mismatch(self, layer_ids: list[int], head_dim: int, num_kv_heads: int) -> str | None:
+        """What does not fit the model's shape (see `check_model`), or None."""
+        missing = sorted(set(layer_ids) - set(self.key))
+        extra = sorted(set(self.key) - set(layer_ids))
+        if missing or extra:
+            details = ([f"missing {_ranges(missing)}"] if missing else []) + (
+                [f"{_ranges(extra)} not among them"] if extra else [])
+            return (f"the rotations cover layers {_ranges(self.layer_ids)} but the model's full-attention layers are "
+                    f"{_ranges(layer_ids)} ({', '.join(details)})")
         if self.head_dim != head_dim:
-            raise RotationFileError(
-                f"the rotations are {self.head_dim}x{self.head_dim} but the model's head_dim is {head_dim}: "
-                "they were made for another model"
-            )
+            return f"the rotations are {self.head_dim}x{self.head_dim} but the model's head_dim is {head_dim}"
         for kind, table in (("key", self.key), ("value", self.value)):
             for i in layer_ids:
-                r = table[i]
-                if r.dim() == 3 and r.shape[0] != num_kv_heads:
-                    raise RotationFileError(
-                        f"{kind} rotation of layer {i} has {r.shape[0]} per-head matrices but the model has "
-                        f"{num_kv_heads} KV heads"
-                    )
+                if table[i].dim() == 3 and table[i].shape[0] != num_kv_heads:
+                    return (f"{kind} rotation of layer {i} has {table[i].shape[0]} per-head matrices but the model "
+                            f"has {num_kv_heads} KV heads")
         wrong = sorted(i for i, s in self.key_smoothing.items() if i in layer_ids and s.shape[0] != num_kv_heads)
         if wrong:
-            raise RotationFileError(f"key smoothing of layers {wrong} has scales for another number of KV heads "
-                                    f"than this model's {num_kv_heads}: it was made for another model")
+            return (f"key smoothing of layers {wrong} has scales for another number of KV heads than this model's "
+                    f"{num_kv_heads}")
+        return None
+
+    def _shape_text(self) -> str:
+        """The model shape the rotations were made for, as far as they tell: layers, head_dim, KV heads."""
+        per_head = [r for r in (*self.key.values(), *self.value.values()) if r.dim() == 3]
+        heads = f"{per_head[0].shape[0]} KV heads" if per_head else "one matrix per layer for every KV head"
+        return f"{len(self.key)} layers {_ranges(self.layer_ids)}, head_dim {self.head_dim}, {heads}"
 
     def __repr__(self) -> str:
         kind = "per KV head" if self.per_head else "shared per layer"
