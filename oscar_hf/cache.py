@@ -294,7 +294,13 @@ class OscarCache(Cache):
         """Write the setup to `save_directory`: `oscar_config.json` (the `OscarConfig`, the rotations' name or
         file, the constructor options that change what is stored, the model's attention shape) and, for calibrated
         or other non-named rotations, `oscar_rotations.safetensors` with a model card (`Rotations.save_pretrained`).
-        The stored tokens are not saved; neither is `backend`."""
+        The stored tokens are not saved (a warning says so when there are some); neither is `backend`."""
+        tokens = int(self.get_seq_length())
+        if tokens:
+            # a user saving a filled cache may expect its tokens back: a rebuilt cache starts empty
+            logger.warning("OscarCache.save_pretrained saves the setup only, not the %d cached tokens: "
+                           "OscarCache.from_pretrained gives an empty cache, to be filled by running the prompt again",
+                           tokens)
         os.makedirs(save_directory, exist_ok=True)
         if self._rotations_name is None:
             self.rotations.save_pretrained(save_directory)

@@ -4,6 +4,7 @@ rebuilding the same cache (config, rotations, per-layer settings, logits)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -139,6 +140,21 @@ def test_a_hadamard_cache_is_saved_as_its_config_alone_and_rebuilt_equal(tmp_pat
     ids = prompt()
     assert torch.equal(logits_through(model, rebuilt, ids), logits_through(model, cache, ids))
 
+
+
+def test_saving_a_cache_that_holds_tokens_warns_that_they_are_not_saved(tmp_path, caplog):
+    model = tiny_model()
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    with caplog.at_level(logging.WARNING, logger="oscar_hf"):
+        cache.save_pretrained(tmp_path / "empty")
+        assert not [r for r in caplog.records if r.name.startswith("oscar_hf")]
+        logits_through(model, cache, prompt())
+        cache.save_pretrained(tmp_path / "filled")
+    warnings = [r for r in caplog.records if r.name == "oscar_hf.cache" and r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "OscarCache.save_pretrained saves the setup only, not the 42 cached tokens: OscarCache.from_pretrained gives "
+        "an empty cache, to be filled by running the prompt again"]
+    assert OscarCache.from_pretrained(model, tmp_path / "filled").get_seq_length() == 0
 
 def test_a_setup_for_another_model_is_refused(tmp_path):
     cache = OscarCache(tiny_model(), random_rotations(), method="oscar", **TIERS)
