@@ -17,6 +17,7 @@ showed with 8 threads and not with 2, so the compiled paths here run with 8.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from oscar_hf import OscarCache, graphed_generate
 from oscar_hf.attention import oscar_attention_forward
 from oscar_hf.config import PRESETS
 from oscar_hf.rotations import Rotations
+from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY
 
 from conftest import cache_argument_name, forward, kernel_qwen3, tiny_llama
 
@@ -165,11 +167,10 @@ def _kv_step(cache, queries, keys, values):
 
 
 def _ranked_rotations() -> Rotations:
-    from oscar_hf.calibrate.retrieval_layers import record_retrieval_heads, record_retrieval_layers
-
+    """Hadamard rotations that record layer and head rankings, as `oscar-calibrate` writes them."""
     rotations = Rotations.hadamard(list(range(LAYERS)), HEAD_DIM)
-    record_retrieval_layers(rotations, [1, 0])
-    record_retrieval_heads(rotations, [(1, 1), (0, 0), (0, 1), (1, 0)])
+    rotations.metadata[RETRIEVAL_LAYERS_KEY] = json.dumps([1, 0])
+    rotations.metadata[RETRIEVAL_HEADS_KEY] = json.dumps([[1, 1], [0, 0], [0, 1], [1, 0]])
     return rotations
 
 
@@ -240,7 +241,7 @@ def test_greedy_tokens_of_a_quantized_cache_are_eager_ones_on_every_compiled_pat
     choices are decisive, `kernel_qwen3`); a code that a compiled projection's rounding flipped would still change
     no token here unless it moved the logits by more than those margins."""
     torch._dynamo.reset()
-    model = kernel_qwen3(head_dim=32, layers=2, seed=3)
+    model = kernel_qwen3(head_dim=HEAD_DIM, layers=LAYERS, seed=3)
     model.generation_config.pad_token_id = 0
     options = dict(rotations=_ranked_rotations()) if PRESETS[method]["rotation"] == "file" else {}
     ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(3))

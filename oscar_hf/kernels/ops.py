@@ -174,8 +174,9 @@ def _(buffers, rows, length, advance, after):
 @torch.library.custom_op("oscar_hf::gather_rows", mutates_args=("buffers",))
 def gather_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int,
                 after: torch.Tensor | None = None) -> None:
-    """`buffer[:, :, start : start + n] = buffer[b, :, index[b]]` for each buffer `[B, H, rows, d]` and index
-    (long `[B, n]`, or `[1, n]` for every row alike), every source row read before any row is written.
+    """`buffer[:, :, start + j] = buffer[b, :, index[b, j]]` for each buffer `[B, H, rows, d]` and index (long
+    `[B, n]`, or `[1, n]` for every row alike) with `index[b, j] >= start + j` (rows move down), every source row
+    read before any row is written. The reference runs on any device; CUDA runs `triton.move_rows`.
 
     An op, declared as mutating, because the same move written as tensor code (`buffer[..., window] =
     buffer.index_select(...)`) reads and writes one graph input, and inductor fuses the two into one kernel that
@@ -184,16 +185,22 @@ def gather_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int,
     last reader of the rows being overwritten (a counted step's attention, through its history write); without it
     the graph may order that reader after this op, and inductor then copies the whole buffer to keep the old rows
     for it."""
-    gather_rows_eagerly(buffers, index, start)
+    _gather_rows_reference(buffers, index, start)
 
 
-def gather_rows_eagerly(buffers: list[torch.Tensor], index: torch.Tensor, start: int) -> None:
-    """`gather_rows` without the op's dispatch (what it runs; eager callers save the dispatcher's host time)."""
+def _gather_rows_reference(buffers: list[torch.Tensor], index: torch.Tensor, start: int) -> None:
     n = index.shape[1]
     for buffer in buffers:
         batch, heads, _, dim = buffer.shape
         source = buffer.gather(2, index[:, None, :, None].expand(batch, heads, n, dim))  # a copy: read all first
         buffer[:, :, start : start + n].copy_(source)
+
+
+@gather_rows.register_kernel("cuda")
+def _gather_rows_cuda(buffers, index, start, after=None):
+    from oscar_hf.kernels.triton.move_rows import move_rows as triton_move_rows
+
+    triton_move_rows(buffers, index, start)
 
 
 @gather_rows.register_fake
@@ -202,11 +209,14 @@ def _(buffers, index, start, after=None):
 
 
 def move_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int, after: torch.Tensor | None = None) -> None:
-    """`gather_rows` through the op while `torch.compile` traces, straight otherwise."""
+    """`gather_rows` through the op while `torch.compile` traces; straight to the device's implementation
+    otherwise (an eager op call costs tens of microseconds of dispatch on the host)."""
     if torch.compiler.is_compiling():
         torch.ops.oscar_hf.gather_rows(buffers, index, start, after)
+    elif buffers[0].is_cuda:
+        _gather_rows_cuda(buffers, index, start)
     else:
-        gather_rows_eagerly(buffers, index, start)
+        _gather_rows_reference(buffers, index, start)
 
 
 class OpBackend:

@@ -1,0 +1,58 @@
+"""Moving BF16 rows down within their buffer in place: the window's shift after a demotion, a padded row's sink.
+
+Contract (`move_rows`): buffers `[B, H, rows, d]` (one shape and dtype, unit stride along d), index long `[B, n]` or
+`[1, n]` (contiguous) with `index[b, j] >= start + j`: row `start + j` of row b becomes what row `index[b, j]` held.
+Every row is read before it is overwritten, as `kernels.ops.gather_rows` requires.
+
+One program per (batch row, head, block of d columns) walks the n destination rows in order. It owns its columns
+of every row, so no other program writes what it reads; and since a row is only ever moved down
+(`index[b, j] >= start + j`), the row it reads at step j has not been written by its own steps before j. A row
+that would be copied onto itself (every row on the seven decode steps of eight that demote nothing: the window's
+index is then the identity) is neither loaded nor stored, so such a step costs the launch and the index reads.
+Against a gather into a copy and a copy back, this moves each row once, and on most steps not at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.kernels.triton.common import launch_device
+
+BLOCK_D = 32  # columns per program: at d = 128, B = 8 and H = 8 there are 256 programs
+
+
+@triton.jit
+def _move_rows_kernel(a_ptr, b_ptr, index_ptr, sb, sh, sr, sib, n, start, H, D,
+                      BLOCK_D: tl.constexpr, TWO: tl.constexpr):
+    b = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    base = b.to(tl.int64) * sb + h.to(tl.int64) * sh
+    for j in range(n):
+        source = tl.load(index_ptr + b * sib + j)
+        target = start + j
+        moves = col_ok & (source != target)
+        a = tl.load(a_ptr + base + source.to(tl.int64) * sr + cols, mask=moves)
+        tl.store(a_ptr + base + target.to(tl.int64) * sr + cols, a, mask=moves)
+        if TWO:
+            v = tl.load(b_ptr + base + source.to(tl.int64) * sr + cols, mask=moves)
+            tl.store(b_ptr + base + target.to(tl.int64) * sr + cols, v, mask=moves)
+
+
+def move_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int) -> None:
+    """Launch the move over one or two buffers of one layout (the module docstring's contract)."""
+    first = buffers[0]
+    batch, heads, _, dim = first.shape
+    if len(buffers) > 2 or any(t.shape != first.shape or t.stride() != first.stride() for t in buffers):
+        raise ValueError("move_rows takes one or two buffers of one shape and layout")
+    if first.stride(3) != 1 or not index.is_contiguous():
+        raise ValueError("move_rows needs unit stride along the head dim and a contiguous index")
+    index_batch_stride = 0 if index.shape[0] == 1 else index.stride(0)
+    grid = (batch * heads, triton.cdiv(dim, BLOCK_D))
+    with launch_device(first):
+        _move_rows_kernel[grid](first, buffers[-1], index, first.stride(0), first.stride(1), first.stride(2),
+                                index_batch_stride, index.shape[1], start, heads, dim, BLOCK_D=BLOCK_D,
+                                TWO=len(buffers) == 2)
