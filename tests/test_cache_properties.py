@@ -1,7 +1,8 @@
 """Property-based tests (hypothesis): random sequences of cache operations on a tiny model, OscarCache against
 DynamicCache (issue 23).
 
-Operations: chunked and single-token forwards, `crop`, `reorder_cache`, `batch_select_indices`,
+Operations: chunked and single-token forwards, single-token forwards through `torch.compile(model.forward,
+fullgraph=True)` (so eager and compiled steps interleave with everything else), `crop`, `reorder_cache`, `batch_select_indices`,
 `batch_repeat_interleave`, `deepcopy`, `reset`, `update()` outside a forward, and a forward that an exception
 stops inside one layer's attention; prompts are left-padded per row at random (the attention mask follows every
 operation). Invariants after every operation:
@@ -35,7 +36,7 @@ from oscar_hf.layer import OscarLayer
 
 from oscar_hf import OscarCache
 
-from conftest import VOCAB, forward, tiny_model
+from conftest import VOCAB, cache_argument_name, forward, tiny_model
 
 settings.register_profile("ci", max_examples=12, stateful_step_count=12, derandomize=True, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -44,6 +45,10 @@ settings.register_profile("long", max_examples=300, stateful_step_count=40, dead
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
 MODEL = tiny_model("llama", seed=4)
+# aot_eager: dynamo's trace and functionalization of the cache's ops (their declared reads, writes and order) in
+# every state the machine reaches; inductor's code generation is `test_paths_differential`'s, whose compiles
+# would cost this search minutes per batch size and mask width
+COMPILED_FORWARD = torch.compile(MODEL.forward, fullgraph=True, backend="aot_eager")
 
 
 class CacheOperations(RuleBasedStateMachine):
@@ -65,19 +70,29 @@ class CacheOperations(RuleBasedStateMachine):
     def _ids(self, n):
         return torch.randint(1, VOCAB, (self.batch, n), generator=self.generator)
 
-    def _forward(self, n, pads=None):
+    def _forward(self, n, pads=None, compiled=False):
         ids = self._ids(n)
         new = torch.ones(self.batch, n, dtype=torch.long)
         for row, pad in enumerate(pads or []):
             new[row, :pad] = 0
         self.mask = torch.cat([self.mask, new], dim=1)
         with torch.no_grad():
-            forward(MODEL, ids, self.oscar, attention_mask=self.mask)
+            if compiled:
+                with torch._dynamo.config.patch(recompile_limit=256):  # batch sizes, mask widths, tiers' phases
+                    COMPILED_FORWARD(input_ids=ids, use_cache=True, attention_mask=self.mask,
+                                     **{cache_argument_name(MODEL): self.oscar})
+            else:
+                forward(MODEL, ids, self.oscar, attention_mask=self.mask)
             forward(MODEL, ids, self.dynamic, attention_mask=self.mask)
 
     @rule(n=st.sampled_from([1, 1, 1, 2, 5]))
     def step(self, n):
         self._forward(n)
+
+    @rule()
+    def compiled_step(self):
+        """A decode step through the compiled forward (the DynamicCache's runs eagerly)."""
+        self._forward(1, compiled=True)
 
     @rule(n=st.integers(1, 4))
     def crop(self, n):
