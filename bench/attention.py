@@ -1,6 +1,6 @@
 """Decode attention of one layer: OSCAR (BF16 sink + recent, INT2 history, merge) vs PyTorch SDPA over BF16 K/V.
 
-    python -m bench.attention --out bench/results/attention.json [--sweep] [--sweep-splits] [--breakdown]
+    python -m bench.attention --out attention.json [--sweep] [--sweep-splits] [--breakdown]
                               [--dims 128,64]
 
 `--sweep` times each head_dim's launch candidates (`bench.harness.SWEEP_CONFIGS`) and uses the best for its table;

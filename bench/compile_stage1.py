@@ -6,9 +6,9 @@ SASS counts (MMA, shared-memory and global loads, barriers).
 
 The kernel is specialized as a decode step of Qwen3-8B at 100k tokens / batch 8 specializes it (bf16 query, its
 float32 rotation from `rotate_query`, 2-bit history with fp16 scale/zero, no mask, dependent launches), with the
-integer arguments' divisibility and value-1 specialization that a real launch gets. Run 8's kernel (which still
-rotated the query itself) compiled to 168 registers and 71,680 bytes of shared memory here, the values Nsight
-Compute reported for it on the H200 (run 2). It needs Triton's bundled ptxas and cuobjdump only.
+integer arguments' divisibility and value-1 specialization that a real launch gets. An earlier version of the
+kernel compiled here to the registers and shared memory that Nsight Compute reported for it on an H200 (168 and
+71,680 bytes). It needs Triton's bundled ptxas and cuobjdump only.
 It gives resources, not time: time is measured with `python -m bench.attention --sweep` on the GPU.
 """
 

@@ -1,6 +1,6 @@
 """`generate` decode speed and memory of a random-weight Qwen3-8B: OscarCache vs DynamicCache (vs HF QuantizedCache).
 
-    python -m bench.generate --out bench/results/generate.json [--contexts 32768,100000] [--batches 1,8]
+    python -m bench.generate --out generate.json [--contexts 32768,100000] [--batches 1,8]
 
 The model is built from Qwen3-8B's public config (no download) with random bf16 weights. Each cache is filled with
 random K/V for `context` tokens (OscarCache through its own update + demotion path, i.e. the demotion kernel; no
@@ -16,8 +16,8 @@ throughput = batch / step time at that batch.
 
 Kinds (`--caches`): `oscar` (greedy), `oscar-topp` (top-p sampling), `oscar-eager` (greedy, `disable_compile`),
 `oscar-noguards` (an experiment: the compiled step without dynamo's guards), `oscar-compact` (oscar-next's row
-format), `dynamic`, `static` (StaticCache, compiled by `generate`), `quanto`. Earlier runs' `graphs` rows
-(`graphed_generate`'s own CUDA graphs) are in `bench/RESULTS.md`; that function is now `generate` itself.
+format), `dynamic`, `static` (StaticCache, compiled by `generate`), `quanto`. Today's numbers, with their
+commands, dates and GPUs: `docs/performance.md`.
 
 `--host-profile` also times the eager decode path's host side (`host_profile`): microseconds per attention call
 (cache update + attention) and a whole eager forward's host and wall time, OscarCache against DynamicCache + SDPA.

@@ -365,7 +365,7 @@ class Case:
 # each warp's share of a tile (64 tokens) but reduce the softmax within the warp (no barrier per tile); 16-key dense
 # tiles keep their shared memory (18 KB) from capping the programs per SM. With the query rotated once per call the
 # default takes 240 registers (8 resident); 32-token tiles take 168 (12 resident) for 12% more instructions per
-# token (`python -m bench.compile_stage1 --loops`). bench/RESULTS.md has the sweeps.
+# token (`python -m bench.compile_stage1 --loops`).
 def _cfg(tile, warps, stages, programs, dense=32, token_major=False, block_m=16, fold=False, regs=None,
          min_history=512):
     return dict(block_n_history=tile, num_warps=warps, num_stages=stages, programs_per_sm=programs,

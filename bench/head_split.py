@@ -1,7 +1,7 @@
 """Decode attention of one layer whose history is split by KV heads (`OscarConfig.high_precision_heads`) against the
 same layer stored uniformly, on the GPU.
 
-    python -m bench.head_split --out bench/results/head_split.json [--contexts 100000] [--batches 8]
+    python -m bench.head_split --out head_split.json [--contexts 100000] [--batches 8]
 
 Shape: Qwen3-8B's layer (32 query / 8 KV heads, head_dim 128), bf16, Hadamard rotations, oscar-next's row format
 (sigma rows, one-byte scale and zero; 4-bit runs: min-max, unclipped, float16 pairs), against the default format (min-max rows,

@@ -5,7 +5,7 @@ A random-weight Qwen3 at the real head_dim 128 (GQA 8:4, 4 layers), its output h
 choices are decisive. Default tiers (sink 64, recent 256, demotion blocks of 8). Prints one table; exits 1 if a
 check fails.
 
-    python -m bench.reliability_gpu [--out bench/results/reliability_gpu.json]
+    python -m bench.reliability_gpu [--out reliability_gpu.json]
 """
 
 from __future__ import annotations

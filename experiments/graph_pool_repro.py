@@ -1,4 +1,4 @@
-"""Why `GraphReplay.clear` drops its memory pools (bench/RESULTS.md, run 97): capture a call into a pool, drop the
+"""Why `GraphReplay.clear` drops its memory pools: capture a call into a pool, drop the
 graph, empty the allocator's cache, capture again into the same pool. On torch 2.11 (H200) the second capture fails
 inside PyTorch (`it->second->use_count > 0 INTERNAL ASSERT FAILED`, CachingHostAllocator.h) and leaves the RNG in
 capture state; with a fresh pool after each clear, every capture succeeds.

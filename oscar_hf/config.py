@@ -202,7 +202,7 @@ class OscarConfig:
         """The settings of high-precision rows: `high_precision_bits`-bit min-max codes without clipping (a clip that
         suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them; the sigma grid would saturate
         them too), with float16 (scale, zero) pairs where the others are compact: the GPU kernel of wide rows reads
-        float16 pairs at a higher bandwidth than compact ones (`bench/RESULTS.md`), and a 4-bit row's pair is a
+        float16 pairs at a higher bandwidth than compact ones (`docs/performance.md`), and a 4-bit row's pair is a
         small part of its bytes."""
         pairs = torch.float16 if self.scale_dtype == COMPACT else self.scale_dtype
         return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
