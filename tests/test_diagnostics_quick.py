@@ -309,3 +309,12 @@ def test_a_file_of_hadamard_rotations_is_not_labelled_calibrated():
     assert smoothed["oscar"] == "OSCAR (calibrated, keys smoothed)"
     smoothed = {m.name: m.label for m in select_methods("oscar", rotations=str(repo / "smollm2-135m-hadamard-smoothed"))}
     assert smoothed["oscar"] == "OSCAR (Hadamard rotations from a file, keys smoothed)"
+
+
+def test_labels_name_the_options_that_override_a_preset():
+    # a report of `--oscar-options '{"high_precision_layers": [1]}'` must not read as the plain preset
+    plain = {m.name: m.label for m in select_methods("oscar-next,bf16", rotations="hadamard")}
+    changed = {m.name: m.label for m in select_methods("oscar-next,bf16", rotations="hadamard",
+                                                       high_precision_layers=[1], recent_tokens=128)}
+    assert changed["oscar-next"] == plain["oscar-next"] + ", with high_precision_layers=[1], recent_tokens=128"
+    assert changed["bf16"] == plain["bf16"]

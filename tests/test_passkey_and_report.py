@@ -78,7 +78,7 @@ def test_a_rotations_folder_drops_into_the_oscar_rows(tiny_llama_model, tmp_path
     r = (q @ hadamard_matrix(32)).float()
     Rotations({0: r, 1: r}, {0: r, 1: r}, metadata={"objective": "test"}).save_pretrained(tmp_path)
     methods = builtin_methods(rotations=str(tmp_path), sink_tokens=4, recent_tokens=8, demote_block=4)
-    assert methods["oscar"].label == "OSCAR (calibrated)"
+    assert methods["oscar"].label == "OSCAR (calibrated), with demote_block=4, recent_tokens=8, sink_tokens=4"
     cache = methods["oscar"].build(tiny_llama_model)
     assert cache.oscar_config.method == "oscar" and torch.allclose(cache.layers[0].key_rotation, r)
     assert methods["oscar4"].build(tiny_llama_model).oscar_config.bits == 4

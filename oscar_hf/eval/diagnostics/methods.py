@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -148,6 +148,9 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
         Method("turboquant2", "TurboQuant-MSE 2-bit (turboquant-impl, R128, layer 0 kept full precision)",
                _turboquant(2)),
     ]
+    if oscar_options:  # the label says what the options changed, so a report never names a preset it did not run
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted(oscar_options.items()))
+        methods = [replace(m, label=f"{m.label}, with {options}") if m.oscar else m for m in methods]
     return {m.name: m for m in methods}
 
 
