@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
@@ -52,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"rotations for {', '.join(ROTATION_METHODS)} (oscar-mixed, oscar-hifi and oscar-next "
                         "need a retrieval ranking)")
     p.add_argument("--encoder", default="minmax", help="OscarConfig.encoder of every OSCAR method")
+    p.add_argument("--compile", action="store_true",
+                   help="score the OSCAR caches through torch.compile(model.forward, fullgraph=True) (with --chunk 1: "
+                        "compiled decode steps, demotions included)")
     add_oscar_options_argument(p)
     add_progress_argument(p)
     add_logging_argument(p)
@@ -82,13 +86,18 @@ def main(argv: list[str] | None = None) -> None:
     makers = {REFERENCE: lambda: DynamicCache(config=model.config)}
     makers.update({m.name: factory(m) for m in methods})
     start = time.perf_counter()
+    forwards = {}
+    if args.compile:
+        compiled = torch.compile(model.forward, fullgraph=True)
+        forwards = {m.name: compiled for m in methods if m.oscar}
     results = compare_caches(model, ids, makers, prefill=args.prefill, chunk=args.chunk,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, forwards=forwards)
     seconds = time.perf_counter() - start
 
     dense = results[REFERENCE].perplexity
     print(f"\n{args.model} ({args.dtype}), {args.text}, {args.tokens} tokens, prefill {args.prefill}, "
-          f"chunks of {args.chunk}, {results[REFERENCE].tokens} scored tokens, {seconds:.0f} s\n")
+          f"chunks of {args.chunk}{', OSCAR compiled' if args.compile else ''}, {results[REFERENCE].tokens} scored "
+          f"tokens, {seconds:.0f} s\n")
     print("| method | perplexity | vs BF16 | next-token KL vs BF16 | top-1 agreement | history bits/element |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in results.items():

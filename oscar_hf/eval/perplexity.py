@@ -38,10 +38,12 @@ def compare_caches(
     prefill: int = 512,
     chunk: int = 32,
     progress: bool = True,
+    forwards: dict[str, Callable] | None = None,
 ) -> dict[str, ScoreResult]:
     """Score `input_ids` `[1, L]` through one fresh cache per entry; the first entry is the KL reference.
 
-    `make_caches` maps a name to a zero-argument factory (e.g. `lambda: DynamicCache(config=model.config)`).
+    `make_caches` maps a name to a zero-argument factory (e.g. `lambda: DynamicCache(config=model.config)`);
+    `forwards` the names whose scored forwards run through another callable than `model` (a compiled forward).
     """
     if input_ids.shape[0] != 1:
         raise ValueError("compare_caches scores one sequence at a time (batch 1)")
@@ -63,7 +65,8 @@ def compare_caches(
         targets = ids[0, start + 1 : end + 1]
         reference_logp = None
         for name in names:
-            logits = model(input_ids=ids[:, start:end], use_cache=True, **{argument: caches[name]}).logits[0]
+            run = (forwards or {}).get(name, model)
+            logits = run(input_ids=ids[:, start:end], use_cache=True, **{argument: caches[name]}).logits[0]
             logp = torch.log_softmax(logits.float(), dim=-1)
             total = totals[name]
             total[0] -= logp.gather(1, targets[:, None]).sum().item()

@@ -85,8 +85,9 @@ def is_hit(answer: str, output: str) -> bool:
 
 
 def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Method], max_new_tokens: int = 8,
-               shared_prefill: bool = True, progress: bool = True) -> list[ProbeResult]:
-    """Greedy-generate `max_new_tokens` after each probe through a fresh cache of every method."""
+               shared_prefill: bool = True, progress: bool = True, compiled: bool = False) -> list[ProbeResult]:
+    """Greedy-generate `max_new_tokens` after each probe through a fresh cache of every method (`compiled`: with
+    the decode step compiled, `greedy_through_cache`)."""
     results = []
     device = next(model.parameters()).device
     bar = tqdm(total=len(probes) * len(methods), desc="probes", disable=not progress)
@@ -98,7 +99,7 @@ def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Meth
             tokens = []
             try:
                 tokens = greedy_through_cache(model, method.build(model), max_new_tokens, prefill=prefill,
-                                              prompt=prompt)
+                                              prompt=prompt, compiled=compiled)
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
             except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
                 text = f"<error {type(e).__name__}: {e}>"
@@ -166,6 +167,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--no-shared-prefill", action="store_true", help="plain generate (one prefill per method)")
+    parser.add_argument("--compile", action="store_true",
+                        help="generate compiles the decode step of OSCAR caches on any device (on CUDA it does "
+                             "by itself), so the answers come from the compiled path")
     parser.add_argument("--out", default=out)
     add_progress_argument(parser)
     add_logging_argument(parser)
@@ -201,7 +205,7 @@ def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: C
                              f"multiples of it: build the probes with --align {method.prefix_multiple}")
     with timed(f"{len(probes)} probes through {', '.join(m.name for m in methods)}", logger) as watch:
         results = run_probes(model, tokenizer, probes, methods, args.max_new_tokens, not args.no_shared_prefill,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, compiled=args.compile)
     command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     print(write_results(results, methods, args.out, title, command, watch.seconds, basename))
     if after is not None:

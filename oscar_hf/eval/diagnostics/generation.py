@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache
 
 from oscar_hf.compat import cache_argument_name, output_cache
 from oscar_hf.eval.diagnostics.layers import prefill_by_replay
@@ -40,14 +40,18 @@ def full_precision_prefill(model, prompt: torch.Tensor) -> Prefill:
 
 @torch.no_grad()
 def greedy_through_cache(model, cache, max_new_tokens: int, prefill: Prefill | None = None,
-                         prompt: torch.Tensor | None = None) -> list[int]:
+                         prompt: torch.Tensor | None = None, compiled: bool = False) -> list[int]:
     """Greedy continuation (token ids) of a prompt through a fresh `cache`.
 
     With `prefill` (shared): replay its K/V into the cache, then decode; otherwise `prompt` goes through plain
-    `model.generate`.
+    `model.generate`. `compiled`: `generate` compiles the decode step on any device (it does on CUDA by itself),
+    where the cache is compileable.
     """
     name = cache_argument_name(model)
     options = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id or 0)
+    if compiled:
+        options["compile_config"] = CompileConfig(fullgraph=True)
+        options["compile_config"]._compile_all_devices = True  # transformers compiles on CUDA only unless told
     if prefill is None:
         out = model.generate(input_ids=prompt, max_new_tokens=max_new_tokens, **options, **{name: cache})
         return out[0, prompt.shape[1]:].tolist()
