@@ -238,9 +238,9 @@ def test_a_setup_on_the_hub_is_downloaded_with_its_options(monkeypatch, tmp_path
     assert "llama/*.json" in calls["allow_patterns"]  # oscar_config.json comes down with the rotations
 
 
-def test_the_readme_snippet_for_transformers_users_runs(tmp_path, monkeypatch):
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    section = readme.split("## Coming from transformers' `cache_implementation`", 1)[1]
+def test_the_usage_snippet_for_transformers_users_runs(tmp_path, monkeypatch):
+    usage = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")
+    section = open(usage).read().split("## Saving and loading; coming from `cache_implementation`", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
     model = tiny_model()
