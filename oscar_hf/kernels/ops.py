@@ -17,31 +17,43 @@ shapes):
 - `oscar_hf::gather_rows`: rows of a BF16 buffer moved within it (the window's shift after a demotion, the sink of
   a left-padded row taking real tokens), every source row read before any is written.
 
-A backend instance is not a tensor, so an op names it: `register_backend` gives each backend a key, and the op
-looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the backend).
+A backend instance is not a tensor, so an op names it by a string: `register_backend` gives each backend a key
+while it lives, and the op looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the
+backend). The lookup holds backends weakly, so a freed cache's backend leaves it, and keys are issued by a counter,
+so a key never names another backend than the one it was given for. One backend keeps one key: a compiled graph,
+which holds the key as a constant, then serves every cache of that backend (`kernels.select` shares one per device).
 """
 
 from __future__ import annotations
+
+import copy
+import itertools
+import weakref
 
 import torch
 
 from oscar_hf.kernels.interface import Backend, HeadRun, HeadSplitTensors, HistoryTensors, block_start
 
-_REGISTRY: dict[str, Backend] = {}
+_BACKENDS: weakref.WeakValueDictionary[str, Backend] = weakref.WeakValueDictionary()
+_KEY_NUMBERS = itertools.count(1)
 
 
 def register_backend(backend: Backend) -> str:
-    """The key the ops use for `backend` (registered once; the registry keeps it alive)."""
-    key = f"{backend.name}:{id(backend)}"
-    _REGISTRY.setdefault(key, backend)
+    """The key the ops name `backend` by: the one it was given while it lives, else a new one. The lookup does
+    not keep `backend` alive; its holder (an `OpBackend`) does."""
+    for key, known in _BACKENDS.items():
+        if known is backend:
+            return key
+    key = f"{backend.name}:{next(_KEY_NUMBERS)}"
+    _BACKENDS[key] = backend
     return key
 
 
 def _backend(key: str) -> Backend:
-    try:
-        return _REGISTRY[key]
-    except KeyError:
-        raise RuntimeError(f"no kernel backend registered under {key!r} (register_backend)") from None
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        raise RuntimeError(f"no kernel backend under {key!r}: its cache was freed (register_backend)")
+    return backend
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
@@ -229,6 +241,10 @@ class OpBackend:
         self.name = backend.name
         self.key = register_backend(backend)
         self.decodes_split_histories = getattr(backend, "decodes_split_histories", False)
+
+    def __deepcopy__(self, memo):
+        # a copied backend is a backend of its own, with its own key; a shared one (in `memo`) keeps its key
+        return OpBackend(copy.deepcopy(self.inner, memo))
 
     def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
                   key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
