@@ -92,7 +92,8 @@ def rank_retrieval_heads(model, tokenizer, template, lengths: Sequence[int] = DE
 
 
 # the history format `oscar-next` stores its 2-bit heads in: what its heads are ranked under
-HEAD_RANKING_SETTINGS = {k: v for k, v in PRESETS["oscar-next"].items() if k not in ("rotation", "quantize")}
+HEAD_RANKING_SETTINGS = {name: getattr(PRESETS["oscar-next"], name)
+                         for name in ("key_clip_ratio", "value_clip_ratio", "encoder", "scale_dtype")}
 
 
 def rank_and_record(model, tokenizer, rotations: Rotations, data_free: bool = False, sink: int = 64,

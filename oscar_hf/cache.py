@@ -9,9 +9,7 @@ out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
-import math
 import os
 import weakref
 
@@ -20,29 +18,18 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.config import (
-    CONFIG_NAME,
-    FORMAT_FIELDS,
-    RANKED_DEFAULT_METHOD,
-    RANKED_HEAD_SHARES,
-    RANKED_LAYER_SHARES,
-    OscarConfig,
-    checked_bool,
-    checked_int,
-)
+from oscar_hf.config import CONFIG_NAME, OscarConfig, checked_bool, checked_int
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
-from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape, text_config_of
-from oscar_hf.parallel import local_head_config, local_heads, tensor_parallel_position
+from oscar_hf.model_support import attention_shape, text_config_of
+from oscar_hf.plan import NAMED_ROTATIONS, live_caches, plan_cache
 from oscar_hf.rotations import Rotations
-from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
 from oscar_hf.rotations.hub import resolve_rotation_folder
 from oscar_hf.rotations.io import SAFETENSORS_NAME
 
 logger = logging.get_logger(__name__)
 
-NAMED_ROTATIONS = ("hadamard", "identity")
 
 
 class OscarCache(Cache):
@@ -84,96 +71,37 @@ class OscarCache(Cache):
     and `OscarCache.from_pretrained(model, folder)` rebuilds it.
     """
 
-    def __init__(
-        self,
-        model,
-        rotations: str | os.PathLike | Rotations | None = None,
-        method: str | None = None,
-        *,
-        config: OscarConfig | None = None,
-        fold_value_rotation: bool = False,
-        max_cache_len: int | None = None,
-        backend: Backend | None = None,
-        recorded_clip_ratios: bool | None = None,
-        subfolder: str | None = None,
-        revision: str | None = None,
-        token: str | bool | None = None,
-        local_files_only: bool = False,
-        **options,
-    ):
+    def __init__(self, model, rotations: str | os.PathLike | Rotations | None = None, method: str | None = None, *,
+                 config: OscarConfig | None = None, fold_value_rotation: bool = False,
+                 max_cache_len: int | None = None, backend: Backend | None = None,
+                 recorded_clip_ratios: bool | None = None, subfolder: str | None = None, revision: str | None = None,
+                 token: str | bool | None = None, local_files_only: bool = False, **options):
         register()
         checked_bool("fold_value_rotation", fold_value_rotation)
         if max_cache_len is not None:
             max_cache_len = checked_int("max_cache_len", max_cache_len, 1)
         if recorded_clip_ratios is not None:
             checked_bool("recorded_clip_ratios", recorded_clip_ratios)
-        model_config = getattr(model, "config", model)
-        shape = attention_shape(model_config)
-        if recorded_clip_ratios is None:
-            recorded_clip_ratios = not (config is not None or "key_clip_ratio" in options
-                                        or "value_clip_ratio" in options)
-        inferred = config is None and method is None
-        if config is None:
-            config = OscarConfig.from_method(method or _infer_method(rotations), **options)
-        elif method is not None or options:
-            raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
-        source = rotations if rotations is not None else config.default_rotation
-        resolved = _resolve_rotations(
-            source, shape,
-            dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only),
-        )
-        if inferred and config.method == "oscar" and _takes_ranked_default(resolved, options):
-            config = OscarConfig.from_method(RANKED_DEFAULT_METHOD, **options)
-            logger.info("OscarCache: method=%r, the 2-bit default of rotations that rank their layers by retrieval "
-                        "(method='oscar' stores uniform 2-bit rows)", RANKED_DEFAULT_METHOD)
-        for bits in config.code_widths:
-            if config.quantize and shape.head_dim % (8 // bits):
-                raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
-                                            f"packed per byte at {bits} bits")
-        if config.method in RANKED_LAYER_SHARES and not config.high_precision_layers:
-            config = dataclasses.replace(config, high_precision_layers=_ranked_layers(config.method, resolved, shape))
-        if config.method in RANKED_HEAD_SHARES and not (config.high_precision_heads or config.high_precision_layers):
-            config = dataclasses.replace(config, high_precision_heads=_ranked_heads(config.method, resolved, shape))
-        folded = _folded_layers(model, model_config, resolved, shape, fold_value_rotation)
-        self._model_ref = None if model is model_config else weakref.ref(model)
-        unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
-        if unknown:
-            raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
-                             f"are {shape.oscar_layer_ids}")
-        _check_heads(config.high_precision_heads, shape)
-        tp_rank, tp_size = tensor_parallel_position(model)
-        layers = []
-        for i, kind in enumerate(shape.layer_kinds):
-            if kind == OSCAR_LAYER:
-                key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
-                query_r = None  # the key rotation, unless the keys are smoothed (`Rotations.key_transforms`)
-                if resolved is not None and i in resolved.key_smoothing:
-                    key_r, query_r = resolved.key_transforms(i)
-                key_r, value_r, query_r = (local_heads(r, tp_rank, tp_size) for r in (key_r, value_r, query_r))
-                layer_config = local_head_config(config.for_layer(i), tp_rank, tp_size, shape.num_kv_heads)
-                if recorded_clip_ratios and i not in config.high_precision_layers:
-                    layer_config = _recorded_clip_config(layer_config, resolved, i)
-                layers.append(OscarLayer(i, layer_config, key_r, None if i in folded else value_r, backend,
-                                         max_cache_len=max_cache_len, query_rotation=query_r))
-            else:
-                layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
-        super().__init__(layers=layers)
-        self.oscar_config = config
-        self.rotations = resolved
-        self.shape = shape
-        # what `save_pretrained` records besides the config: a named rotation needs no file
-        self._rotations_name = ("identity" if resolved is None else
-                                "hadamard" if isinstance(source, str) and source == "hadamard" else None)
-        self._recorded_clip_ratios = recorded_clip_ratios
-        self._folds_value_rotation = bool(folded)
+        hub_options = dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only)
+        plan = plan_cache(model, rotations, method, config, options, fold_value_rotation=fold_value_rotation,
+                          recorded_clip_ratios=recorded_clip_ratios, hub_options=hub_options)
+        super().__init__(layers=[
+            DynamicSlidingWindowLayer(sliding_window=plan.shape.sliding_window) if layer is None else
+            OscarLayer(i, layer.config, layer.key_rotation, layer.value_rotation, backend, max_cache_len=max_cache_len,
+                       query_rotation=layer.query_rotation)
+            for i, layer in enumerate(plan.layers)])
+        self.oscar_config, self.rotations, self.shape = plan.config, plan.rotations, plan.shape
+        self._plan = plan  # what `save_pretrained` records
         self._max_cache_len = max_cache_len
+        model_config = getattr(model, "config", model)
+        self._model_ref = None if model is model_config else weakref.ref(model)
         self._model_config = text_config_of(model_config)
         self._warned_fallback = False
-        if not shape.oscar_layer_ids:
+        if not plan.shape.oscar_layer_ids:
             logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
         if model is not model_config:
             use_oscar_attention(model)
-            _live_caches(model).add(self)
+            live_caches(model).add(self)
 
     # ------------------------------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -286,7 +214,7 @@ class OscarCache(Cache):
             setattr(clone, name, copy.deepcopy(value, memo))
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
-            _live_caches(model).add(clone)
+            live_caches(model).add(clone)
         return clone
 
     # ------------------------------------------------------------------------------------------ saving
@@ -302,13 +230,14 @@ class OscarCache(Cache):
                            "OscarCache.from_pretrained gives an empty cache, to be filled by running the prompt again",
                            tokens)
         os.makedirs(save_directory, exist_ok=True)
-        if self._rotations_name is None:
+        plan = self._plan
+        if plan.rotations_name is None:
             self.rotations.save_pretrained(save_directory)
         setup = {
             "oscar_config": self.oscar_config.to_dict(),
-            "rotations": self._rotations_name or SAFETENSORS_NAME,
-            "recorded_clip_ratios": self._recorded_clip_ratios,
-            "fold_value_rotation": self._folds_value_rotation,
+            "rotations": plan.rotations_name or SAFETENSORS_NAME,
+            "recorded_clip_ratios": plan.recorded_clip_ratios,
+            "fold_value_rotation": plan.folds_value_rotation,
             "max_cache_len": self._max_cache_len,
             "attention_shape": _shape_record(self.shape),
         }
@@ -424,117 +353,3 @@ def _checked_setup(path: str, setup) -> dict:
         raise ValueError(f"{path}: {error}; edit the file, or save the setup again with "
                          "OscarCache.save_pretrained") from None
     return setup
-
-
-def _live_caches(model) -> weakref.WeakSet:
-    """The OscarCaches built on `model` that are still alive (folding checks them)."""
-    caches = model.__dict__.get("_oscar_live_caches")
-    if caches is None:
-        caches = model.__dict__["_oscar_live_caches"] = weakref.WeakSet()
-    return caches
-
-
-def _folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int]:
-    """Layers whose value rotation lives in the model's weights (folding them now if asked)."""
-    if model is model_config:
-        if fold:
-            raise ValueError("fold_value_rotation=True needs the model itself, not its config")
-        return set()
-    already = {i for i in shape.oscar_layer_ids if folded_value_rotation(model, i) is not None}
-    for i in already:
-        wanted = rotations.value[i] if rotations is not None else None
-        if wanted is None or not torch.equal(folded_value_rotation(model, i), wanted):
-            raise ValueError(
-                f"this model has value rotations folded into its weights (layer {i}) that differ from the requested "
-                "ones; build caches with the same rotations, or reload the model"
-            )
-    if fold and rotations is not None:
-        holding = [cache for cache in _live_caches(model) if int(cache.get_seq_length())]
-        if holding and set(shape.oscar_layer_ids) - already:  # folding would rewrite weights (not a no-op)
-            raise ValueError(
-                f"fold_value_rotation=True rewrites this model's v_proj/o_proj weights in place, and {len(holding)} "
-                "OscarCache(s) built on it hold tokens computed with the current weights, which the folded model "
-                "would misread. Fold before filling any cache, or call reset() on those caches first (a "
-                "DynamicCache filled on this model becomes invalid the same way)."
-            )
-        if tensor_parallel_position(model)[1] > 1:
-            raise NotImplementedError("fold_value_rotation is not supported on tensor-parallel (sharded) models")
-        fold_value_rotations(model, rotations, shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim)
-        return set(shape.oscar_layer_ids)
-    return already
-
-
-def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, layer_idx: int) -> OscarConfig:
-    """`config` with the clip ratios the rotations record for this layer and code width, if any."""
-    recorded = rotations.clip_ratios(layer_idx, config.bits) if rotations is not None else None
-    if recorded is None:
-        return config
-    return dataclasses.replace(config, key_clip_ratio=recorded[0], value_clip_ratio=recorded[1])
-
-
-def _ranked_layers(method: str, rotations: Rotations | None, shape) -> tuple[int, ...]:
-    """The `RANKED_LAYER_SHARES[method]` most retrieval-sensitive full-attention layers the rotations record."""
-    ranking = rotations.retrieval_layers() if rotations is not None else None
-    return _top_share(method, ranking, RANKED_LAYER_SHARES[method], len(shape.oscar_layer_ids), "layers",
-                      "rank_retrieval_layers", "high_precision_layers=[...]")
-
-
-def _ranked_heads(method: str, rotations: Rotations | None, shape) -> tuple[tuple[int, int], ...]:
-    """The `RANKED_HEAD_SHARES[method]` most retrieval-sensitive (layer, KV head) pairs the rotations record."""
-    ranking = rotations.retrieval_heads() if rotations is not None else None
-    return _top_share(method, ranking, RANKED_HEAD_SHARES[method], len(shape.oscar_layer_ids) * shape.num_kv_heads,
-                      "KV heads", "rank_retrieval_heads", "high_precision_heads=[(layer, kv_head), ...]")
-
-
-def _top_share(method: str, ranking: list | None, share: float, units: int, what: str, ranker: str,
-               option: str) -> tuple:
-    """The first `share` of `units` entries of a recorded ranking (at least one); ValueError without a ranking."""
-    if not ranking:
-        raise ValueError(
-            f"method={method!r} keeps the {what} retrieval depends on at 4 bits, and these rotations record no "
-            f"ranking of those {what}: rank them with `oscar-calibrate ... --rank-retrieval-layers` or `python -m "
-            f"oscar_hf.calibrate.retrieval_layers --model <model> --rotations <folder>` (or "
-            f"oscar_hf.calibrate.retrieval_layers.{ranker}), or pass {option}"
-        )
-    return tuple(ranking[:max(1, math.ceil(share * units))])
-
-
-def _check_heads(heads, shape) -> None:
-    """ValueError unless every (layer, KV head) pair names a KV head of a full-attention layer."""
-    wrong = [pair for pair in heads if pair[0] not in shape.oscar_layer_ids or pair[1] >= shape.num_kv_heads]
-    if wrong:
-        raise ValueError(f"high_precision_heads {wrong} are not KV heads of this model's full-attention layers (layers "
-                         f"{shape.oscar_layer_ids}, KV heads 0-{shape.num_kv_heads - 1})")
-
-
-def _takes_ranked_default(rotations: Rotations | None, options: dict) -> bool:
-    """Whether a cache whose method was inferred as `oscar` stores `RANKED_DEFAULT_METHOD` instead: its rotations
-    record a layer ranking, and no option chooses a row format."""
-    return (rotations is not None and bool(rotations.retrieval_layers())
-            and not any(name in options for name in FORMAT_FIELDS))
-
-
-def _infer_method(rotations) -> str:
-    if rotations is None or (isinstance(rotations, str) and rotations == "hadamard"):
-        return "hadamard"
-    if isinstance(rotations, str) and rotations == "identity":
-        return "identity"
-    return "oscar"
-
-
-def _resolve_rotations(source, shape, hub_options: dict) -> Rotations | None:
-    """A checked `Rotations` for the model's full-attention layers, or None for the identity."""
-    layer_ids = shape.oscar_layer_ids
-    if not layer_ids or (isinstance(source, str) and source == "identity"):
-        return None
-    if isinstance(source, str) and source == "hadamard":
-        return Rotations.hadamard(layer_ids, shape.head_dim)
-    if isinstance(source, str) and source == "file":
-        raise ValueError(
-            "method='oscar' needs calibrated rotations: pass rotations=<folder, file or Hub repo id> "
-            "(make them with `oscar-calibrate`), or use method='hadamard' for data-free rotations"
-        )
-    if not isinstance(source, Rotations):
-        source = Rotations.from_pretrained(source, **hub_options)
-    source.check_model(layer_ids, shape.head_dim, shape.num_kv_heads)
-    return source

@@ -13,42 +13,16 @@ import torch
 
 from oscar_hf.kernels.reference.quantize import COMPACT, ENCODERS
 
-# A preset fixes how the INT2 history is made. `rotation` is the default rotation source when the user
-# passes none: "hadamard" (data-free), "identity" (no rotation) or "file" (calibrated, must be given).
-PRESETS: dict[str, dict] = {
-    "oscar": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
-    # the 2-bit history, with the layers the rotations rank most retrieval-sensitive at 4 bits (`OscarCache`)
-    "oscar-hifi": dict(rotation="file", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
-    # candidate for the next 2-bit default, at <= 2.5 bits: sigma rows with one-byte (scale, zero) codes, and the
-    # bits they free spent on the top tenth of the KV heads of the retrieval ranking at 4 bits
-    "oscar-next": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
-                       scale_dtype=torch.uint8),
-    # the 2-bit default of rotations that record a retrieval ranking (`OscarCache` picks it): sigma rows with
-    # one-byte (scale, zero) codes, and the bits they free spent on the top tenth of the ranked layers at 4 bits.
-    # Per layer rather than per KV head (`oscar-next`): a layer of one code width decodes at the bandwidth of a
-    # uniform one, a layer split by heads does not (docs/retrieval.md)
-    "oscar-mixed": dict(rotation="file", quantize=True, key_clip_ratio=None, value_clip_ratio=None, encoder="sigma",
-                        scale_dtype=torch.uint8),
-    "hadamard": dict(rotation="hadamard", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
-    "quarot": dict(rotation="hadamard", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
-    "clip": dict(rotation="identity", quantize=True, key_clip_ratio=0.96, value_clip_ratio=0.92),
-    "identity": dict(rotation="identity", quantize=True, key_clip_ratio=None, value_clip_ratio=None),
-    "none": dict(rotation="identity", quantize=False, key_clip_ratio=None, value_clip_ratio=None),
-}
-
-# share of the full-attention layers a preset keeps at 4 bits: the top of the rotations' retrieval ranking
-HIFI_LAYER_SHARE = 0.2
-MIXED_LAYER_SHARE = 0.1
-RANKED_LAYER_SHARES = {"oscar-hifi": HIFI_LAYER_SHARE, "oscar-mixed": MIXED_LAYER_SHARE}
+# The presets: complete `OscarConfig`s, named by their `method` field (built below the class as `PRESETS`)
+PRESET_NAMES = ("oscar", "oscar-mixed", "oscar-hifi", "oscar-next", "hadamard", "quarot", "clip", "identity", "none")
 # what a cache given rotations with a layer ranking and no format options stores (`OscarCache`); without a ranking
 # it stores `oscar`'s uniform rows
 RANKED_DEFAULT_METHOD = "oscar-mixed"
 # the `OscarConfig` fields that choose a row format: with any of them given, the default stays `oscar`
 FORMAT_FIELDS = ("quantize", "bits", "key_clip_ratio", "value_clip_ratio", "scale_dtype", "encoder",
-                 "high_precision_layers", "high_precision_heads", "high_precision_bits")
-# share of the full-attention layers' KV heads a preset keeps at 4 bits: the top of the rotations' per-head ranking
-# (precision per KV head retrieves more than per layer at equal bits: docs/retrieval.md)
-RANKED_HEAD_SHARES = {"oscar-next": 0.1}
+                 "high_precision_layers", "high_precision_heads", "high_precision_bits", "high_precision_layer_share",
+                 "high_precision_head_share")
+ROTATION_SOURCES = ("hadamard", "identity", "file")
 
 # "compact": one byte each for the scale and the zero point (`kernels.reference.quantize`, 7)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -106,11 +80,9 @@ class OscarConfig:
     that exactly `recent_tokens` remain (a decode step demotes `demote_block` tokens at a time).
 
     Args:
-        method: name of the preset the settings came from (`oscar`, `oscar-mixed`, `oscar-hifi`, `oscar-next`,
-            `hadamard`, `quarot`, `clip`, `identity`, `none`); informational once the other fields are set, except
-            that an `oscar-mixed` or `oscar-hifi` cache without `high_precision_layers` takes them from its
-            rotations' retrieval ranking (`RANKED_LAYER_SHARES`), and an `oscar-next` cache without `high_precision_heads` takes those from its
-            rotations' per-head ranking (`RANKED_HEAD_SHARES`).
+        method: name of the preset the settings came from (`PRESETS`: `oscar`, `oscar-mixed`, `oscar-hifi`,
+            `oscar-next`, `hadamard`, `quarot`, `clip`, `identity`, `none`); a label: the other fields say what is
+            stored.
         sink_tokens: leading tokens kept in BF16 (attention sinks). Left padding is added on top, so every row
             keeps `sink_tokens` real tokens.
         recent_tokens: most recent tokens kept in BF16.
@@ -136,6 +108,11 @@ class OscarConfig:
             at `bits`: the layer's history is kept as runs of adjacent KV heads, one width each
             (`head_groups`). Heads of a layer in `high_precision_layers` are high-precision already.
         high_precision_bits: code width of those layers and heads, 2 or 4.
+        high_precision_layer_share / high_precision_head_share: without explicit `high_precision_layers` (or
+            heads), this share of the full-attention layers (of their KV heads) is taken from the top of the
+            rotations' retrieval ranking (at least one; rotations without a ranking are refused).
+        rotation: the rotation source when the cache is given none: "hadamard" (data-free), "identity" (none) or
+            "file" (calibrated rotations, which must then be given).
 
     Every field is checked for its type as well as its range (a bool is not an int, a float not a size, a string
     not a bool); sizes in tokens are at most `MAX_TOKENS`.
@@ -155,11 +132,17 @@ class OscarConfig:
     high_precision_layers: tuple[int, ...] = ()
     high_precision_heads: tuple[tuple[int, int], ...] = ()
     high_precision_bits: int = 4
+    high_precision_layer_share: float = 0.0
+    high_precision_head_share: float = 0.0
+    rotation: str = "hadamard"
 
     def __post_init__(self):
         # every field is checked for its type too: a JSON file or a loose argument must not turn "false" into a
         # truthy string, 2.0 into a float shape, or True into the integer 1
-        checked_str("method", self.method, PRESETS)
+        checked_str("method", self.method, PRESET_NAMES)
+        checked_str("rotation", self.rotation, ROTATION_SOURCES)
+        for name in ("high_precision_layer_share", "high_precision_head_share"):
+            object.__setattr__(self, name, _checked_share(name, getattr(self, name)))
         object.__setattr__(self, "scale_dtype", _checked_scale_dtype(self.scale_dtype))
         for name, low in (("sink_tokens", 0), ("recent_tokens", 0), ("demote_block", 1), ("history_chunk", 1)):
             object.__setattr__(self, name, checked_int(name, getattr(self, name), low))
@@ -178,17 +161,17 @@ class OscarConfig:
     @classmethod
     def from_method(cls, method: str, **overrides) -> "OscarConfig":
         """The preset `method` with `overrides` applied (any field of this class)."""
-        checked_str("method", method, PRESETS)
+        checked_str("method", method, PRESET_NAMES)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise TypeError(f"unknown OscarConfig option(s) {unknown}; valid options: {sorted(known)}")
-        preset = {k: v for k, v in PRESETS[method].items() if k != "rotation"}
-        if overrides.get("bits", cls.bits) != cls.bits:
+        preset = PRESETS[method]
+        if overrides.get("bits", preset.bits) != preset.bits:
             # the presets' clip ratios are a 2-bit trade (range for resolution): wider codes resolve the tails the
             # clip cuts, and retrieval reads them, so other widths do not clip unless asked to
-            preset.update(key_clip_ratio=None, value_clip_ratio=None)
-        return cls(method=method, **{**preset, **overrides})
+            overrides = dict(key_clip_ratio=None, value_clip_ratio=None) | overrides
+        return dataclasses.replace(preset, **overrides)
 
     def for_layer(self, layer_idx: int) -> "OscarConfig":
         """The settings of one layer: these, with `high_precision_heads` narrowed to the layer's own, or the
@@ -226,7 +209,8 @@ class OscarConfig:
 
     @classmethod
     def from_dict(cls, config_dict: dict) -> "OscarConfig":
-        """The config `to_dict` gave; missing fields take their defaults, unknown ones raise ValueError."""
+        """The config `to_dict` gave; missing fields take those of its `method`'s preset (a file written before a
+        field existed keeps meaning what it meant), unknown ones raise ValueError."""
         if not isinstance(config_dict, dict):
             raise ValueError(f"an OscarConfig dict is expected, got {type(config_dict).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]
@@ -235,7 +219,8 @@ class OscarConfig:
             hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
                      else repr(k) for k in unknown]
             raise ValueError(f"unknown OscarConfig field(s) {', '.join(hints)}; valid fields: {', '.join(known)}")
-        return cls(**config_dict)
+        method = checked_str("method", config_dict.get("method", cls.method), PRESET_NAMES)
+        return cls(**{**PRESETS[method].to_dict(), **config_dict})
 
     def to_json_string(self) -> str:
         """`to_dict` as indented JSON."""
@@ -259,9 +244,20 @@ class OscarConfig:
         return tuple(sorted({self.bits, self.high_precision_bits} if high else {self.bits}))
 
     @property
-    def default_rotation(self) -> str:
-        """Rotation source the preset uses when none is given: "hadamard", "identity" or "file"."""
-        return PRESETS[self.method]["rotation"]
+    def ranks_precision(self) -> bool:
+        """Whether the cache takes its high-precision layers or KV heads from the rotations' retrieval ranking (a
+        share is set and no explicit list)."""
+        return bool((self.high_precision_layer_share and not self.high_precision_layers)
+                    or (self.high_precision_head_share and not (self.high_precision_heads
+                                                                or self.high_precision_layers)))
+
+
+def _checked_share(name: str, value) -> float:
+    """`value` as a float if it is a number (not a bool) in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value!r}: expected a share of the full-attention layers or KV heads, a float "
+                         "in [0, 1]")
+    return float(value)
 
 
 def _checked_scale_dtype(value) -> torch.dtype:
@@ -312,3 +308,23 @@ def _all_indices(values) -> bool:
         return all(_is_index(i) for i in values)
     except TypeError:  # not iterable
         return False
+
+
+# The presets. A uniform 2-bit row clips at the ratios that suit min-max codes; `sigma` rows (the Gaussian-optimal
+# grid, with one-byte (scale, zero) pairs) do not clip, and spend the bits their pairs free on retrieval: the top of
+# the rotations' ranking at 4 bits, per layer (`oscar-mixed`: a layer of one width decodes at the bandwidth of a
+# uniform one) or per KV head (`oscar-next`: retrieves more at equal bits, decodes slower; docs/retrieval.md).
+_UNCLIPPED = dict(key_clip_ratio=None, value_clip_ratio=None)
+_SIGMA = dict(_UNCLIPPED, encoder="sigma", scale_dtype=torch.uint8)
+PRESETS: dict[str, OscarConfig] = {preset.method: preset for preset in (
+    OscarConfig("oscar", rotation="file"),
+    OscarConfig("oscar-mixed", rotation="file", high_precision_layer_share=0.1, **_SIGMA),
+    OscarConfig("oscar-hifi", rotation="file", high_precision_layer_share=0.2),
+    OscarConfig("oscar-next", rotation="file", high_precision_head_share=0.1, **_SIGMA),
+    OscarConfig("hadamard"),
+    OscarConfig("quarot", **_UNCLIPPED),
+    OscarConfig("clip", rotation="identity"),
+    OscarConfig("identity", rotation="identity", **_UNCLIPPED),
+    OscarConfig("none", rotation="identity", quantize=False, **_UNCLIPPED),
+)}
+assert tuple(PRESETS) == PRESET_NAMES

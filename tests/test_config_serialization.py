@@ -249,3 +249,19 @@ def test_the_usage_snippet_for_transformers_users_runs(tmp_path, monkeypatch):
     assert scope["out"].shape == (1, 60) and (tmp_path / "oscar-setup" / CONFIG_NAME).is_file()
     with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
         model.generate(prompt(), cache_implementation="oscar", max_new_tokens=1)
+
+
+def test_presets_are_complete_configs_that_differ_in_their_fields():
+    """A preset is data: an `OscarConfig` whose fields alone say what a cache stores, none the same as another's."""
+    fields = {name: {k: v for k, v in preset.to_dict().items() if k != "method"} for name, preset in PRESETS.items()}
+    assert len({json.dumps(f, sort_keys=True) for f in fields.values()}) == len(PRESETS)
+    assert all(preset.method == name and OscarConfig.from_method(name) == preset for name, preset in PRESETS.items())
+    assert PRESETS["oscar-hifi"].high_precision_layer_share > PRESETS["oscar-mixed"].high_precision_layer_share > 0
+    assert PRESETS["oscar-next"].high_precision_head_share > 0 == PRESETS["oscar"].high_precision_layer_share
+
+
+def test_a_saved_config_without_newer_fields_keeps_the_meaning_of_its_preset():
+    written_before = PRESETS["oscar-hifi"].to_dict()
+    for name in ("high_precision_layer_share", "high_precision_head_share", "rotation"):
+        del written_before[name]
+    assert OscarConfig.from_dict(written_before) == PRESETS["oscar-hifi"]

@@ -79,7 +79,7 @@ def test_retrieval_ranking_is_recorded_and_oscar_hifi_keeps_its_top_layers_at_4_
     import transformers
 
     from oscar_hf.calibrate.retrieval_layers import rank_retrieval_layers, record_retrieval_layers
-    from oscar_hf.config import HIFI_LAYER_SHARE
+    from oscar_hf.config import PRESETS
 
     from conftest import char_tokenizer, tiny_llama
 
@@ -100,7 +100,7 @@ def test_retrieval_ranking_is_recorded_and_oscar_hifi_keeps_its_top_layers_at_4_
     loaded = Rotations.from_pretrained(tmp_path)
     assert loaded.retrieval_layers() == ranking
     hifi = OscarCache(model, rotations=str(tmp_path), method="oscar-hifi", **LAYOUT)
-    kept = ranking[:math.ceil(HIFI_LAYER_SHARE * 4)]
+    kept = ranking[:math.ceil(PRESETS['oscar-hifi'].high_precision_layer_share * 4)]
     assert hifi.oscar_config.high_precision_layers == tuple(sorted(kept))
     assert [layer.config.bits for layer in hifi.layers] == [4 if i in kept else 2 for i in range(4)]
     explicit = OscarCache(model, rotations=loaded, method="oscar-hifi", high_precision_layers=(0, 3), **LAYOUT)

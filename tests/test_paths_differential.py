@@ -206,7 +206,7 @@ def test_every_path_stores_the_same_codes_and_pairs_from_the_same_states(method,
     generator = torch.Generator().manual_seed(2)
     prompt = _states(generator, PROMPT, device)
     decode = [_states(generator, 1, device) for _ in range(steps)]
-    options = dict(rotations=_ranked_rotations()) if PRESETS[method]["rotation"] == "file" else {}
+    options = dict(rotations=_ranked_rotations()) if PRESETS[method].rotation == "file" else {}
     compiled_step = torch.compile(_kv_step, fullgraph=True, mode="reduce-overhead" if device == "cuda" else None)
     stored, outputs = {}, {}
     with threads():
@@ -243,7 +243,7 @@ def test_greedy_tokens_of_a_quantized_cache_are_eager_ones_on_every_compiled_pat
     torch._dynamo.reset()
     model = kernel_qwen3(head_dim=HEAD_DIM, layers=LAYERS, seed=3)
     model.generation_config.pad_token_id = 0
-    options = dict(rotations=_ranked_rotations()) if PRESETS[method]["rotation"] == "file" else {}
+    options = dict(rotations=_ranked_rotations()) if PRESETS[method].rotation == "file" else {}
     ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(3))
     name = cache_argument_name(model)
     run = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False)

@@ -121,7 +121,7 @@ def _shown_default(field: dataclasses.Field) -> str:
         shown = next(name for name, dtype in SCALE_DTYPES.items() if dtype == field.default)
     else:
         shown = str(field.default)
-    return f"the method's; hadamard: {shown}" if any(field.name in preset for preset in PRESETS.values()) else shown
+    return f"the method's; hadamard: {shown}" if any(getattr(preset, field.name) != field.default for preset in PRESETS.values()) else shown
 
 
 def model_args_help() -> dict[str, tuple[str, str]]:
@@ -211,7 +211,7 @@ class OscarLM(HFLM):
         use_oscar_attention(self.model)
         self._template = self.new_cache(template=True)
         logger.info("lm-eval model oscar: %s, rotations=%s, ll_mode=%s", self._template.oscar_config,
-                    rotations if rotations is not None else self._template.oscar_config.default_rotation, ll_mode)
+                    rotations if rotations is not None else self._template.oscar_config.rotation, ll_mode)
 
     # ------------------------------------------------------------------------------------------ caches
     def new_cache(self, template: bool = False):

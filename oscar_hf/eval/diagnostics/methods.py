@@ -19,8 +19,9 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from oscar_hf.cache import NAMED_ROTATIONS, OscarCache
-from oscar_hf.config import PRESETS, RANKED_HEAD_SHARES, RANKED_LAYER_SHARES, OscarConfig
+from oscar_hf.cache import OscarCache
+from oscar_hf.plan import NAMED_ROTATIONS
+from oscar_hf.config import PRESETS, OscarConfig
 from oscar_hf.layer import OscarLayer
 from oscar_hf.rotations.io import rotation_metadata
 from oscar_hf.rotations.rotations import KEY_SMOOTHING_KEY
@@ -79,8 +80,8 @@ def _oscar(method: str, rotations=None, **options) -> Callable:
     return build
 
 
-# the presets that read calibrated rotations (`PRESETS[...]["rotation"] == "file"`), and the 4-bit row of `oscar`
-ROTATION_METHODS = tuple(name for name, preset in PRESETS.items() if preset["rotation"] == "file") + ("oscar4",)
+# the presets that read calibrated rotations (`PRESETS[...].rotation == "file"`), and the 4-bit row of `oscar`
+ROTATION_METHODS = tuple(name for name, preset in PRESETS.items() if preset.rotation == "file") + ("oscar4",)
 # what to use instead when no rotations are given
 DATA_FREE_ALTERNATIVE = {"oscar": "hadamard", "oscar4": "hadamard4"}
 
@@ -198,8 +199,9 @@ def select_methods(names: str | Sequence[str] | None = None, rotations: str | No
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(available)}")
     if rotations is None:
         for name in chosen:
-            if name in RANKED_LAYER_SHARES or name in RANKED_HEAD_SHARES:
-                what = "layers" if name in RANKED_LAYER_SHARES else "KV heads"
+            preset = PRESETS.get(name)
+            if preset is not None and (preset.high_precision_layer_share or preset.high_precision_head_share):
+                what = "layers" if preset.high_precision_layer_share else "KV heads"
                 raise ValueError(
                     f"method {name!r} keeps the {what} ranked most retrieval-sensitive at 4 bits: pass --rotations "
                     "that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers; for data-free "

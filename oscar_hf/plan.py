@@ -1,0 +1,219 @@
+"""The resolver: (model, rotations, config) into a per-layer plan, which `OscarCache` builds its layers from.
+
+In order: the config (a preset with options, or given whole; rotations that rank their layers and no row-format
+option make the default `oscar-mixed`), the rotations (named, a `Rotations`, a folder or a Hub repo, checked
+against the model), the high-precision layers or KV heads a share takes from the rotations' ranking, the value
+rotations folded into the model's weights (`rotations.folding`, asked for or found there), and per full-attention
+layer: its settings (`OscarConfig.for_layer`, with the clip ratios the rotations record) and its rotations, sliced
+to this tensor-parallel rank's heads (`parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from oscar_hf.config import FORMAT_FIELDS, RANKED_DEFAULT_METHOD, OscarConfig
+from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape
+from oscar_hf.parallel import local_head_config, local_heads, tensor_parallel_position
+from oscar_hf.rotations import Rotations
+from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
+
+logger = logging.get_logger(__name__)
+
+NAMED_ROTATIONS = ("hadamard", "identity")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One full-attention layer: its settings and its rotations (None: identity; `value_rotation` None also where
+    the model's weights hold it, `query_rotation` None where it is the key rotation)."""
+
+    config: OscarConfig
+    key_rotation: torch.Tensor | None
+    value_rotation: torch.Tensor | None
+    query_rotation: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Everything `OscarCache` is built from, and what `save_pretrained` records of it."""
+
+    config: OscarConfig
+    rotations: Rotations | None
+    rotations_name: str | None  # "hadamard" or "identity" where no file is needed, else None
+    shape: object  # `model_support.AttentionShape`
+    layers: tuple[LayerPlan | None, ...]  # None: a sliding-window layer, kept in BF16
+    recorded_clip_ratios: bool
+    folds_value_rotation: bool
+
+
+def plan_cache(model, rotations, method: str | None, config: OscarConfig | None, options: dict, *,
+               fold_value_rotation: bool, recorded_clip_ratios: bool | None, hub_options: dict) -> CachePlan:
+    """The plan of an `OscarCache(model, rotations, method, config=config, **options)` (see its arguments)."""
+    model_config = getattr(model, "config", model)
+    shape = attention_shape(model_config)
+    if recorded_clip_ratios is None:  # the rotations' ratios, unless the caller chose ratios
+        recorded_clip_ratios = not (config is not None or "key_clip_ratio" in options or "value_clip_ratio" in options)
+    inferred = config is None and method is None
+    if config is None:
+        config = OscarConfig.from_method(method or _infer_method(rotations), **options)
+    elif method is not None or options:
+        raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
+    source = rotations if rotations is not None else config.rotation
+    resolved = resolve_rotations(source, shape, hub_options)
+    if inferred and config.method == "oscar" and _takes_ranked_default(resolved, options):
+        config = OscarConfig.from_method(RANKED_DEFAULT_METHOD, **options)
+        logger.info("OscarCache: method=%r, the 2-bit default of rotations that rank their layers by retrieval "
+                    "(method='oscar' stores uniform 2-bit rows)", RANKED_DEFAULT_METHOD)
+    config = _with_ranked_precision(config, resolved, shape)
+    _check_config(config, shape)
+    folded = folded_layers(model, model_config, resolved, shape, fold_value_rotation)
+    tp_rank, tp_size = tensor_parallel_position(model)
+    layers = []
+    for i, kind in enumerate(shape.layer_kinds):
+        if kind != OSCAR_LAYER:
+            layers.append(None)
+            continue
+        key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
+        query_r = None  # the key rotation, unless the keys are smoothed (`Rotations.key_transforms`)
+        if resolved is not None and i in resolved.key_smoothing:
+            key_r, query_r = resolved.key_transforms(i)
+        key_r, value_r, query_r = (local_heads(r, tp_rank, tp_size) for r in (key_r, value_r, query_r))
+        layer_config = local_head_config(config.for_layer(i), tp_rank, tp_size, shape.num_kv_heads)
+        if recorded_clip_ratios and i not in config.high_precision_layers:
+            layer_config = _recorded_clip_config(layer_config, resolved, i)
+        layers.append(LayerPlan(layer_config, key_r, None if i in folded else value_r, query_r))
+    name = "identity" if resolved is None else "hadamard" if isinstance(source, str) and source == "hadamard" else None
+    return CachePlan(config, resolved, name, shape, tuple(layers), recorded_clip_ratios, bool(folded))
+
+
+def resolve_rotations(source, shape, hub_options: dict) -> Rotations | None:
+    """A checked `Rotations` for the model's full-attention layers, or None for the identity."""
+    layer_ids = shape.oscar_layer_ids
+    if not layer_ids or (isinstance(source, str) and source == "identity"):
+        return None
+    if isinstance(source, str) and source == "hadamard":
+        return Rotations.hadamard(layer_ids, shape.head_dim)
+    if isinstance(source, str) and source == "file":
+        raise ValueError(
+            "method='oscar' needs calibrated rotations: pass rotations=<folder, file or Hub repo id> "
+            "(make them with `oscar-calibrate`), or use method='hadamard' for data-free rotations"
+        )
+    if not isinstance(source, Rotations):
+        source = Rotations.from_pretrained(source, **hub_options)
+    source.check_model(layer_ids, shape.head_dim, shape.num_kv_heads)
+    return source
+
+
+def _infer_method(rotations) -> str:
+    if rotations is None or (isinstance(rotations, str) and rotations == "hadamard"):
+        return "hadamard"
+    if isinstance(rotations, str) and rotations == "identity":
+        return "identity"
+    return "oscar"
+
+
+def _takes_ranked_default(rotations: Rotations | None, options: dict) -> bool:
+    """Whether a cache whose method was inferred as `oscar` stores `RANKED_DEFAULT_METHOD` instead: its rotations
+    record a layer ranking, and no option chooses a row format."""
+    return (rotations is not None and bool(rotations.retrieval_layers())
+            and not any(name in options for name in FORMAT_FIELDS))
+
+
+def _with_ranked_precision(config: OscarConfig, rotations: Rotations | None, shape) -> OscarConfig:
+    """`config` with the high-precision layers or KV heads its shares take from the rotations' rankings."""
+    if config.high_precision_layer_share and not config.high_precision_layers:
+        ranking = rotations.retrieval_layers() if rotations is not None else None
+        top = _top_share(config, ranking, config.high_precision_layer_share, len(shape.oscar_layer_ids), "layers",
+                         "rank_retrieval_layers", "high_precision_layers=[...]")
+        config = dataclasses.replace(config, high_precision_layers=top)
+    if config.high_precision_head_share and not (config.high_precision_heads or config.high_precision_layers):
+        ranking = rotations.retrieval_heads() if rotations is not None else None
+        top = _top_share(config, ranking, config.high_precision_head_share,
+                         len(shape.oscar_layer_ids) * shape.num_kv_heads, "KV heads", "rank_retrieval_heads",
+                         "high_precision_heads=[(layer, kv_head), ...]")
+        config = dataclasses.replace(config, high_precision_heads=top)
+    return config
+
+
+def _top_share(config: OscarConfig, ranking: list | None, share: float, units: int, what: str, ranker: str,
+               option: str) -> tuple:
+    """The first `share` of `units` entries of a recorded ranking (at least one); ValueError without a ranking."""
+    if not ranking:
+        raise ValueError(
+            f"method={config.method!r} keeps the {what} retrieval depends on at {config.high_precision_bits} bits, "
+            f"and these rotations record no ranking of those {what}: rank them with `oscar-calibrate ... "
+            f"--rank-retrieval-layers` or `python -m oscar_hf.calibrate.retrieval_layers --model <model> --rotations "
+            f"<folder>` (or oscar_hf.calibrate.retrieval_layers.{ranker}), or pass {option}"
+        )
+    return tuple(ranking[:max(1, math.ceil(share * units))])
+
+
+def _check_config(config: OscarConfig, shape) -> None:
+    """ValueError (or UnsupportedModelError) unless `config` fits the model's attention shape."""
+    for bits in config.code_widths:
+        if config.quantize and shape.head_dim % (8 // bits):
+            raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
+                                        f"packed per byte at {bits} bits")
+    unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
+    if unknown:
+        raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "
+                         f"are {shape.oscar_layer_ids}")
+    wrong = [pair for pair in config.high_precision_heads
+             if pair[0] not in shape.oscar_layer_ids or pair[1] >= shape.num_kv_heads]
+    if wrong:
+        raise ValueError(f"high_precision_heads {wrong} are not KV heads of this model's full-attention layers (layers "
+                         f"{shape.oscar_layer_ids}, KV heads 0-{shape.num_kv_heads - 1})")
+
+
+def _recorded_clip_config(config: OscarConfig, rotations: Rotations | None, layer_idx: int) -> OscarConfig:
+    """`config` with the clip ratios the rotations record for this layer and code width, if any."""
+    recorded = rotations.clip_ratios(layer_idx, config.bits) if rotations is not None else None
+    if recorded is None:
+        return config
+    return dataclasses.replace(config, key_clip_ratio=recorded[0], value_clip_ratio=recorded[1])
+
+
+# ---------------------------------------------------------------------------------------------- folding
+def live_caches(model) -> weakref.WeakSet:
+    """The OscarCaches built on `model` that are still alive (folding checks them)."""
+    caches = model.__dict__.get("_oscar_live_caches")
+    if caches is None:
+        caches = model.__dict__["_oscar_live_caches"] = weakref.WeakSet()
+    return caches
+
+
+def folded_layers(model, model_config, rotations, shape, fold: bool) -> set[int]:
+    """Layers whose value rotation lives in the model's weights (folding them now if asked)."""
+    if model is model_config:
+        if fold:
+            raise ValueError("fold_value_rotation=True needs the model itself, not its config")
+        return set()
+    already = {i for i in shape.oscar_layer_ids if folded_value_rotation(model, i) is not None}
+    for i in already:
+        wanted = rotations.value[i] if rotations is not None else None
+        if wanted is None or not torch.equal(folded_value_rotation(model, i), wanted):
+            raise ValueError(
+                f"this model has value rotations folded into its weights (layer {i}) that differ from the requested "
+                "ones; build caches with the same rotations, or reload the model"
+            )
+    if fold and rotations is not None:
+        holding = [cache for cache in live_caches(model) if int(cache.get_seq_length())]
+        if holding and set(shape.oscar_layer_ids) - already:  # folding would rewrite weights (not a no-op)
+            raise ValueError(
+                f"fold_value_rotation=True rewrites this model's v_proj/o_proj weights in place, and {len(holding)} "
+                "OscarCache(s) built on it hold tokens computed with the current weights, which the folded model "
+                "would misread. Fold before filling any cache, or call reset() on those caches first (a "
+                "DynamicCache filled on this model becomes invalid the same way)."
+            )
+        if tensor_parallel_position(model)[1] > 1:
+            raise NotImplementedError("fold_value_rotation is not supported on tensor-parallel (sharded) models")
+        fold_value_rotations(model, rotations, shape.oscar_layer_ids, shape.num_kv_heads, shape.head_dim)
+        return set(shape.oscar_layer_ids)
+    return already
