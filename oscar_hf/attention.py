@@ -75,7 +75,7 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
             out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
                                                    segment.history, segment.query_rotation, segment.value_rotation,
                                                    scaling, kwargs.get("softcap"), segment.history_start)
-        segment.close(None, out)  # the demotion's history write follows this read of the history
+        segment.close(output=out)  # the demotion's history write follows this read of the history
         return out, None
     if segment is None and kwargs.get(HOOK_ARGUMENT) is None:  # another cache, or none: traceable as it is
         kwargs.pop(HOOK_ARGUMENT, None)
@@ -143,7 +143,7 @@ def _eager_attention_forward(module, query, key, value, attention_mask, dropout,
         out = _attend(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("softcap"), segment,
                       kwargs)
     if segment is not None:
-        segment.close(attention_mask, query)
+        segment.close(attention_mask, query=query)
     return out, None
 
 

@@ -52,7 +52,7 @@ class HistorySegment:
     sink_length: int
     query_rotation: torch.Tensor | None  # what the history's attention rotates the query by (`OscarLayer`)
     value_rotation: torch.Tensor | None
-    on_close: Callable[[torch.Tensor | None, torch.Tensor | None], None]
+    on_close: Callable[..., None]  # called as `close` is: (attention_mask, *, query, output)
     # counted decode (`counted_decode`): `history` spans the buffers' capacity with its length on the device
     # (`length_ptr`), the key/value tensors are the whole BF16 buffer of which `dense_length` rows are in use
     counted: bool = False
@@ -85,11 +85,15 @@ class HistorySegment:
         rest = mask[..., sink + history :].expand(batch, 1, q_len, -1)
         return torch.cat([allowed, rest], dim=-1)
 
-    def close(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
-        """The attention is done with this forward's tiers: the cache may demote (it reads the leading padding of
-        `attention_mask` once, to size the sink; `query` tells it the attention's query heads; a counted step passes
-        its output instead, which its demotion waits for)."""
-        self.on_close(attention_mask, query)
+    def close(self, attention_mask: torch.Tensor | None = None, *, query: torch.Tensor | None = None,
+              output: torch.Tensor | None = None) -> None:
+        """The attention is done with this forward's tiers: the cache may demote.
+
+        `attention_mask`: the forward's mask, whose leading padding the cache reads once, to size the sink.
+        `query` `[B, Hq, Lq, D]`: the attention's query, whose heads a CUDA cache warms its counted decode step
+        for. `output` `[B, 1, Hq, D]`: a counted step's attention output, which the step's demotion (its history
+        write) must follow."""
+        self.on_close(attention_mask, query=query, output=output)
 
 
 @dataclass(frozen=True)

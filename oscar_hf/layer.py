@@ -205,7 +205,7 @@ class OscarLayer(CacheLayerMixin):
             self.updates += 1  # host-side only: the cache compares it across layers (a forward that failed part-way)
         if self.counted is not None:
             if self.segment_open:  # the previous update's segment was never consumed: settle it as its close would
-                self._close_counted(None, None)
+                self._close_counted(None)
             if self.counts_step(key_states):
                 return self.counted.update(self, key_states, value_states)
             self.stop_counted_decode()
@@ -248,7 +248,11 @@ class OscarLayer(CacheLayerMixin):
                               self.query_rotation, self.value_rotation, on_close=self._close_segment,
                               row_start=self.row_start)
 
-    def _close_segment(self, attention_mask: torch.Tensor | None, query: torch.Tensor | None = None) -> None:
+    def _close_segment(self, attention_mask: torch.Tensor | None, *, query: torch.Tensor | None = None,
+                       output: torch.Tensor | None = None) -> None:
+        """`HistorySegment.close` of a host-counted forward: settle, then decode device-counted from the next
+        step (warmed for `query`'s heads on CUDA). `output` is not read: a host-counted forward settles after its
+        attention has run."""
         self.note_padding(attention_mask)
         self.settle()
         if self.allow_counted_decode and not torch.compiler.is_compiling():
@@ -270,9 +274,13 @@ class OscarLayer(CacheLayerMixin):
         """History tokens counted decode makes room for beyond the current ones (see `OscarCache(max_cache_len)`)."""
         return DECODE_RESERVE if self.max_cache_len is None else max(self.max_cache_len - self.length, 1)
 
-    def _close_counted(self, attention_mask: torch.Tensor | None, after: torch.Tensor | None = None) -> None:
+    def _close_counted(self, attention_mask: torch.Tensor | None, *, query: torch.Tensor | None = None,
+                       output: torch.Tensor | None = None) -> None:
+        """`HistorySegment.close` of a counted step: its demotion, after `output` (the attention that read the
+        history rows it overwrites). The mask and query are not read: a counted step has neither padding to learn
+        nor a decode step to warm."""
         self.segment_open = False
-        self.counted.settle(self, self.op_backend, after)
+        self.counted.settle(self, self.op_backend, after=output)
 
     # ------------------------------------------------------------------------------------------ counted decode
     def start_counted_decode(self, attention_mask: torch.Tensor | None = None) -> None:
