@@ -1,8 +1,10 @@
 """Device-counted decode: one layer's single-token steps with every count that changes on the device.
 
-After a prefill, a layer's single-token forwards run here. The BF16 buffer has a fixed capacity
-C = S + R + b (sink, recent window, demotion block) and the history a fixed capacity; the counts that change from
-step to step (BF16 rows in use, history rows, tokens) are device tensors. A step
+After a prefill, a layer's single-token forwards run here. The BF16 buffers have a fixed capacity
+C = S + R + b (sink, recent window, demotion block; `counted_bf16_capacity`) and the history a fixed capacity; the
+counts that change from step to step (BF16 rows in use, history rows, tokens) are device tensors. The layer owns
+the buffers (it allocates them for counted decode, `OscarLayer.start_counted_decode`, and is the only one that
+replaces them); a `CountedDecode` holds the counts and writes into the layer's buffers in place. A step
 1. writes the new token's K/V at BF16 row `rows` (an `index_copy_` at a device position);
 2. attends through `kernels.ops.decode_attention`, which reads both counts on the device;
 3. settles: the b oldest recent rows (for left-padded rows, `OscarLayer.demoted_rows`) are quantized into
@@ -53,6 +55,12 @@ def history_capacity(tokens: int, reserve: int, block: int, bucket: bool = True)
     return -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET if bucket else needed
 
 
+def counted_bf16_capacity(sink: int, recent: int, block: int) -> int:
+    """Rows of the BF16 buffers during counted decode: the sink, the recent window and the block that fills it
+    before a demotion."""
+    return sink + recent + block
+
+
 def _static(*tensors: torch.Tensor) -> None:
     """Tell dynamo these tensors keep their address (cudagraphs then neither copy them nor re-record)."""
     if torch.compiler.is_compiling():
@@ -66,18 +74,18 @@ ROWS, TOKENS, DROPPED = 0, 1, 2  # the entries of `CountedDecode.counts`
 
 
 class CountedDecode:
-    """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`)."""
+    """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`),
+    over the layer's BF16 buffers, which the layer has sized `counted_bf16_capacity` rows."""
 
     def __init__(self, layer, reserve: int, bucket: bool = True):
         cfg = layer.config
         self.sink, self.recent, self.block = layer.sink_size, cfg.recent_tokens, cfg.demote_block
-        self.capacity = self.sink + self.recent + self.block
+        self.capacity = counted_bf16_capacity(self.sink, self.recent, self.block)
+        if layer.keys_buffer.shape[2] != self.capacity or layer.values_buffer.shape[2] != self.capacity:
+            raise ValueError(f"layer {layer.layer_idx}: counted decode needs BF16 buffers of {self.capacity} rows, "
+                             f"got {layer.keys_buffer.shape[2]} and {layer.values_buffer.shape[2]} (resize them "
+                             "first: OscarLayer.start_counted_decode)")
         self.device = device = layer.keys_buffer.device
-        for name in ("keys_buffer", "values_buffer"):
-            old = getattr(layer, name)
-            fresh = old.new_zeros((old.shape[0], old.shape[1], self.capacity, old.shape[3]))
-            fresh[:, :, : layer.bf16_length] = old[:, :, : layer.bf16_length]
-            setattr(layer, name, fresh)
         self.counts = torch.tensor([layer.bf16_length, layer.length, 0], dtype=torch.int32, device=device)
         self.mirror: list[int] | None = [layer.bf16_length, layer.length, 0]  # `counts` on the host, or None
         self.history_start = layer.history_length

@@ -38,7 +38,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
-from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, history_capacity
+from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, counted_bf16_capacity, history_capacity
 from oscar_hf.demotion import demotion_index, time_order_index, tokens_to_demote
 from oscar_hf.handoff import HistorySegment, layer_handle
 from oscar_hf.head_groups import HeadSplitBackend
@@ -175,10 +175,13 @@ class OscarLayer(CacheLayerMixin):
         sink = cfg.sink_tokens if self.sink_size is None else self.sink_size
         return sink + cfg.recent_tokens + 2 * cfg.demote_block
 
-    def _resize_buffers(self, capacity: int) -> None:
+    def _resize_buffers(self, capacity: int, zeroed: bool = False) -> None:
+        """Replace the BF16 buffers by ones of `capacity` rows (for counted decode too: `start_counted_decode`),
+        the `bf16_length` rows in use copied over, the others zeros where `zeroed`, else uninitialized."""
         for name in ("keys_buffer", "values_buffer"):
             old = getattr(self, name)
-            fresh = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))
+            make = old.new_zeros if zeroed else old.new_empty
+            fresh = make((old.shape[0], old.shape[1], capacity, old.shape[3]))
             fresh[:, :, : self.bf16_length] = old[:, :, : self.bf16_length]
             setattr(self, name, fresh)
 
@@ -290,6 +293,9 @@ class OscarLayer(CacheLayerMixin):
         self.note_padding(attention_mask)
         if self.sink_size is None:
             self.sink_size = self.config.sink_tokens
+        # counted decode writes into these buffers in place; their capacity is fixed while it runs
+        cfg = self.config
+        self._resize_buffers(counted_bf16_capacity(self.sink_size, cfg.recent_tokens, cfg.demote_block), zeroed=True)
         self.counted = CountedDecode(self, self._decode_reserve(), bucket=self.max_cache_len is None)
 
     def note_padding(self, attention_mask: torch.Tensor | None) -> None:
