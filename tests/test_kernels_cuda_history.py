@@ -5,6 +5,7 @@ sm_90 without spilling registers, and its split rule. On a CUDA device: decode s
 kernel and the reference (same tolerances as tests/test_kernels_attention.py), pinned histories, graph capture.
 """
 
+import ctypes
 import os
 import re
 import subprocess
@@ -60,6 +61,34 @@ def test_source_compiles_without_spills(arch, config):
     for name, r in resources.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
         assert r["registers"] * 32 * config.min_warps_per_sm <= 65536, f"{name}: {r['registers']} registers"
+
+
+def _kernel_parameters(source: str) -> list[tuple[str, str]]:
+    """(name, C type without `const` or spaces) of each parameter of the `extern "C" __global__` kernel signature
+    in `source` (the one in `HISTORY_KERNEL`, which every kernel instantiates)."""
+    text = source.replace("\\\n", " ")
+    signatures = re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?\w+\(([^)]*)\)', text)
+    assert len(signatures) == 1, f"expected one kernel signature, found {len(signatures)}"
+    parameters = []
+    for parameter in signatures[0].split(","):
+        declared_type, name = re.fullmatch(r"\s*(.*?)\s*(\w+)\s*", parameter).groups()
+        parameters.append((name, re.sub(r"\bconst\b|\s", "", declared_type)))
+    return parameters
+
+
+def test_launch_arguments_match_the_kernel_signature_in_name_type_and_order():
+    with open(cuda_history.SOURCE) as f:
+        declared = _kernel_parameters(f.read())
+    ctype_of = {"int": ctypes.c_int, "float": ctypes.c_float}
+    expected = [(name, ctypes.c_void_p if c_type.endswith("*") else ctype_of[c_type]) for name, c_type in declared]
+    assert list(cuda_history.PARAMETERS) == expected
+    assert list(cuda_history.ARG_TYPES) == [ctype for _, ctype in expected]
+    values = {name: i for i, (name, _) in enumerate(declared)}
+    assert cuda_history.kernel_arguments(**values) == list(range(len(declared)))
+    with pytest.raises(TypeError, match="'wait_at_end' has no value"):
+        cuda_history.kernel_arguments(**{k: v for k, v in values.items() if k != "wait_at_end"})
+    with pytest.raises(TypeError, match="no parameters \\['stride'\\]"):
+        cuda_history.kernel_arguments(**values, stride=1)
 
 
 def test_history_plan_cuts_whole_tiles_and_fills_one_wave():

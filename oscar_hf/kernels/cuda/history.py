@@ -76,10 +76,37 @@ def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) ->
 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# rotated query + 3 strides, key codes + 2, key (scale, zero) + 2, value codes + 2, value (scale, zero) + 2,
-# out, lse, length pointer, 10 ints (length ... split multiple), the query scale, the first query head of the call
-# in the partial buffers and their query heads, whether to wait for the kernel before only at the end
-ARG_TYPES = [_P, _I, _I, _I] + [_P, _I, _I] * 4 + [_P, _P, _P] + [_I] * 10 + [_F, _I, _I, _I]
+# The kernels' parameters (`HISTORY_KERNEL` in `int2_history.cu`), by name and ctypes type, in the source's order
+# (tests/test_kernels_cuda_history.py checks them against it); `kernel_arguments` orders a launch's values by them.
+PARAMETERS: tuple[tuple[str, type], ...] = (
+    # the rotated query and its batch, head and position strides (float32 elements)
+    ("rotated_query", _P), ("sqb", _I), ("sqh", _I), ("sql", _I),
+    # key codes, key (scale, zero) pairs, value codes, value pairs: each with its batch and KV head strides
+    ("key_codes", _P), ("skb", _I), ("skh", _I),
+    ("key_sz", _P), ("szb", _I), ("szh", _I),
+    ("value_codes", _P), ("svb", _I), ("svh", _I),
+    ("value_sz", _P), ("swb", _I), ("swh", _I),
+    # the partial buffers, and the history length on the device (read where `length_from_ptr`)
+    ("out", _P), ("lse", _P), ("length_ptr", _P),
+    ("length", _I), ("groups", _I), ("kv_heads", _I), ("q_len", _I), ("dense_splits", _I), ("split_len", _I),
+    ("history_splits", _I), ("total_splits", _I), ("length_from_ptr", _I), ("split_multiple", _I),
+    # the query scale (log2 e included), the call's first query head in the partial buffers and their query heads,
+    # whether to wait for the kernel queued before only at the end
+    ("q_scale", _F), ("head0", _I), ("partial_heads", _I), ("wait_at_end", _I),
+)
+PARAMETER_NAMES = tuple(name for name, _ in PARAMETERS)
+ARG_TYPES = tuple(ctype for _, ctype in PARAMETERS)
+
+
+def kernel_arguments(**values) -> list:
+    """A launch's argument values, given by parameter name (`PARAMETERS`), in the kernel's order."""
+    try:
+        ordered = [values[name] for name in PARAMETER_NAMES]
+    except KeyError as missing:
+        raise TypeError(f"the CUDA history kernel's parameter {missing} has no value") from None
+    if len(values) != len(PARAMETER_NAMES):
+        raise TypeError(f"the CUDA history kernel has no parameters {sorted(set(values) - set(PARAMETER_NAMES))}")
+    return ordered
 
 
 def stage_bytes(dim: int) -> int:
@@ -224,12 +251,18 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     groups = q_heads // kv_heads
     rows = NARROW_ROWS if groups * q_len <= NARROW_ROWS else MAX_ROWS
     kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, pairs)
-    args = [rotated_query.data_ptr(), *rotated_query.stride()[:3],
-            keys.data_ptr(), keys.stride(0), keys.stride(1), kz.data_ptr(), kz.stride(0), kz.stride(1),
-            values.data_ptr(), values.stride(0), values.stride(1), vz.data_ptr(), vz.stride(0), vz.stride(1),
-            partial_out.data_ptr(), partial_lse.data_ptr(), length_ptr.data_ptr(),
-            history.length, groups, kv_heads, q_len, plan.dense_splits,
-            plan.history_split_len, max(plan.history_splits, 1), partial_splits, int(n_from_ptr), plan.block_n_history, scaling * _LOG2E,
-            head_offset, q_heads if partial_heads is None else partial_heads, int(beside)]
+    query_strides = rotated_query.stride()
+    args = kernel_arguments(
+        rotated_query=rotated_query.data_ptr(), sqb=query_strides[0], sqh=query_strides[1], sql=query_strides[2],
+        key_codes=keys.data_ptr(), skb=keys.stride(0), skh=keys.stride(1),
+        key_sz=kz.data_ptr(), szb=kz.stride(0), szh=kz.stride(1),
+        value_codes=values.data_ptr(), svb=values.stride(0), svh=values.stride(1),
+        value_sz=vz.data_ptr(), swb=vz.stride(0), swh=vz.stride(1),
+        out=partial_out.data_ptr(), lse=partial_lse.data_ptr(), length_ptr=length_ptr.data_ptr(),
+        length=history.length, groups=groups, kv_heads=kv_heads, q_len=q_len, dense_splits=plan.dense_splits,
+        split_len=plan.history_split_len, history_splits=max(plan.history_splits, 1), total_splits=partial_splits,
+        length_from_ptr=int(n_from_ptr), split_multiple=plan.block_n_history, q_scale=scaling * _LOG2E,
+        head0=head_offset, partial_heads=q_heads if partial_heads is None else partial_heads,
+        wait_at_end=int(beside))
     with launch_device(rotated_query):
         kernel((partial_splits - plan.dense_splits, batch * kv_heads), args, dependent or beside)
