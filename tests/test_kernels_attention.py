@@ -418,7 +418,7 @@ def test_backend_takes_the_history_split_minimum_from_its_launch():
         return backend.plan(torch.device("cpu"), 1, 8, 4, 321, 32_447, launch).history_splits
 
     assert default_launch(128).min_history_tokens == 256 and default_launch(64).min_history_tokens == 512
-    assert history_splits(128) == 127  # 256-token splits (run 35: 0.027 vs 0.032 ms with 512 at 32k/bs1)
+    assert history_splits(128) == 127  # 256-token splits (measured: 0.027 vs 0.032 ms with 512 at 32k/bs1)
     assert history_splits(64) == 64  # 512-token splits
     assert TritonBackend(target_programs=2640, min_history_tokens=512).plan(
         torch.device("cpu"), 1, 8, 4, 321, 32_447, default_launch(128)).history_splits == 64
