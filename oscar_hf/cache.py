@@ -31,7 +31,6 @@ from oscar_hf.rotations.io import SAFETENSORS_NAME
 logger = logging.get_logger(__name__)
 
 
-
 class OscarCache(Cache):
     """KV cache with a BF16 sink, a rotated, quantized history and a BF16 recent window per layer.
 
@@ -90,8 +89,7 @@ class OscarCache(Cache):
             OscarLayer(i, layer.config, layer.key_rotation, layer.value_rotation, backend, max_cache_len=max_cache_len,
                        query_rotation=layer.query_rotation)
             for i, layer in enumerate(plan.layers)])
-        self.oscar_config, self.rotations, self.shape = plan.config, plan.rotations, plan.shape
-        self._plan = plan  # what `save_pretrained` records
+        self._plan = plan  # also what `save_pretrained` records
         self._max_cache_len = max_cache_len
         model_config = getattr(model, "config", model)
         self._model_ref = None if model is model_config else weakref.ref(model)
@@ -102,6 +100,21 @@ class OscarCache(Cache):
         if model is not model_config:
             use_oscar_attention(model)
             live_caches(model).add(self)
+
+    @property
+    def oscar_config(self) -> OscarConfig:
+        """The cache's resolved settings (its high-precision layers or heads filled in from the ranking)."""
+        return self._plan.config
+
+    @property
+    def rotations(self) -> Rotations | None:
+        """The rotations of the full-attention layers; None for the identity."""
+        return self._plan.rotations
+
+    @property
+    def shape(self):
+        """The model's attention shape (`model_support.AttentionShape`)."""
+        return self._plan.shape
 
     # ------------------------------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

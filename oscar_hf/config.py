@@ -243,14 +243,6 @@ class OscarConfig:
         high = self.high_precision_layers or self.high_precision_heads
         return tuple(sorted({self.bits, self.high_precision_bits} if high else {self.bits}))
 
-    @property
-    def ranks_precision(self) -> bool:
-        """Whether the cache takes its high-precision layers or KV heads from the rotations' retrieval ranking (a
-        share is set and no explicit list)."""
-        return bool((self.high_precision_layer_share and not self.high_precision_layers)
-                    or (self.high_precision_head_share and not (self.high_precision_heads
-                                                                or self.high_precision_layers)))
-
 
 def _checked_share(name: str, value) -> float:
     """`value` as a float if it is a number (not a bool) in [0, 1]."""
