@@ -124,7 +124,7 @@ def run_cell(batch, context, dim, backend, copy_bw, with_dense, bits=2):
     row["rel_err_vs_sdpa"] = check(case, backend)
     row["rel_err_vs_reference"] = error_vs_reference(case, backend)
     row["folded_rel_err_vs_reference"] = error_vs_reference(case, backend, folded=True)
-    demote_ms = bench(lambda: backend.demote_kv(*case.demote_args), rep=30)
+    demote_ms = bench(lambda: backend.demote_kv(case.demotion), rep=30)
     rows = 2 * batch * KV_HEADS * case.history_len
     row["demote_ms"] = demote_ms
     row["demote_Mrows_per_s"] = rows / (demote_ms * 1e-3) / 1e6

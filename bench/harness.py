@@ -26,7 +26,7 @@ from oscar_hf.compat import cache_argument_name
 from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, history_capacity
 from oscar_hf.history import QuantizedHistory
-from oscar_hf.kernels.interface import Backend
+from oscar_hf.kernels.interface import Backend, DemoteCall
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.parallel import tensor_parallel_position
 from oscar_hf.rotations.math import hadamard_matrix
@@ -303,12 +303,12 @@ class Case:
         self.history = QuantizedHistory(batch, KV_HEADS, dim, dim, OscarConfig(bits=bits), dev)
         self.history._reserve(self.history_len)
         mid = slice(SINK, SINK + self.history_len)
-        self.demote_args = (self.keys[:, :, mid], self.values[:, :, mid], self.rotation, self.rotation, 0.96, 0.92, bits,
-                            self.history.key_codes[:, :, : self.history_len],
-                            self.history.key_scale_zero[:, :, : self.history_len],
-                            self.history.value_codes[:, :, : self.history_len],
-                            self.history.value_scale_zero[:, :, : self.history_len])
-        backend.demote_kv(*self.demote_args)
+        h = self.history
+        self.demotion = DemoteCall(self.keys[:, :, mid], self.values[:, :, mid], self.rotation, self.rotation, 0.96,
+                                   0.92, bits, "minmax", h.key_codes[:, :, : self.history_len],
+                                   h.key_scale_zero[:, :, : self.history_len], h.value_codes[:, :, : self.history_len],
+                                   h.value_scale_zero[:, :, : self.history_len])
+        backend.demote_kv(self.demotion)
         self.history.length = self.history_len
         self.tensors = self.history.kernel_view()  # what the backends read
 

@@ -66,9 +66,8 @@ def time_variant(heads, row_format: dict, batch: int, context: int, split_waves:
     query = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
 
     def call():
-        segment.backend.decode_attention(query, layer.keys_buffer, layer.values_buffer, segment.dense_length,
-                                         segment.dense_start, segment.history, layer.key_rotation,
-                                         layer.value_rotation, 128 ** -0.5, None, segment.history_start)
+        segment.backend.decode_attention(segment.decode_call(query, layer.keys_buffer, layer.values_buffer,
+                                                             128 ** -0.5))
 
     with mock.patch.object(cuda_history, "history_partials", wraps=cuda_history.history_partials) as cuda_calls:
         call()

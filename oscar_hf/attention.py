@@ -72,9 +72,8 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
         # a hook sees the whole BF16 buffer as key/value (`HistorySegment`, counted)
         out = _hook_output(module, query, key, value, attention_mask, scaling, segment, kwargs)
         if out is None:
-            out = segment.backend.decode_attention(query, key, value, segment.dense_length, segment.dense_start,
-                                                   segment.history, segment.query_rotation, segment.value_rotation,
-                                                   scaling, kwargs.get("softcap"), segment.history_start)
+            out = segment.backend.decode_attention(segment.decode_call(query, key, value, scaling,
+                                                                       kwargs.get("softcap")))
         segment.close(output=out)  # the demotion's history write follows this read of the history
         return out, None
     if segment is None and kwargs.get(HOOK_ARGUMENT) is None:  # another cache, or none: traceable as it is

@@ -26,7 +26,7 @@ import torch
 
 from oscar_hf.compat import attention_kwargs_of_update
 from oscar_hf.demotion import padded_starts
-from oscar_hf.kernels.interface import Backend, HistoryTensors
+from oscar_hf.kernels.interface import Backend, DecodeCall, HistoryTensors
 
 SEGMENT_ARGUMENT = "oscar_segment"
 
@@ -84,6 +84,13 @@ class HistorySegment:
                 ~allowed, torch.finfo(mask.dtype).min)
         rest = mask[..., sink + history :].expand(batch, 1, q_len, -1)
         return torch.cat([allowed, rest], dim=-1)
+
+    def decode_call(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                    softcap: float | None = None) -> DecodeCall:
+        """A counted segment's decode step for `query` `[B, Hq, 1, D]` over the whole BF16 buffers `keys`/`values`
+        (what `update` returned)."""
+        return DecodeCall(query, keys, values, self.dense_length, self.history, self.query_rotation,
+                          self.value_rotation, scaling, softcap, self.dense_start, self.history_start)
 
     def close(self, attention_mask: torch.Tensor | None = None, *, query: torch.Tensor | None = None,
               output: torch.Tensor | None = None) -> None:

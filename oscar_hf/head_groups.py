@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from oscar_hf.kernels.interface import HeadSplitTensors, decode_by_runs, heads_of
+from oscar_hf.kernels.interface import DecodeCall, HeadSplitTensors, decode_by_runs, heads_of
 
 
 def head_runs(num_heads: int, high: Iterable[int]) -> list[tuple[int, int, bool]]:
@@ -57,21 +57,13 @@ class HeadSplitBackend:
                                         history_start)
             for r in history.runs], dim=2)
 
-    def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
-                         scaling, softcap=None, history_start=None) -> torch.Tensor:
-        return self._decode("decode_attention", query, keys, values, dense_length, dense_start, history,
-                            key_rotation, value_rotation, scaling, softcap, history_start)
+    def decode_attention(self, call: DecodeCall) -> torch.Tensor:
+        return self._decode(self.inner.decode_attention, call)
 
-    def eager_decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
-                               value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
-        return self._decode("eager_decode_attention", query, keys, values, dense_length, dense_start, history,
-                            key_rotation, value_rotation, scaling, softcap, history_start)
+    def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor:
+        return self._decode(self.inner.eager_decode_attention, call)
 
-    def _decode(self, operation, query, keys, values, dense_length, dense_start, history, key_rotation,
-                value_rotation, scaling, softcap, history_start) -> torch.Tensor:
-        call = getattr(self.inner, operation)
-        if not isinstance(history, HeadSplitTensors) or getattr(self.inner, "decodes_split_histories", False):
-            return call(query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
-                        scaling, softcap, history_start)
-        return decode_by_runs(call, query, keys, values, dense_length, dense_start, history, key_rotation,
-                              value_rotation, scaling, softcap, history_start)
+    def _decode(self, decode, call: DecodeCall) -> torch.Tensor:
+        if not isinstance(call.history, HeadSplitTensors) or getattr(self.inner, "decodes_split_histories", False):
+            return decode(call)
+        return decode_by_runs(decode, call)

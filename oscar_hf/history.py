@@ -24,7 +24,7 @@ import torch
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.head_groups import head_runs
-from oscar_hf.kernels.interface import HeadRun, HeadSplitTensors, HistoryTensors, heads_of
+from oscar_hf.kernels.interface import DemoteCall, HeadRun, HeadSplitTensors, HistoryTensors, heads_of
 from oscar_hf.kernels.ops import write_rows_eagerly  # also registers torch.ops.oscar_hf
 from oscar_hf.kernels.reference.attention import history_rows
 from oscar_hf.kernels.reference.quantize import row_bytes
@@ -222,13 +222,14 @@ class QuantizedHistory(_History):
         if advance is not None:
             # counted decode: one kernel quantizes the block straight into the buffers, only when it is demoted
             # (`advance` > 0, decided on the device)
-            return backend.demote_kv_at(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio,
-                                        cfg.value_clip_ratio, cfg.bits, self.key_codes, self.key_scale_zero,
-                                        self.value_codes, self.value_scale_zero, cfg.encoder, advance, at, after)
+            call = DemoteCall(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
+                              cfg.bits, cfg.encoder, self.key_codes, self.key_scale_zero, self.value_codes,
+                              self.value_scale_zero, only_if=advance)
+            return backend.demote_kv_at(call, at, after)
         out = self._targets(n)
-        backend.demote_kv(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
-                          cfg.bits, out["key_codes"], out["key_scale_zero"], out["value_codes"],
-                          out["value_scale_zero"], cfg.encoder)
+        backend.demote_kv(DemoteCall(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio,
+                                     cfg.value_clip_ratio, cfg.bits, cfg.encoder, out["key_codes"],
+                                     out["key_scale_zero"], out["value_codes"], out["value_scale_zero"]))
         return self._commit(n, out)
 
     def prepare_staging(self, n: int) -> None:

@@ -45,7 +45,7 @@ from oscar_hf.head_groups import HeadSplitBackend
 from oscar_hf.history import HeadSplitHistory, make_history
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.ops import OpBackend, move_rows
-from oscar_hf.kernels.select import backend_for
+from oscar_hf.kernels.select import backend_for, has_spec
 from oscar_hf.rotations.math import rotate
 
 
@@ -77,6 +77,8 @@ class OscarLayer(CacheLayerMixin):
         self._query_rotation = query_rotation
         self.value_rotation = value_rotation
         self.backend = backend
+        # a compiled step names its backend by its settings, which only the package's own backends state
+        self._backend_compiles = backend is None or has_spec(backend)
         # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
         # (`counted_decode`); False keeps every step host-counted, the rule counted decode is tested against
         self.allow_counted_decode = True
@@ -127,7 +129,9 @@ class OscarLayer(CacheLayerMixin):
     def compileable_on(self, device: torch.device, key_dim: int, value_dim: int) -> bool:
         """Whether transformers may compile this layer's decode steps (device-counted, `counted_decode`; prefill
         runs eagerly). Compiled on a GPU, they replay from a CUDA graph; elsewhere the backend's host reads
-        simply run inside the compiled step."""
+        simply run inside the compiled step. A backend of the user's own class decodes eagerly only."""
+        if not self._backend_compiles:
+            return False
         return device.type != "cuda" or self.graph_problem(device, key_dim, value_dim) is None
 
     @property
@@ -268,9 +272,7 @@ class OscarLayer(CacheLayerMixin):
         shapes here, not inside a compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
         step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
         segment = self.open_segment()
-        self.attention_backend.decode_attention(step, self.keys_buffer, self.values_buffer, segment.dense_length,
-                                      segment.dense_start, segment.history, self.query_rotation, self.value_rotation,
-                                      1.0, None, segment.history_start)
+        self.attention_backend.decode_attention(segment.decode_call(step, self.keys_buffer, self.values_buffer, 1.0))
         self.segment_open = False
 
     def _decode_reserve(self) -> int:

@@ -72,7 +72,7 @@ def test_compiled_forward_matches_eager_over_six_cycles_in_one_graph(device):
 
 def test_a_layer_split_by_kv_heads_compiles_into_one_op_per_layer(monkeypatch):
     """A split layer (a 4-bit KV head beside a 2-bit one) decodes through one custom op per layer and step
-    (`oscar_hf::split_decode_attention`), compiled, with the eager steps' logits."""
+    (`oscar_hf::decode_attention` with its history as runs), compiled, with the eager steps' logits."""
     from oscar_hf.kernels.reference.backend import ReferenceBackend
 
     torch._dynamo.reset()
@@ -83,9 +83,9 @@ def test_a_layer_split_by_kv_heads_compiles_into_one_op_per_layer(monkeypatch):
     seen = []
     decode = ReferenceBackend.decode_attention
 
-    def recording(self, query, keys, values, dense_length, dense_start, history, *args):
-        seen.append(type(history).__name__)
-        return decode(self, query, keys, values, dense_length, dense_start, history, *args)
+    def recording(self, call):
+        seen.append(type(call.history).__name__)
+        return decode(self, call)
 
     monkeypatch.setattr(ReferenceBackend, "decode_attention", recording)
     compiled_forward = torch.compile(model.forward, fullgraph=True)

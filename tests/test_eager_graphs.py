@@ -9,6 +9,7 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.demotion import padded_starts
+from oscar_hf.kernels.interface import DecodeCall
 
 from conftest import cache_argument_name, kernel_qwen3, tiny_model
 
@@ -128,15 +129,15 @@ def test_a_replay_launches_the_graph_between_two_copies():
         history = layer.open_segment().history
         layer.segment_open = False
         query = torch.randn(1, 4, 1, 64, device="cuda")
-        args = (layer.keys_buffer, layer.values_buffer, layer.counted.rows, None, history, layer.key_rotation,
-                layer.value_rotation, 0.125)
-        direct = backend.decode_attention(query, *args)
+        call = DecodeCall(query, layer.keys_buffer, layer.values_buffer, layer.counted.rows, history,
+                          layer.key_rotation, layer.value_rotation, 0.125)
+        direct = backend.decode_attention(call)
         captures = backend.graphs.captures
-        calls = [backend.eager_decode_attention(query, *args) for _ in range(2)]
+        calls = [backend.eager_decode_attention(call) for _ in range(2)]
         assert backend.graphs.captures == captures + 1
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            replayed = backend.eager_decode_attention(query, *args)
+            replayed = backend.eager_decode_attention(call)
             torch.cuda.synchronize()
     assert backend.graphs.captures == captures + 1
     for out in (*calls, replayed):
@@ -164,7 +165,7 @@ def test_capturing_a_decode_step_the_reference_computes_says_why_it_cannot():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="head size 48.*reduce-overhead"):
         with torch.cuda.graph(graph):
-            ReferenceBackend().decode_attention(query, keys, keys, length, None, history, None, None, 0.1)
+            ReferenceBackend().decode_attention(DecodeCall(query, keys, keys, length, history, None, None, 0.1))
 
 
 @CUDA

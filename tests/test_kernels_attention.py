@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import FullPrecisionHistory, QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.interface import HistoryTensors  # noqa: E402
+from oscar_hf.kernels.interface import DecodeCall, HistoryTensors  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 
@@ -499,6 +499,6 @@ def test_decode_step_with_history_starts(token_major, quantize):
     counted = HistoryTensors(history.keys, history.values, history.key_scale_zero, history.value_scale_zero,
                              history.length, history.bits, torch.tensor([HISTORY], dtype=torch.int32, device=DEVICE))
     dense_length = torch.tensor([keys.shape[2]], dtype=torch.int32, device=DEVICE)
-    got = _kernel_backend(launch).decode_attention(query, keys, values, dense_length, dense_start, counted,
-                                                   *rotations, scaling, None, history_start)
+    got = _kernel_backend(launch).decode_attention(DecodeCall(query, keys, values, dense_length, counted, *rotations,
+                                                              scaling, None, dense_start, history_start))
     _assert_close(got, ref, TOLERANCE["dense"][0], "counted decode step, row starts")

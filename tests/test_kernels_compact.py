@@ -29,7 +29,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
-from oscar_hf.kernels.interface import HistoryTensors  # noqa: E402
+from oscar_hf.kernels.interface import DecodeCall, HistoryTensors  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.reference.quantize import (  # noqa: E402
     COMPACT,
@@ -227,8 +227,8 @@ def test_tiered_and_counted_decode_read_compact_pairs(bits, kernels_only):
     got = _kernel_backend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling,
                                              dense_start=dense_start, history_start=history_start)
     _assert_close(got, ref, TOLERANCE["dense"][0], "tiered attention")
-    got = _kernel_backend().decode_attention(query, keys, values, dense_length, dense_start, counted, *rotations,
-                                             scaling, None, history_start)
+    got = _kernel_backend().decode_attention(DecodeCall(query, keys, values, dense_length, counted, *rotations,
+                                                        scaling, None, dense_start, history_start))
     _assert_close(got, ref, TOLERANCE["dense"][0], "counted decode step")
 
 

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
+from oscar_hf.kernels.interface import DemoteCall  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.reference.quantize import quantize_pack, quantize_rows, unpack_codes, unpack_dequantize  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
@@ -189,8 +190,8 @@ def test_demotion_writes_nothing_where_the_device_flag_is_zero(backend):
         codes = torch.full((2, 2, 8, 16), 7, dtype=torch.uint8, device=DEVICE)
         sz = torch.full((2, 2, 8, 2), 3.0, dtype=torch.float16, device=DEVICE)
         codes_v, sz_v = codes.clone(), sz.clone()
-        impl.demote_kv(x, x, None, None, 0.96, 0.96, 2, codes, sz, codes_v, sz_v,
-                       only_if=torch.tensor([flag], dtype=torch.int32, device=DEVICE))
+        impl.demote_kv(DemoteCall(x, x, None, None, 0.96, 0.96, 2, "minmax", codes, sz, codes_v, sz_v,
+                                  only_if=torch.tensor([flag], dtype=torch.int32, device=DEVICE)))
         if expect_written:
             assert torch.equal(codes, want_codes) and torch.equal(sz, want_sz) and torch.equal(codes_v, want_codes)
         else:
@@ -213,9 +214,9 @@ def test_demotion_into_whole_history_buffers_writes_at_the_device_row(backend, s
                    torch.full((2, 2, size, 2), 3, dtype=scale_dtype, device=DEVICE)]
         buffers += [b.clone() for b in buffers]
         before = [b.clone() for b in buffers]
-        got = impl.demote_kv_at(x, x, None, None, 0.96, 0.96, 2, *buffers, "minmax",
-                                torch.tensor([flag], dtype=torch.int32, device=DEVICE),
-                                torch.tensor([at], dtype=torch.int32, device=DEVICE))
+        call = DemoteCall(x, x, None, None, 0.96, 0.96, 2, "minmax", *buffers,
+                          only_if=torch.tensor([flag], dtype=torch.int32, device=DEVICE))
+        got = impl.demote_kv_at(call, torch.tensor([at], dtype=torch.int32, device=DEVICE))
         assert got.dtype == torch.int32 and int(got) == lost
         expect = [b.clone() for b in before]
         if start is not None:

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import HeadSplitHistory  # noqa: E402
-from oscar_hf.kernels.interface import decode_by_runs  # noqa: E402
+from oscar_hf.kernels.interface import DecodeCall, decode_by_runs  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
 from oscar_hf.kernels.reference.quantize import COMPACT  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
@@ -83,8 +83,8 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
         history_start = torch.tensor([0, 37] + [0] * (BATCH - 2), dtype=torch.int32, device=DEVICE)
     scaling = DIM ** -0.5
     reference = ReferenceBackend()
-    ref = decode_by_runs(reference.decode_attention, query, keys, values, dense_length, dense_start, split,
-                         *rotations, scaling, None, history_start)
+    call = DecodeCall(query, keys, values, dense_length, split, *rotations, scaling, None, dense_start, history_start)
+    ref = decode_by_runs(reference.decode_attention, call)
 
     launches = Counter()
     run_splits = {}  # code width -> the history splits its runs' launches were cut into
@@ -111,8 +111,7 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
                                       eager_graphs=False)
     for buffer in backend._workspace(DEVICE, 1 << 22, 1 << 16, 1 << 16):
         buffer.fill_(float("nan"))
-    got = backend.decode_attention(query, keys, values, dense_length, dense_start, split, *rotations, scaling, None,
-                                   history_start)
+    got = backend.decode_attention(call)
     _assert_close(got, ref, "split decode step")
     runs = len(split.runs)
     assert launches["rotation"] == 1 and launches["dense"] == 1 and launches["merge"] == 1
@@ -133,21 +132,19 @@ def test_split_histories_go_whole_only_to_backends_that_take_them():
     class Recording(ReferenceBackend):
         decodes_split_histories = False
 
-        def decode_attention(self, query, keys, values, dense_length, dense_start, history, *args):
-            seen.append(type(history).__name__)
-            if type(history).__name__ == "HeadSplitTensors":
-                return decode_by_runs(super().decode_attention, query, keys, values, dense_length, dense_start,
-                                      history, *args)
-            return super().decode_attention(query, keys, values, dense_length, dense_start, history, *args)
+        def decode_attention(self, call):
+            seen.append(type(call.history).__name__)
+            if type(call.history).__name__ == "HeadSplitTensors":
+                return decode_by_runs(super().decode_attention, call)
+            return super().decode_attention(call)
 
     class Whole(Recording):
         decodes_split_histories = True
 
-    per_run = HeadSplitBackend(Recording()).decode_attention(query, keys, values, dense_length, None, split,
-                                                             *rotations, DIM ** -0.5)
+    call = DecodeCall(query, keys, values, dense_length, split, *rotations, DIM ** -0.5)
+    per_run = HeadSplitBackend(Recording()).decode_attention(call)
     assert seen == ["HistoryTensors"] * len(split.runs) and per_run.shape == (BATCH, 1, KV_HEADS * GROUPS, DIM)
     seen.clear()
-    whole = HeadSplitBackend(Whole()).decode_attention(query, keys, values, dense_length, None, split, *rotations,
-                                                       DIM ** -0.5)
+    whole = HeadSplitBackend(Whole()).decode_attention(call)
     assert seen == ["HeadSplitTensors"] and torch.equal(whole, per_run)
     assert triton_backend.TritonBackend.decodes_split_histories

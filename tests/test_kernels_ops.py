@@ -1,49 +1,86 @@
-"""How the custom ops (`kernels.ops`) name a backend: by a key that lives as long as the backend does and is never
-given to another one."""
+"""The custom ops (`kernels.ops`): a call object flattened into an op's schema and back is the same call, a backend
+is named by its settings (no registry of backend objects), and a compiled step runs what the eager step runs."""
 
 from __future__ import annotations
 
-import copy
-import gc
+import json
 
+import pytest
 import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.kernels import ops
+from oscar_hf.kernels.interface import DecodeCall, HeadRun, HeadSplitTensors, HistoryTensors
 from oscar_hf.kernels.reference.backend import ReferenceBackend
+from oscar_hf.kernels.select import backend_for, backend_from_spec, backend_spec
 
-from conftest import forward, tiny_model
+from conftest import cache_argument_name, forward, tiny_model
 
 OPTIONS = dict(sink_tokens=4, recent_tokens=8, demote_block=8)
 
 
-def test_a_freed_cache_takes_its_backend_out_of_the_ops_lookup():
+def _history(heads: int, bits: int, length: torch.Tensor) -> HistoryTensors:
+    codes = torch.randint(0, 255, (2, heads, 24, 8 * bits), dtype=torch.uint8)
+    pairs = torch.rand(2, heads, 24, 2).half()
+    return HistoryTensors(codes, codes.clone(), pairs, pairs.clone(), 24, bits, length)
+
+
+def _decode_call(history) -> DecodeCall:
+    return DecodeCall(torch.randn(2, 6, 1, 64), torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64),
+                      torch.tensor([17], dtype=torch.int32), history, torch.randn(64, 64), torch.randn(3, 64, 64),
+                      0.125, 30.0, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("history", ["none", "whole", "split"])
+def test_a_decode_call_flattened_for_the_op_reads_back_as_the_same_call(history):
+    length = torch.tensor([11], dtype=torch.int32)
+    histories = {"none": None, "whole": _history(3, 2, length),
+                 "split": HeadSplitTensors((HeadRun(0, 1, _history(1, 4, length)), HeadRun(1, 3, _history(2, 2, length))))}
+    call = _decode_call(histories[history])
+    arguments = ops._decode_arguments(call, "spec")
+    assert arguments[-1] == "spec"
+    assert ops._decode_call(*arguments[:-1]) == call  # dataclass equality: the same tensors, runs and scalars
+    reference = ReferenceBackend()
+    torch.testing.assert_close(torch.ops.oscar_hf.decode_attention(*ops._decode_arguments(call, backend_spec(reference))),
+                               reference.decode_attention(call), rtol=0, atol=0)
+
+
+def test_a_backend_is_named_by_its_settings_and_one_instance_serves_each():
+    default = backend_for(torch.device("cpu"), 4096)
+    assert backend_from_spec(backend_spec(default)) is default
+    chunked = ReferenceBackend(history_chunk=96)
+    twin = backend_from_spec(backend_spec(chunked))
+    assert twin is not chunked and twin.history_chunk == 96  # the shared instance of those settings
+    assert backend_from_spec(backend_spec(ReferenceBackend(history_chunk=96))) is twin
+    assert json.loads(backend_spec(chunked)) == {"kind": "reference", "settings": {"history_chunk": 96}}
+
+
+def test_triton_settings_round_trip_through_a_spec():
+    pytest.importorskip("triton")
+    from oscar_hf.kernels.triton.backend import TritonBackend
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
+
+    backend = TritonBackend(launch=LaunchConfig(num_warps=2, block_m=8), min_history_tokens=32, split_waves=2,
+                            eager_graphs=False)
+    rebuilt = backend_from_spec(backend_spec(backend))
+    assert rebuilt.settings() == backend.settings() and rebuilt.launch == backend.launch
+    assert rebuilt.graphs is None and rebuilt.cuda_history_config == backend.cuda_history_config
+
+
+def test_a_compiled_step_with_a_backend_that_has_no_settings_says_why_it_cannot():
+    """A user's own backend class decodes eagerly; traced, its cache raises a clear error instead of running
+    another backend in its place."""
+
+    class Own(ReferenceBackend):
+        pass
+
     model = tiny_model("llama", seed=0)
-    cache = OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS)
+    cache = OscarCache(model, method="hadamard", backend=Own(), **OPTIONS)
+    ids = torch.randint(1, 96, (1, 20))
     with torch.no_grad():
-        forward(model, torch.randint(1, 96, (1, 20)), cache)
-    key = cache.layers[0].op_backend.key
-    assert ops._backend(key) is cache.layers[0].backend
-    assert {layer.op_backend.key for layer in cache.layers} == {key}  # one backend, one key
-    del cache
-    gc.collect()
-    assert key not in ops._BACKENDS
-
-
-def test_two_backends_never_share_a_key():
-    first, second = ReferenceBackend(), ReferenceBackend()
-    keys = {ops.register_backend(first), ops.register_backend(second)}
-    assert len(keys) == 2
-    assert ops.register_backend(first) in keys  # a backend keeps its key while it lives
-    old = ops.register_backend(first)
-    del first
-    gc.collect()
-    assert ops.register_backend(ReferenceBackend()) not in keys | {old}  # a freed backend's key is not reissued
-
-
-def test_a_copied_op_backend_names_its_own_backend():
-    shared = ops.OpBackend(ReferenceBackend())
-    assert copy.deepcopy(shared, {id(shared.inner): shared.inner}).key == shared.key
-    copied = copy.deepcopy(shared)
-    assert copied.inner is not shared.inner and copied.key != shared.key
-    assert ops._backend(copied.key) is copied.inner
+        forward(model, ids, cache)
+        forward(model, ids[:, :1], cache)  # eager decode steps run it
+        assert not cache.is_compileable  # so generate decodes it eagerly
+        compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        with pytest.raises(Exception, match="Own is not one of them"):
+            compiled(input_ids=ids[:, :1], use_cache=True, **{cache_argument_name(model): cache})

@@ -3,24 +3,23 @@
 A backend is picked once per layer (`kernels.select.backend_for(device)`, or passed to `OscarCache(backend=...)`)
 and then called through these operations only:
 
-- `demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes_out,
-  key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder, only_if)`: rotate, clip, quantize and pack
-  rows `[B, H, n, d]` of keys and values into the given output views (`encoder`: `OscarConfig.encoder`; `only_if`:
-  an integer `[1]` on the device, or None: where it holds 0, nothing is written);
+- `demote_kv(call: DemoteCall)`: rotate, clip, quantize and pack rows `[B, H, n, d]` of keys and values into the
+  call's output views (nothing where its device flag `only_if` holds 0);
+- `demote_kv_at(call: DemoteCall, at) -> lost`: the same straight into whole history buffers at the device row
+  `at` (a counted decode step's demotion);
 - `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling, softcap,
   dense_start, history_start) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model
   basis) and its history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
   `sink_length + history.length`; `dense_start` / `history_start` (int32 `[B]` or None): leading dense keys and
   leading history rows of each row to ignore (left padding, `demotion.padded_starts`);
-- `decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
-  scaling, softcap, history_start) -> [B, 1, Hq, D]`: a single-token step over the first `dense_length` rows of
-  `keys`/`values` (int32 `[1]` on the device; row b from `dense_start[b]`) and the first `history.length_ptr` rows
-  of the history (row b from `history_start[b]`), every one of them visible (no mask): what a compiled or
-  graph-captured decode step runs (`kernels.ops`);
-- `eager_decode_attention(...)`: the same call from an eager step, with tensors that keep their addresses from
-  step to step, which a backend may replay from a CUDA graph it captured (`kernels.replay`);
+- `decode_attention(call: DecodeCall) -> [B, 1, Hq, D]`: a single-token step over device-counted BF16 rows and
+  history, every one of them visible (no mask): what a compiled or graph-captured decode step runs (`kernels.ops`);
+- `eager_decode_attention(call: DecodeCall)`: the same call from an eager step, with tensors that keep their
+  addresses from step to step, which a backend may replay from a CUDA graph it captured (`kernels.replay`);
 - `graph_capture_problem(key_dim, value_dim, encoder, scale_dtype) -> str | None`: why a decode step of a layer of
-  these sizes and formats cannot be captured in a CUDA graph, or None when it can.
+  these sizes and formats cannot be captured in a CUDA graph, or None when it can;
+- `settings() -> dict`: the constructor's arguments, as data: how a compiled graph names the backend
+  (`kernels.select.backend_spec`).
 
 A backend whose `decodes_split_histories` is True also takes, in the two decode calls, a history kept as runs of
 adjacent KV heads of different code widths (`HeadSplitTensors`; `decode_by_runs` is the semantics: each run
@@ -37,7 +36,7 @@ The PyTorch reference (`kernels.reference`) defines the semantics; every other b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -104,45 +103,6 @@ class HistoryTensors:
         return self.keys.shape[2] if self.length_ptr is not None else self.length
 
 
-class Backend(Protocol):
-    """The operations a layer calls (see the module docstring)."""
-
-    name: str
-
-    def demote_kv(self, keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None,
-                  value_rotation: torch.Tensor | None, key_clip_ratio: float | None, value_clip_ratio: float | None,
-                  bits: int, key_codes_out: torch.Tensor, key_scale_zero_out: torch.Tensor,
-                  value_codes_out: torch.Tensor, value_scale_zero_out: torch.Tensor,
-                  encoder: str = "minmax", only_if: torch.Tensor | None = None) -> None: ...
-
-    def demote_kv_at(self, keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None,
-                     value_rotation: torch.Tensor | None, key_clip_ratio: float | None,
-                     value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
-                     key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor,
-                     encoder: str, only_if: torch.Tensor, at: torch.Tensor) -> torch.Tensor: ...
-
-    def tiered_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
-                         key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,
-                         softcap: float | None = None, dense_start: torch.Tensor | None = None,
-                         history_start: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         dense_length: torch.Tensor, dense_start: torch.Tensor | None,
-                         history: HistoryTensors | None, key_rotation: torch.Tensor | None,
-                         value_rotation: torch.Tensor | None, scaling: float, softcap: float | None = None,
-                         history_start: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def eager_decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                               dense_length: torch.Tensor, dense_start: torch.Tensor | None,
-                               history: HistoryTensors | None, key_rotation: torch.Tensor | None,
-                               value_rotation: torch.Tensor | None, scaling: float, softcap: float | None = None,
-                               history_start: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
-                              scale_dtype: torch.dtype = torch.float16) -> str | None: ...
-
-
 def heads_of(rotation: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     """The rotation of KV heads `[start, stop)`: a slice of a per-head `[Hkv, d, d]` rotation; a shared `[d, d]` one
     as it is."""
@@ -178,14 +138,95 @@ class HeadSplitTensors:
         return self.runs[0].history.plan_length
 
 
-def decode_by_runs(call, query, keys, values, dense_length, dense_start, history: HeadSplitTensors, key_rotation,
-                   value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
-    """A decode call (`call`: a backend's `decode_attention` or `eager_decode_attention`) over a split history, one
-    call per run of KV heads: query heads `[start * G, stop * G)` with their slices of the BF16 rows and of per-head
-    rotations; the outputs concatenated along the heads (exact: a query head reads its own KV head only)."""
-    groups = query.shape[1] // keys.shape[1]
-    return torch.cat([
-        call(query[:, r.start * groups : r.stop * groups], keys[:, r.start : r.stop], values[:, r.start : r.stop],
-             dense_length, dense_start, r.history, heads_of(key_rotation, r.start, r.stop),
-             heads_of(value_rotation, r.start, r.stop), scaling, softcap, history_start)
-        for r in history.runs], dim=2)
+@dataclass(frozen=True)
+class DemoteCall:
+    """One demotion: rows of keys and values `[B, H, n, d]` (model basis), the format they are stored in, and
+    where the codes go.
+
+    `key_codes` .. `value_scale_zero`: for `demote_kv`, views of exactly n rows; for `demote_kv_at`, whole history
+    buffers `[B, H, capacity, ...]`. `only_if` (int32 `[1]` on the device, or None): where it holds 0, nothing is
+    written (a counted decode step decides on the device whether it demotes); `demote_kv_at` requires it (0 or n:
+    the rows the caller will count)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_rotation: torch.Tensor | None
+    value_rotation: torch.Tensor | None
+    key_clip_ratio: float | None
+    value_clip_ratio: float | None
+    bits: int
+    encoder: str
+    key_codes: torch.Tensor
+    key_scale_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale_zero: torch.Tensor
+    only_if: torch.Tensor | None = None
+
+    def at_rows(self, rows: slice) -> DemoteCall:
+        """The call writing `rows` of whole buffers (what `demote_kv_at` becomes once the row is known)."""
+        return replace(self, key_codes=self.key_codes[:, :, rows], key_scale_zero=self.key_scale_zero[:, :, rows],
+                       value_codes=self.value_codes[:, :, rows], value_scale_zero=self.value_scale_zero[:, :, rows])
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One layer's single-token decode step: what its attention reads.
+
+    `query` `[B, Hq, 1, D]`; `keys`/`values` `[B, Hkv, capacity, D]`: the BF16 buffers (model basis), of which
+    the first `dense_length` rows (int32 `[1]` on the device) are in use; `history`: the quantized history (its
+    count in `length_ptr`), a `HeadSplitTensors`, or None. `key_rotation`: what the history's attention rotates
+    the query by (the layer's query rotation); `value_rotation`: what its output is un-rotated by. `dense_start` /
+    `history_start` (int32 `[B]`, or None without left padding): leading BF16 and history rows each row ignores."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    dense_length: torch.Tensor
+    history: HistoryTensors | HeadSplitTensors | None
+    key_rotation: torch.Tensor | None
+    value_rotation: torch.Tensor | None
+    scaling: float
+    softcap: float | None = None
+    dense_start: torch.Tensor | None = None
+    history_start: torch.Tensor | None = None
+
+    def for_run(self, run: HeadRun) -> DecodeCall:
+        """The call restricted to one run's KV heads `[start, stop)`: query heads `[start * G, stop * G)`, the BF16
+        rows and per-head rotations of those heads, and the run's own history."""
+        groups = self.query.shape[1] // self.keys.shape[1]
+        return replace(self, query=self.query[:, run.start * groups : run.stop * groups],
+                       keys=self.keys[:, run.start : run.stop], values=self.values[:, run.start : run.stop],
+                       history=run.history, key_rotation=heads_of(self.key_rotation, run.start, run.stop),
+                       value_rotation=heads_of(self.value_rotation, run.start, run.stop))
+
+
+class Backend(Protocol):
+    """The operations a layer calls (see the module docstring)."""
+
+    name: str
+
+    def demote_kv(self, call: DemoteCall) -> None: ...
+
+    def demote_kv_at(self, call: DemoteCall, at: torch.Tensor) -> torch.Tensor: ...
+
+    def tiered_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
+                         key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,
+                         softcap: float | None = None, dense_start: torch.Tensor | None = None,
+                         history_start: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def decode_attention(self, call: DecodeCall) -> torch.Tensor: ...
+
+    def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor: ...
+
+    def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
+                              scale_dtype: torch.dtype = torch.float16) -> str | None: ...
+
+    def settings(self) -> dict: ...
+
+
+def decode_by_runs(decode, call: DecodeCall) -> torch.Tensor:
+    """A decode call over a split history (`decode`: a backend's `decode_attention` or `eager_decode_attention`),
+    one call per run of KV heads (`DecodeCall.for_run`); the outputs concatenated along the heads (exact: a query
+    head reads its own KV head only)."""
+    return torch.cat([decode(call.for_run(run)) for run in call.history.runs], dim=2)

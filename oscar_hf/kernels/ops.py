@@ -1,138 +1,159 @@
 """The kernel interface as torch custom ops, so that `torch.compile` treats a decode step's kernels as opaque calls.
 
 These operations cross the boundary (`torch.library.custom_op`, each with a fake implementation that only gives
-shapes):
-- `oscar_hf::decode_attention`: one layer's single-token attention over its BF16 rows (the first `dense_length`
-  of `keys`/`values`, minus each row's `dense_start` leading pads) and its history (the first `history_length`
-  rows, minus each row's `history_start` leading pads). Both lengths are int32 `[1]` device tensors, so one
-  compiled graph, or one captured CUDA graph, serves every step of a demotion cycle;
-- `oscar_hf::split_decode_attention`: the same over a history kept as runs of KV heads of different code widths
-  (`kernels.interface.HeadSplitTensors`), each run's buffers in lists, for a backend that takes such a history
-  whole (`decodes_split_histories`);
-- `oscar_hf::demote_kv`: rotate, clip, quantize and pack rows into given output tensors (it mutates them), or
-  nothing where the device flag `only_if` holds 0;
-- `oscar_hf::demote_into`: the same, straight into a quantized history's buffers at a device row (a counted
-  decode step's demotion: one kernel, no staging block);
+shapes); each is declared once, with the PyTorch reference as its implementation for every device and, where a
+kernel exists, the CUDA one registered for CUDA:
+- `oscar_hf::decode_attention`: a `DecodeCall` (one layer's single-token attention over its device-counted BF16
+  rows and history), its history given as runs of KV heads (one run for an ordinary history; several for a
+  history split by code widths, `HeadSplitTensors`). Both counts are int32 `[1]` device tensors, so one compiled
+  graph, or one captured CUDA graph, serves every step of a demotion cycle;
+- `oscar_hf::demote_kv`: a `DemoteCall` (rotate, clip, quantize and pack rows into its output views, which it
+  mutates), or nothing where its device flag `only_if` holds 0;
+- `oscar_hf::demote_into`: the same straight into a quantized history's buffers at a device row (a counted decode
+  step's demotion: one kernel, no staging block);
 - `oscar_hf::write_rows`: rows into a full-precision history's buffers at a device row (the `none` method);
 - `oscar_hf::gather_rows`: rows of a BF16 buffer moved within it (the window's shift after a demotion, the sink of
   a left-padded row taking real tokens), every source row read before any is written.
 
-A backend instance is not a tensor, so an op names it by a string: `register_backend` gives each backend a key
-while it lives, and the op looks it up (`OpBackend` wraps a backend so that callers use the ops the way they use the
-backend). The lookup holds backends weakly, so a freed cache's backend leaves it, and keys are issued by a counter,
-so a key never names another backend than the one it was given for. One backend keeps one key: a compiled graph,
-which holds the key as a constant, then serves every cache of that backend (`kernels.select` shares one per device).
+A call object is not an op argument: `_decode_arguments` / `_decode_call` (and their demotion pair) are the one
+place that flattens a call into the op's schema and back. A backend is named by its spec (`kernels.select
+.backend_spec`: its kind and settings as a string), which the op turns back into the shared backend of those
+settings (`backend_from_spec`) on CUDA, and into the reference of the same history chunk elsewhere: a compiled
+graph holds a description, not an object, and no registry of backend objects exists.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
-import weakref
+import json
+from functools import lru_cache
 
 import torch
 
-from oscar_hf.kernels.interface import Backend, HeadRun, HeadSplitTensors, HistoryTensors, block_start
-
-_BACKENDS: weakref.WeakValueDictionary[str, Backend] = weakref.WeakValueDictionary()
-_KEY_NUMBERS = itertools.count(1)
-
-
-def register_backend(backend: Backend) -> str:
-    """The key the ops name `backend` by: the one it was given while it lives, else a new one. The lookup does
-    not keep `backend` alive; its holder (an `OpBackend`) does."""
-    for key, known in _BACKENDS.items():
-        if known is backend:
-            return key
-    key = f"{backend.name}:{next(_KEY_NUMBERS)}"
-    _BACKENDS[key] = backend
-    return key
+from oscar_hf.kernels.interface import (
+    Backend,
+    DecodeCall,
+    DemoteCall,
+    HeadRun,
+    HeadSplitTensors,
+    HistoryTensors,
+    block_start,
+)
+from oscar_hf.kernels.select import backend_from_spec, backend_spec
 
 
-def _backend(key: str) -> Backend:
-    backend = _BACKENDS.get(key)
-    if backend is None:
-        raise RuntimeError(f"no kernel backend under {key!r}: its cache was freed (register_backend)")
-    return backend
+@lru_cache(maxsize=None)
+def _reference(spec: str) -> Backend:
+    """The reference backend with `spec`'s history chunk: what every op runs off CUDA."""
+    chunk = json.loads(spec)["settings"].get("history_chunk", 4096)
+    return backend_from_spec(json.dumps({"kind": "reference", "settings": {"history_chunk": chunk}}))
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def _decode_arguments(call: DecodeCall, spec: str) -> tuple:
+    """`call` in `oscar_hf::decode_attention`'s schema (`_decode_call` reads it back)."""
+    h = call.history
+    runs = () if h is None else h.runs if isinstance(h, HeadSplitTensors) else (HeadRun(0, call.keys.shape[1], h),)
+    return (call.query, call.keys, call.values, call.dense_length, call.dense_start, call.history_start,
+            None if h is None else h.length_ptr, [b for r in runs for b in (r.start, r.stop)],
+            [r.history.bits for r in runs], [r.history.keys for r in runs],
+            [r.history.key_scale_zero for r in runs], [r.history.values for r in runs],
+            [r.history.value_scale_zero for r in runs], call.key_rotation, call.value_rotation, float(call.scaling),
+            None if call.softcap is None else float(call.softcap), spec)
+
+
+def _decode_call(query, keys, values, dense_length, dense_start, history_start, history_length, run_bounds,
+                 run_bits, history_keys, history_key_scale_zero, history_values, history_value_scale_zero,
+                 key_rotation, value_rotation, scaling, softcap) -> DecodeCall:
+    """The `DecodeCall` an op call's arguments flatten (`_decode_arguments`)."""
+    runs = tuple(
+        HeadRun(run_bounds[2 * i], run_bounds[2 * i + 1], HistoryTensors(k, v, kz, vz, k.shape[2], bits,
+                                                                          history_length))
+        for i, (k, kz, v, vz, bits) in enumerate(zip(history_keys, history_key_scale_zero, history_values,
+                                                     history_value_scale_zero, run_bits)))
+    whole = len(runs) == 1 and runs[0].start == 0 and runs[0].stop == keys.shape[1]
+    history = None if not runs else runs[0].history if whole else HeadSplitTensors(runs)
+    return DecodeCall(query, keys, values, dense_length, history, key_rotation, value_rotation, scaling, softcap,
+                      dense_start, history_start)
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
 def decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dense_length: torch.Tensor,
-    dense_start: torch.Tensor | None, history_keys: torch.Tensor | None, history_key_scale_zero: torch.Tensor | None,
-    history_values: torch.Tensor | None, history_value_scale_zero: torch.Tensor | None,
-    history_length: torch.Tensor | None, bits: int, key_rotation: torch.Tensor | None,
+    dense_start: torch.Tensor | None, history_start: torch.Tensor | None, history_length: torch.Tensor | None,
+    run_bounds: list[int], run_bits: list[int], history_keys: list[torch.Tensor],
+    history_key_scale_zero: list[torch.Tensor | None], history_values: list[torch.Tensor],
+    history_value_scale_zero: list[torch.Tensor | None], key_rotation: torch.Tensor | None,
     value_rotation: torch.Tensor | None, scaling: float, softcap: float | None, backend: str,
-    history_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[B, 1, Hq, D]` in the query dtype (see the module docstring)."""
-    history = None
-    if history_keys is not None:
-        history = HistoryTensors(history_keys, history_values, history_key_scale_zero, history_value_scale_zero,
-                                 history_keys.shape[2], bits, history_length)
-    return _backend(backend).decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                              value_rotation, scaling, softcap, history_start)
+    """`[B, 1, Hq, D]` in the query dtype; run i holds KV heads `[run_bounds[2i], run_bounds[2i + 1])` (see the
+    module docstring)."""
+    return _reference(backend).decode_attention(_decode_call(*_call_fields(locals())))
+
+
+@decode_attention.register_kernel("cuda")
+def _decode_attention_cuda(query, keys, values, dense_length, dense_start, history_start, history_length,
+                           run_bounds, run_bits, history_keys, history_key_scale_zero, history_values,
+                           history_value_scale_zero, key_rotation, value_rotation, scaling, softcap, backend):
+    return backend_from_spec(backend).decode_attention(_decode_call(*_call_fields(locals())))
 
 
 @decode_attention.register_fake
-def _(query, keys, values, dense_length, dense_start, history_keys, history_key_scale_zero, history_values,
-      history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap, backend,
-      history_start=None):
+def _(query, keys, values, dense_length, dense_start, history_start, history_length, run_bounds, run_bits,
+      history_keys, history_key_scale_zero, history_values, history_value_scale_zero, key_rotation, value_rotation,
+      scaling, softcap, backend):
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
 
 
-@torch.library.custom_op("oscar_hf::split_decode_attention", mutates_args=())
-def split_decode_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dense_length: torch.Tensor,
-    dense_start: torch.Tensor | None, run_bounds: list[int], history_keys: list[torch.Tensor],
-    history_key_scale_zero: list[torch.Tensor], history_values: list[torch.Tensor],
-    history_value_scale_zero: list[torch.Tensor], history_length: torch.Tensor, bits: list[int],
-    key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float, softcap: float | None,
-    backend: str, history_start: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`[B, 1, Hq, D]` in the query dtype; run i holds KV heads `[run_bounds[2i], run_bounds[2i + 1])`."""
-    runs = tuple(
-        HeadRun(run_bounds[2 * i], run_bounds[2 * i + 1],
-                HistoryTensors(k, v, kz, vz, k.shape[2], width, history_length))
-        for i, (k, kz, v, vz, width) in enumerate(zip(history_keys, history_key_scale_zero, history_values,
-                                                      history_value_scale_zero, bits)))
-    return _backend(backend).decode_attention(query, keys, values, dense_length, dense_start, HeadSplitTensors(runs),
-                                              key_rotation, value_rotation, scaling, softcap, history_start)
+# ---------------------------------------------------------------------------------------------- demotion
+def _demote_arguments(call: DemoteCall, spec: str) -> tuple:
+    """`call` in the demotion ops' schema, up to `only_if` (`_demote_call` reads it back)."""
+    return (call.keys, call.values, call.key_rotation, call.value_rotation, call.key_clip_ratio,
+            call.value_clip_ratio, call.bits, call.encoder, call.key_codes, call.key_scale_zero, call.value_codes,
+            call.value_scale_zero, spec, call.only_if)
 
 
-@split_decode_attention.register_fake
-def _(query, keys, values, dense_length, dense_start, run_bounds, history_keys, history_key_scale_zero,
-      history_values, history_value_scale_zero, history_length, bits, key_rotation, value_rotation, scaling, softcap,
-      backend, history_start=None):
-    batch, heads, q_len, dim = query.shape
-    return query.new_empty((batch, q_len, heads, dim))
+def _demote_call(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
+                 key_codes, key_scale_zero, value_codes, value_scale_zero, only_if) -> DemoteCall:
+    return DemoteCall(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
+                      key_codes, key_scale_zero, value_codes, value_scale_zero, only_if)
+
+
+def _call_fields(arguments: dict) -> tuple:
+    """An op's arguments without its backend spec and ordering inputs, in schema order (what `_decode_call` and
+    `_demote_call` take)."""
+    return tuple(v for k, v in arguments.items() if k not in ("backend", "at", "after"))
 
 
 @torch.library.custom_op("oscar_hf::demote_kv",
                          mutates_args=("key_codes", "key_scale_zero", "value_codes", "value_scale_zero"))
 def demote_kv(
     keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None,
-    key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
-    key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, encoder: str,
-    backend: str, only_if: torch.Tensor | None = None,
+    key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, encoder: str, key_codes: torch.Tensor,
+    key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, backend: str,
+    only_if: torch.Tensor | None = None,
 ) -> None:
-    _backend(backend).demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                                key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if)
+    _reference(backend).demote_kv(_demote_call(*_call_fields(locals())))
+
+
+@demote_kv.register_kernel("cuda")
+def _demote_kv_cuda(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
+                    key_codes, key_scale_zero, value_codes, value_scale_zero, backend, only_if=None):
+    backend_from_spec(backend).demote_kv(_demote_call(*_call_fields(locals())))
 
 
 @demote_kv.register_fake
-def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes, key_scale_zero,
-      value_codes, value_scale_zero, encoder, backend, only_if=None):
+def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder, key_codes,
+      key_scale_zero, value_codes, value_scale_zero, backend, only_if=None):
     return None
 
 
 @torch.library.custom_op("oscar_hf::demote_into", mutates_args=())
 def demote_into(
     keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None,
-    key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, key_codes: torch.Tensor,
-    key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, encoder: str,
-    backend: str, only_if: torch.Tensor, at: torch.Tensor, after: torch.Tensor,
+    key_clip_ratio: float | None, value_clip_ratio: float | None, bits: int, encoder: str, key_codes: torch.Tensor,
+    key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, backend: str,
+    only_if: torch.Tensor, at: torch.Tensor, after: torch.Tensor,
 ) -> torch.Tensor:
     """A counted decode step's demotion, written straight into the history buffers at the device row `at`
     (`Backend.demote_kv_at`); returns the tokens lost to a full history (int32 `[1]`).
@@ -140,14 +161,18 @@ def demote_into(
     The buffers are written in place but not declared mutated, as in `write_rows` (whose docstring says why):
     `after` (the attention output that read them) orders the write after that read, and the rows written lie
     beyond the count until the caller advances it."""
-    return _backend(backend).demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
-                                          value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
-                                          value_scale_zero, encoder, only_if, at)
+    return _reference(backend).demote_kv_at(_demote_call(*_call_fields(locals())), at)
+
+
+@demote_into.register_kernel("cuda")
+def _demote_into_cuda(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
+                      key_codes, key_scale_zero, value_codes, value_scale_zero, backend, only_if, at, after):
+    return backend_from_spec(backend).demote_kv_at(_demote_call(*_call_fields(locals())), at)
 
 
 @demote_into.register_fake
-def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, key_codes, key_scale_zero,
-      value_codes, value_scale_zero, encoder, backend, only_if, at, after):
+def _(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder, key_codes,
+      key_scale_zero, value_codes, value_scale_zero, backend, only_if, at, after):
     return torch.empty_like(only_if)
 
 
@@ -233,61 +258,37 @@ def move_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int, afte
 
 class OpBackend:
     """`backend`'s demotion and decode attention through the custom ops while `torch.compile` traces (so that the
-    graph holds them as opaque calls), and straight to `backend` otherwise: the ops run exactly that, and an eager
-    op call costs tens of microseconds of dispatch on the host, per op, layer and step."""
+    graph holds them as opaque calls, naming the backend by its spec), and straight to `backend` otherwise: the ops
+    run exactly that, and an eager op call costs tens of microseconds of dispatch on the host, per op, layer and
+    step. A backend without a spec (not one of the package's) runs eagerly only."""
 
     def __init__(self, backend: Backend):
         self.inner = backend
         self.name = backend.name
-        self.key = register_backend(backend)
         self.decodes_split_histories = getattr(backend, "decodes_split_histories", False)
+        try:  # read now: json is not traced
+            self.spec, self.no_spec = backend_spec(backend), None
+        except TypeError as error:
+            self.spec, self.no_spec = None, str(error)
 
-    def __deepcopy__(self, memo):
-        # a copied backend is a backend of its own, with its own key; a shared one (in `memo`) keeps its key
-        return OpBackend(copy.deepcopy(self.inner, memo))
+    def _traced_spec(self) -> str:
+        if self.spec is None:
+            raise TypeError(self.no_spec)
+        return self.spec
 
-    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
-                  only_if=None) -> None:
+    def demote_kv(self, call: DemoteCall) -> None:
         if not torch.compiler.is_compiling():
-            self.inner.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                                 key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder,
-                                 only_if)
+            self.inner.demote_kv(call)
             return
-        torch.ops.oscar_hf.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                                     key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
-                                     encoder, self.key, only_if)
+        torch.ops.oscar_hf.demote_kv(*_demote_arguments(call, self._traced_spec()))
 
-    def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                     key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at,
-                     after=None) -> torch.Tensor:
+    def demote_kv_at(self, call: DemoteCall, at: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
         if not torch.compiler.is_compiling():
-            return self.inner.demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
-                                           value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
-                                           value_scale_zero, encoder, only_if, at)
-        return torch.ops.oscar_hf.demote_into(keys, values, key_rotation, value_rotation, key_clip_ratio,
-                                              value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
-                                              value_scale_zero, encoder, self.key, only_if, at,
-                                              after if after is not None else only_if)
+            return self.inner.demote_kv_at(call, at)
+        return torch.ops.oscar_hf.demote_into(*_demote_arguments(call, self._traced_spec()), at,
+                                              after if after is not None else call.only_if)
 
-    def decode_attention(self, query, keys, values, dense_length, dense_start, history: HistoryTensors | None,
-                         key_rotation, value_rotation, scaling, softcap=None, history_start=None) -> torch.Tensor:
+    def decode_attention(self, call: DecodeCall) -> torch.Tensor:
         if not torch.compiler.is_compiling():
-            return self.inner.eager_decode_attention(query, keys, values, dense_length, dense_start, history,
-                                                     key_rotation, value_rotation, scaling, softcap, history_start)
-        h = history
-        if isinstance(h, HeadSplitTensors):
-            return torch.ops.oscar_hf.split_decode_attention(
-                query, keys, values, dense_length, dense_start, [b for r in h.runs for b in (r.start, r.stop)],
-                [r.history.keys for r in h.runs], [r.history.key_scale_zero for r in h.runs],
-                [r.history.values for r in h.runs], [r.history.value_scale_zero for r in h.runs], h.length_ptr,
-                [r.history.bits for r in h.runs], key_rotation, value_rotation, float(scaling),
-                None if softcap is None else float(softcap), self.key, history_start,
-            )
-        return torch.ops.oscar_hf.decode_attention(
-            query, keys, values, dense_length, dense_start,
-            None if h is None else h.keys, None if h is None else h.key_scale_zero,
-            None if h is None else h.values, None if h is None else h.value_scale_zero,
-            None if h is None else h.length_ptr, 2 if h is None else h.bits, key_rotation, value_rotation,
-            float(scaling), None if softcap is None else float(softcap), self.key, history_start,
-        )
+            return self.inner.eager_decode_attention(call)
+        return torch.ops.oscar_hf.decode_attention(*_decode_arguments(call, self._traced_spec()))

@@ -4,11 +4,17 @@
   qualifies; anything else, or a machine without Triton, gets the PyTorch reference.
 - `OSCAR_HF_BACKEND=reference` forces the reference everywhere; `OSCAR_CUDA_HISTORY=0` keeps the Triton backend
   off the CUDA history kernel.
+
+A backend is also data: `backend_spec` writes its kind and constructor settings as a string, and
+`backend_from_spec` gives the backend that string describes, one shared instance per string. The custom ops
+(`kernels.ops`) name a backend that way, so that a compiled graph holds a description, not an object, and serves
+every cache whose backend has the same settings.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import torch
@@ -16,7 +22,8 @@ import torch
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 
-_BACKENDS: dict[tuple, Backend] = {}
+_BACKENDS: dict[str, Backend] = {}  # by spec (`backend_from_spec`)
+_CHOSEN: dict[tuple, Backend] = {}  # by choice (`backend_for`), a dict lookup dynamo traces
 # looked up once: `backend_for` also runs inside traced code (transformers 5.17 reads `Cache.is_compileable` while
 # building a compiled forward's mask), where dynamo cannot trace importlib's lookup
 _TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
@@ -33,12 +40,51 @@ def backend_for(device: torch.device, history_chunk: int = 4096) -> Backend:
     use_kernels = device.type == "cuda" and forced != "reference" and _TRITON_IMPORTABLE
     cuda_history = os.environ.get("OSCAR_CUDA_HISTORY", "1") != "0"
     key = ("triton", history_chunk, cuda_history) if use_kernels else ("reference", history_chunk)
-    if key not in _BACKENDS:
-        if use_kernels:
-            from oscar_hf.kernels.triton.backend import TritonBackend
+    if key not in _CHOSEN:
+        settings = {"history_chunk": history_chunk} | ({"cuda_history": cuda_history} if use_kernels else {})
+        _CHOSEN[key] = backend_from_spec(_spec(key[0], settings))
+    return _CHOSEN[key]
 
-            _BACKENDS[key] = TritonBackend(history_chunk=history_chunk, cuda_history=cuda_history)
-        else:
-            _BACKENDS[key] = ReferenceBackend(history_chunk=history_chunk)
-    return _BACKENDS[key]
 
+def _backend_classes() -> dict[str, type]:
+    """The backends a spec may name, by kind (Triton's imported only when present)."""
+    classes: dict[str, type] = {"reference": ReferenceBackend}
+    if _TRITON_IMPORTABLE:
+        from oscar_hf.kernels.triton.backend import TritonBackend
+
+        classes["triton"] = TritonBackend
+    return classes
+
+
+def _spec(kind: str, settings: dict) -> str:
+    return json.dumps({"kind": kind, "settings": settings}, sort_keys=True)
+
+
+def has_spec(backend: Backend) -> bool:
+    """Whether `backend` is one of the package's own, which `backend_spec` describes."""
+    return _backend_classes().get(backend.name) is type(backend)
+
+
+def backend_spec(backend: Backend) -> str:
+    """`backend` as data: its kind and constructor settings (`backend_from_spec` turns it back). Only the package's
+    own backends have one: a compiled graph cannot hold another object."""
+    if not has_spec(backend):
+        raise TypeError(
+            f"torch.compile names a kernel backend by its settings, which only the package's own backends "
+            f"({', '.join(sorted(_backend_classes()))}) state; {type(backend).__name__} is not one of them: decode "
+            "eagerly with it, or leave OscarCache(backend=...) unset")
+    return _spec(backend.name, backend.settings())
+
+
+def backend_from_spec(spec: str) -> Backend:
+    """The backend `spec` (from `backend_spec`, or naming only some settings) describes: one shared instance per
+    full description, so that its scratch and compiled kernels serve every cache and step that names it."""
+    backend = _BACKENDS.get(spec)
+    if backend is None:
+        described = json.loads(spec)
+        cls = _backend_classes()[described["kind"]]
+        settings = described["settings"]
+        built = cls.from_settings(settings) if hasattr(cls, "from_settings") else cls(**settings)
+        backend = _BACKENDS.setdefault(backend_spec(built), built)
+        _BACKENDS[spec] = backend
+    return backend

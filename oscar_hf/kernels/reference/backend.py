@@ -3,9 +3,11 @@ anywhere."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, block_start, decode_by_runs
+from oscar_hf.kernels.interface import DecodeCall, DemoteCall, HeadSplitTensors, block_start, decode_by_runs
 from oscar_hf.kernels.reference.attention import dense_partial, history_partial, merge_partials, tiered_reference
 from oscar_hf.kernels.reference.quantize import quantize_pack
 from oscar_hf.rotations.math import rotate
@@ -42,30 +44,26 @@ class ReferenceBackend:
         codes_out.copy_(packed)
         scale_zero_out.copy_(scale_zero)
 
-    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
-                  only_if=None) -> None:
-        if only_if is not None:
-            refuse_capture(keys, "decode step's demotion")
-        if only_if is not None and not bool(only_if):  # read on the host: the reference is never graph-captured
+    def demote_kv(self, call: DemoteCall) -> None:
+        if call.only_if is not None:
+            refuse_capture(call.keys, "decode step's demotion")
+        if call.only_if is not None and not bool(call.only_if):  # read on the host: never graph-captured
             return
-        self.demote(keys, key_rotation, key_clip_ratio, bits, key_codes_out, key_scale_zero_out, encoder)
-        self.demote(values, value_rotation, value_clip_ratio, bits, value_codes_out, value_scale_zero_out, encoder)
+        self.demote(call.keys, call.key_rotation, call.key_clip_ratio, call.bits, call.key_codes, call.key_scale_zero,
+                    call.encoder)
+        self.demote(call.values, call.value_rotation, call.value_clip_ratio, call.bits, call.value_codes,
+                    call.value_scale_zero, call.encoder)
 
-    def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                     key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at) -> torch.Tensor:
+    def demote_kv_at(self, call: DemoteCall, at: torch.Tensor) -> torch.Tensor:
         """`demote_kv` of `n` rows straight into whole history buffers `[B, H, capacity, ...]`, at rows
-        `[at, at + n)` (`at`: int32 `[1]` on the device), where `only_if` (int32 `[1]`: 0 or n) is not 0. The
+        `[at, at + n)` (`at`: int32 `[1]` on the device), where `call.only_if` (int32 `[1]`: 0 or n) is not 0. The
         buffers' last n rows are never counted: a block that would reach them is written there instead and lost.
         Returns the tokens lost (int32 `[1]`): `only_if` for such a block, else 0."""
-        refuse_capture(keys, "decode step's demotion")
-        n = keys.shape[2]
-        start, lost = block_start(at, n, key_codes.shape[2], only_if)
-        if bool(only_if):  # read on the host: the reference is never graph-captured
-            rows = slice(int(start), int(start) + n)
-            self.demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                           key_codes[:, :, rows], key_scale_zero[:, :, rows], value_codes[:, :, rows],
-                           value_scale_zero[:, :, rows], encoder)
+        refuse_capture(call.keys, "decode step's demotion")
+        n = call.keys.shape[2]
+        start, lost = block_start(at, n, call.key_codes.shape[2], call.only_if)
+        if bool(call.only_if):  # read on the host: the reference is never graph-captured
+            self.demote_kv(replace(call.at_rows(slice(int(start), int(start) + n)), only_if=None))
         return lost
 
     def dense_attention(self, query, key, value, mask, scaling, softcap=None):
@@ -85,28 +83,29 @@ class ReferenceBackend:
         return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
                                 scaling, softcap, dense_start, history_start)
 
-    def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation, value_rotation,
-                         scaling, softcap=None, history_start=None):
-        """One query per row over the first `dense_length` rows of `keys`/`values` (row b from `dense_start[b]`)
-        and the first `history.length_ptr` history rows (row b from `history_start[b]`; `kernels.interface`);
-        reads the lengths on the host. A split history (`HeadSplitTensors`) is read run by run."""
-        if isinstance(history, HeadSplitTensors):  # each run's call refuses a capture it cannot serve
-            return decode_by_runs(self.decode_attention, query, keys, values, dense_length, dense_start, history,
-                                  key_rotation, value_rotation, scaling, softcap, history_start)
-        refuse_capture(query, "decode step's attention")
-        dense = int(dense_length)
+    def decode_attention(self, call: DecodeCall) -> torch.Tensor:
+        """One query per row over the first `dense_length` BF16 rows (row b from `dense_start[b]`) and the first
+        `history.length_ptr` history rows (row b from `history_start[b]`; `kernels.interface`); reads the lengths
+        on the host. A split history (`HeadSplitTensors`) is read run by run."""
+        if isinstance(call.history, HeadSplitTensors):  # each run's call refuses a capture it cannot serve
+            return decode_by_runs(self.decode_attention, call)
+        refuse_capture(call.query, "decode step's attention")
+        dense = int(call.dense_length)
+        history = call.history
         if history is not None:
             length = int(history.length_ptr)
-            history = HistoryTensors(history.keys, history.values, history.key_scale_zero, history.value_scale_zero,
-                                     length, history.bits) if length else None
-        return tiered_reference(self, query, keys[:, :, :dense], values[:, :, :dense], None, history, 0,
-                                key_rotation, value_rotation, scaling, softcap, dense_start, history_start)
+            history = replace(history, length=length, length_ptr=None) if length else None
+        return tiered_reference(self, call.query, call.keys[:, :, :dense], call.values[:, :, :dense], None, history,
+                                0, call.key_rotation, call.value_rotation, call.scaling, call.softcap,
+                                call.dense_start, call.history_start)
 
-    def eager_decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
-                               value_rotation, scaling, softcap=None, history_start=None):
+    def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """`decode_attention` as an eager step calls it (the reference has nothing to replay)."""
-        return self.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                     value_rotation, scaling, softcap, history_start)
+        return self.decode_attention(call)
+
+    def settings(self) -> dict:
+        """The constructor's arguments, as data (`kernels.select.backend_spec`)."""
+        return {"history_chunk": self.history_chunk}
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None:

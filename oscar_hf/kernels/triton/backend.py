@@ -17,10 +17,12 @@ allocation that grows with the history), and nothing synchronizes the host.
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import torch
 
 from oscar_hf.kernels.cuda import history as cuda_history
-from oscar_hf.kernels.interface import HeadSplitTensors, HistoryTensors, kernel_head_dim
+from oscar_hf.kernels.interface import DecodeCall, DemoteCall, HeadSplitTensors, HistoryTensors, kernel_head_dim
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.kernels.reference.quantize import COMPACT, row_bytes
 from oscar_hf.kernels.replay import GraphReplay, layout
@@ -104,32 +106,21 @@ class TritonBackend(ReferenceBackend):
         demote_rows([(x, rotation, clip_ratio, codes_out, scale_zero_out)], bits, encoder=encoder)
 
     @staticmethod
-    def _kernel_demotes_kv(keys, values, scale_zero, encoder) -> bool:
+    def _kernel_demotes_kv(call: DemoteCall) -> bool:
         """Whether the demotion kernel takes keys and values in one launch (else the reference demotes them)."""
-        return (encoder in KERNEL_ENCODERS and keys.shape == values.shape and kernel_head_dim(keys.shape[-1])
-                and scale_zero.dtype in KERNEL_SCALE_DTYPES)
+        return (call.encoder in KERNEL_ENCODERS and call.keys.shape == call.values.shape
+                and kernel_head_dim(call.keys.shape[-1]) and call.key_scale_zero.dtype in KERNEL_SCALE_DTYPES)
 
-    def demote_kv(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                  key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out, encoder="minmax",
-                  only_if=None) -> None:
-        if not self._kernel_demotes_kv(keys, values, key_scale_zero_out, encoder):
-            return super().demote_kv(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio,
-                                     bits, key_codes_out, key_scale_zero_out, value_codes_out, value_scale_zero_out,
-                                     encoder, only_if)
-        demote_rows([(keys, key_rotation, key_clip_ratio, key_codes_out, key_scale_zero_out),
-                     (values, value_rotation, value_clip_ratio, value_codes_out, value_scale_zero_out)], bits,
-                    encoder=encoder, only_if=only_if)
+    def demote_kv(self, call: DemoteCall) -> None:
+        if not self._kernel_demotes_kv(call):
+            return super().demote_kv(call)
+        demote_rows(_demotion_pairs(call), call.bits, encoder=call.encoder, only_if=call.only_if)
 
-    def demote_kv_at(self, keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits,
-                     key_codes, key_scale_zero, value_codes, value_scale_zero, encoder, only_if, at):
-        if not self._kernel_demotes_kv(keys, values, key_scale_zero, encoder):
-            return super().demote_kv_at(keys, values, key_rotation, value_rotation, key_clip_ratio,
-                                        value_clip_ratio, bits, key_codes, key_scale_zero, value_codes,
-                                        value_scale_zero, encoder, only_if, at)
-        lost = torch.empty_like(only_if)
-        demote_rows([(keys, key_rotation, key_clip_ratio, key_codes, key_scale_zero),
-                     (values, value_rotation, value_clip_ratio, value_codes, value_scale_zero)], bits,
-                    encoder=encoder, only_if=only_if, at=at, lost=lost)
+    def demote_kv_at(self, call: DemoteCall, at: torch.Tensor) -> torch.Tensor:
+        if not self._kernel_demotes_kv(call):
+            return super().demote_kv_at(call, at)
+        lost = torch.empty_like(call.only_if)
+        demote_rows(_demotion_pairs(call), call.bits, encoder=call.encoder, only_if=call.only_if, at=at, lost=lost)
         return lost
 
     # ------------------------------------------------------------------------------------------ attention
@@ -177,47 +168,57 @@ class TritonBackend(ReferenceBackend):
                   history_start=history_start)
         return out
 
-    def decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
-                         value_rotation, scaling, softcap=None, history_start=None):
+    def decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
         for the buffers' capacities and the kernels read the lengths, so nothing synchronizes the host. A split
         history (`HeadSplitTensors`) is served in one call (`_run_split`)."""
-        if not self._decode_supported(query, keys, values, history):  # split histories then go run by run
-            return super().decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                            value_rotation, scaling, softcap, history_start)
-        batch, q_heads, q_len, dim = query.shape
-        out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
-        if isinstance(history, HeadSplitTensors):
-            self._run_split(query, keys, values, history, key_rotation, value_rotation, scaling, softcap, out,
-                            dense_start, dense_length, history_start)
+        if not self._decode_supported(call):  # split histories then go run by run
+            return super().decode_attention(call)
+        batch, q_heads, q_len, dim = call.query.shape
+        out = self.new_output((batch, q_len, q_heads, dim), call.query.dtype, call.query.device)
+        if isinstance(call.history, HeadSplitTensors):
+            self._run_split(call, out)
             return out
-        self._run(query, keys, values, history, key_rotation, value_rotation if history is not None else None, None,
-                  scaling, softcap, causal=False, gap_start=0, hist_col0=0, kv_heads=keys.shape[1], out=out,
-                  out_layout="blhd", lse_out=None, dense_start=dense_start, dense_length=dense_length,
-                  history_start=history_start)
+        self._run(call.query, call.keys, call.values, call.history, call.key_rotation,
+                  call.value_rotation if call.history is not None else None, None, call.scaling, call.softcap,
+                  causal=False, gap_start=0, hist_col0=0, kv_heads=call.keys.shape[1], out=out, out_layout="blhd",
+                  lse_out=None, dense_start=call.dense_start, dense_length=call.dense_length,
+                  history_start=call.history_start)
         return out
 
-    def eager_decode_attention(self, query, keys, values, dense_length, dense_start, history, key_rotation,
-                               value_rotation, scaling, softcap=None, history_start=None):
+    def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """`decode_attention` for an eager step: on CUDA its kernels are captured once per layout (the second call
         with it) and replayed from the CUDA graph after that (`kernels.replay`), one launch for the host instead of
         four. The key names every tensor's layout and address and every setting the launches depend on."""
-        if self.graphs is None or not query.is_cuda or not self._decode_supported(query, keys, values, history):
-            return self.decode_attention(query, keys, values, dense_length, dense_start, history, key_rotation,
-                                         value_rotation, scaling, softcap, history_start)
-        key = (layout(keys), layout(values), layout(dense_length), layout(dense_start), layout(history_start),
-               layout(key_rotation), layout(value_rotation), float(scaling), softcap, self._settings(),
-               _history_key(history))
-        return self.graphs(
-            key, query,
-            lambda q: self.decode_attention(q, keys, values, dense_length, dense_start, history, key_rotation,
-                                            value_rotation, scaling, softcap, history_start),
-            keep=lambda: self._scratch.get(query.device))
+        if self.graphs is None or not call.query.is_cuda or not self._decode_supported(call):
+            return self.decode_attention(call)
+        c = call
+        key = (layout(c.keys), layout(c.values), layout(c.dense_length), layout(c.dense_start),
+               layout(c.history_start), layout(c.key_rotation), layout(c.value_rotation), float(c.scaling),
+               c.softcap, self._settings(), _history_key(c.history))
+        return self.graphs(key, c.query, lambda q: self.decode_attention(replace(c, query=q)),
+                           keep=lambda: self._scratch.get(c.query.device))
 
     def _settings(self) -> tuple:
         """The constructor settings a launch depends on (part of a replayed call's key)."""
         return (self.launch, self.target_programs, self.min_dense_tokens, self.min_history_tokens,
                 self.cuda_history, self.cuda_history_config, self.split_waves)
+
+    def settings(self) -> dict:
+        """The constructor's arguments, as data (`kernels.select.backend_spec`)."""
+        return {"history_chunk": self.history_chunk, "target_programs": self.target_programs,
+                "min_dense_tokens": self.min_dense_tokens, "min_history_tokens": self.min_history_tokens,
+                "launch": None if self.launch is None else asdict(self.launch), "cuda_history": self.cuda_history,
+                "cuda_history_config": asdict(self.cuda_history_config), "eager_graphs": self.graphs is not None,
+                "split_waves": self.split_waves}
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> TritonBackend:
+        """The backend `settings()` describes."""
+        launch, history_config = settings.get("launch"), settings.get("cuda_history_config")
+        return cls(**(settings | {
+            "launch": None if launch is None else LaunchConfig(**launch),
+            "cuda_history_config": cuda_history.CudaHistoryConfig(**(history_config or {}))}))
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor `tiered_attention` writes every element of (uninitialized)."""
@@ -287,8 +288,7 @@ class TritonBackend(ReferenceBackend):
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
                      kv_heads, lse_out, after_stage1=dependent)
 
-    def _run_split(self, query, keys, values, split: HeadSplitTensors, key_rotation, value_rotation, scaling, softcap,
-                   out, dense_start, dense_length, history_start) -> None:
+    def _run_split(self, call: DecodeCall, out: torch.Tensor) -> None:
         """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
         rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and one history launch
         per run (the CUDA kernel for the runs it takes, Triton's for the others) into the same partial buffers. The
@@ -299,6 +299,10 @@ class TritonBackend(ReferenceBackend):
         ordinary launch (so the rotated query is complete when it starts), and each run's history launch is queued
         as a dependent of the launch before it that runs beside it and waits for it only before finishing: the
         runs share the GPU as one wave would, and the merge, a dependent of the last, sees every partial."""
+        query, keys, values, split = call.query, call.keys, call.values, call.history
+        softcap, history_start, dense_start = call.softcap, call.history_start, call.dense_start
+        scaling, key_rotation, value_rotation, dense_length = (call.scaling, call.key_rotation, call.value_rotation,
+                                                               call.dense_length)
         batch, q_heads, q_len, dim = query.shape
         kv_heads = keys.shape[1]
         groups = q_heads // kv_heads
@@ -351,13 +355,13 @@ class TritonBackend(ReferenceBackend):
         merge_splits(partial_out, partial_lse, partial_splits, out, "blhd", value_rotation, plan.dense_splits,
                      kv_heads, None, after_stage1=dependent)
 
-    def _decode_supported(self, query, keys, values, history) -> bool:
-        """Whether the kernels serve a decode call over `history` (a split one in one call, `_run_split`), else
-        the reference does (a split history then run by run)."""
-        if isinstance(history, HeadSplitTensors):
-            return all(r.history is not None and self._supported(query, keys, values, None, r.history)
-                       for r in history.runs)
-        return self._supported(query, keys, values, None, history)
+    def _decode_supported(self, call: DecodeCall) -> bool:
+        """Whether the kernels serve a decode call (over a split history: in one call, `_run_split`), else the
+        reference does (a split history then run by run)."""
+        if isinstance(call.history, HeadSplitTensors):
+            return all(r.history is not None and self._supported(call.query, call.keys, call.values, None, r.history)
+                       for r in call.history.runs)
+        return self._supported(call.query, call.keys, call.values, None, call.history)
 
     def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
@@ -431,3 +435,10 @@ def _history_key(history) -> tuple | None:
     h = history
     return (layout(h.keys), layout(h.values), layout(h.key_scale_zero), layout(h.value_scale_zero), h.length, h.bits,
             layout(h.length_ptr))
+
+
+def _demotion_pairs(call: DemoteCall) -> list[tuple]:
+    """The demotion kernel's per-tensor arguments: (rows, rotation, clip ratio, codes, scale-zero) for keys, then
+    values."""
+    return [(call.keys, call.key_rotation, call.key_clip_ratio, call.key_codes, call.key_scale_zero),
+            (call.values, call.value_rotation, call.value_clip_ratio, call.value_codes, call.value_scale_zero)]
