@@ -1,1 +1,1 @@
-"""GPU experiments on the decode kernels: the stage-2 merge and the CUDA history kernel under ncu."""
+"""GPU experiments on the decode kernels: whole decode calls with the stage-2 merge's launch options varied."""

@@ -1,9 +1,10 @@
-"""The retrieval frontier: fact copy accuracy against stored bits per history element, one point per row format of
+"""The retrieval frontier: fact copy accuracy against stored bits per history element, one point per format of
 `levers.py` (and per rotation), with its perplexity change; a markdown table and a plot. `--needles` adds a panel
 of greedy hits through the real cache, one point per `label=bits=results.json=method` (an `oscar-needles` run).
+`make_frontier.sh` draws the one in docs/results/levers:
 
-  python -m experiments.retrieval.frontier out/levers/levers.jsonl --out docs/results/levers \
-      --needles "2-bit Hadamard=2.5=docs/results/needles-cpu-hadamard/needles.json=oscar" ...
+  python -m experiments.retrieval.frontier docs/results/levers/levers.jsonl --out docs/results/levers \
+      --needles "hadamard=2.5=docs/results/needles-cpu-hadamard/needles.json=oscar" ...
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| rotation | format | bits/element | fact tokens copied | probes: fact copied (upper bound) | "
-             "probes: BF16's answer repeated through the fact (lower bound) | ppl vs BF16 | KL |",
+    lines = [("| rotation | format | bits/element | fact tokens copied | probes: fact copied (upper bound) | "
+              "probes: BF16's answer repeated through the fact (lower bound) | ppl vs BF16 | KL |"),
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['rotations']} | `{r['format']}` | {r['bits']:.2f} | {r['copy']:.0%} | {r['probes']} | "
-                     f"{r.get('exact', '–')} | {r['ppl_delta']:+.1%} | {r['kl']:.3f} |")
+                     f"{r.get('exact') or '–'} | {r['ppl_delta']:+.1%} | {r['kl']:.3f} |")
     return "\n".join(lines)
 
 
