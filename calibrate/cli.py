@@ -212,19 +212,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    import oscar_hf
-    from oscar_hf.calibrate import clip_search
-    from oscar_hf.calibrate.data import load_documents, token_sequences
-    from oscar_hf.calibrate.hub import one_line, push_later_command, push_to_hub, write_model_card
+    """Calibrate with the checked arguments, write the folder and upload it: the exit status (1: the folder is
+    saved but not uploaded)."""
+    from oscar_hf.calibrate.data import load_documents
     from oscar_hf.calibrate.pipeline import CalibrationSettings, calibrate, calibration_layers
     from oscar_hf.calibrate.statistics import Tiers
-    from oscar_hf.rotations.io import SAFETENSORS_NAME
 
     torch.manual_seed(args.seed)
     start = time.time()
     documents = load_documents(args.data, args.text_field, args.split, args.data_config)
     model, tokenizer, device = load_calibration_model(args)
-    layers, kv_heads, head_dim = calibration_layers(model)
+    layers, _, head_dim = calibration_layers(model)
+    statistics, search = _calibration_sequences(args, tokenizer, documents)
+    progress = not args.no_progress
+    tiers = Tiers(args.sink, args.recent, args.skip_tokens) if args.tiered else Tiers(skip_tokens=args.skip_tokens)
+    settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
+    metadata = _provenance(args, argv, model, device)
+    rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
+    if args.smooth_keys:  # before the clip search and the ranking: both measure the history as it will be stored
+        from oscar_hf.calibrate.smoothing import smooth_keys
+
+        rotations = smooth_keys(rotations, model, statistics, args.data, args.chunk_tokens,
+                                progress="key smoothing" if progress else False)
+    _record_clip_ratios(args, model, search, rotations, layers, head_dim, progress)
+    if args.rank_retrieval_layers:
+        from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_and_record
+
+        lengths = probe_lengths(args.rank_lengths, args.sink, args.recent, "--rank-lengths")
+        rank_and_record(model, tokenizer, rotations, sink=args.sink, recent=args.recent, lengths=lengths,
+                        progress=progress)
+    rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
+    rotations.metadata["platform"] = platform.platform()
+    _write_folder(args, rotations)
+    return _upload(args, rotations) if args.push_to_hub else 0
+
+
+def _calibration_sequences(args: argparse.Namespace, tokenizer, documents) -> tuple[list, list]:
+    """(statistics sequences, clip-search sequences), each a list of `[1, L <= --context]` token ids: `--tokens`
+    tokens for the statistics and, with `--clip-search`, `--clip-tokens` more held out for the search."""
+    from oscar_hf.calibrate import clip_search
+    from oscar_hf.calibrate.data import token_sequences
+
     held_out = args.clip_tokens if args.clip_search != "none" else 0
     sequences = token_sequences(tokenizer, documents, args.tokens + held_out, args.context, args.chat_template)
     statistics, search = _split_held_out(sequences, held_out)
@@ -234,11 +262,29 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         except ValueError as e:
             raise SystemExit(f"oscar-calibrate: {e}: the calibration text is too short for --clip-tokens "
                              f"{args.clip_tokens} at --context {args.context}") from e
-    progress = not args.no_progress
-    tiers = Tiers(args.sink, args.recent, args.skip_tokens) if args.tiered else Tiers(skip_tokens=args.skip_tokens)
-    settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
+    return statistics, search
+
+
+def _split_held_out(sequences, held_out: int):
+    """(statistics sequences, clip-search sequences): the last `held_out` tokens' sequences are held out."""
+    if not held_out:
+        return sequences, []
+    total, index = 0, len(sequences)
+    while index > 1 and total < held_out:
+        index -= 1
+        total += sequences[index].shape[-1]
+    if index == len(sequences) or index == 0:
+        raise SystemExit("oscar-calibrate: not enough calibration text for both statistics and the clip search")
+    return sequences[:index], sequences[index:]
+
+
+def _provenance(args: argparse.Namespace, argv: list[str] | None, model, device) -> dict[str, str]:
+    """The metadata that says where the rotations come from: model (and its revision), data, context, library,
+    device, dtype and the command line (the token hidden)."""
+    import oscar_hf
+
     revision = args.revision or getattr(model.config, "_commit_hash", None)
-    metadata = {
+    return {
         "model": args.model, **({"model_revision": revision} if revision else {}), "data": args.data,
         **(SMOLLM2_PROVENANCE if args.model in SMOLLM2_ALIASES else {}),
         "model_type": str(getattr(model.config, "model_type", "")),
@@ -246,12 +292,14 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         "library": f"oscar-hf {oscar_hf.__version__}", "device": str(device), "dtype": args.dtype,
         "created_with": "oscar-calibrate " + " ".join(_redacted(sys.argv[1:] if argv is None else argv)),
     }
-    rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
-    if args.smooth_keys:  # before the clip search and the ranking: both measure the history as it will be stored
-        from oscar_hf.calibrate.smoothing import smooth_keys
 
-        rotations = smooth_keys(rotations, model, statistics, args.data, args.chunk_tokens,
-                                progress="key smoothing" if progress else False)
+
+def _record_clip_ratios(args: argparse.Namespace, model, search, rotations, layers: list[int], head_dim: int,
+                        progress: bool) -> None:
+    """Record in the rotations' metadata the clip ratios, searched on the held-out `search` sequences with
+    `--clip-search` or else the given `--key-clip-ratio` / `--value-clip-ratio`, and the encoder they assume."""
+    from oscar_hf.calibrate import clip_search
+
     if args.clip_search != "none":
         choice = clip_search.search_clip_ratios(
             model, search, rotations, layers, head_dim, per_layer=args.clip_search == "layer",
@@ -267,14 +315,14 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
                                    "value_clip_ratio": json.dumps(args.value_clip_ratio),
                                    "clip_bits": str(DEFAULT_CLIP_BITS)})
     rotations.metadata["encoder"] = args.encoder
-    if args.rank_retrieval_layers:
-        from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_and_record
 
-        lengths = probe_lengths(args.rank_lengths, args.sink, args.recent, "--rank-lengths")
-        rank_and_record(model, tokenizer, rotations, sink=args.sink, recent=args.recent, lengths=lengths,
-                        progress=progress)
-    rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
-    rotations.metadata["platform"] = platform.platform()
+
+def _write_folder(args: argparse.Namespace, rotations) -> None:
+    """Save the rotations to `--out` in the `--format` asked for, with a model card, and print what was written
+    and the line that loads them."""
+    from oscar_hf.calibrate.hub import write_model_card
+    from oscar_hf.rotations.io import SAFETENSORS_NAME
+
     os.makedirs(args.out, exist_ok=True)
     written = []
     if args.format in ("safetensors", "both"):
@@ -287,30 +335,23 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     for path in written:
         print(f"  wrote {path}")
     print(f"  use: OscarCache(model, rotations={args.out!r}{_encoder_hint(rotations.metadata)})")
-    if args.push_to_hub:
-        try:
-            url = push_to_hub(args.out, args.push_to_hub, rotations.metadata, args.subfolder,
-                              args.private or None, args.token)
-        except Exception as e:  # whatever the Hub client raises offline or on refusal: the folder is saved
-            later = push_later_command(args.out, args.push_to_hub, args.subfolder, args.private)
-            print(f"oscar-calibrate: saved the rotations to {args.out} but did not upload them to "
-                  f"{args.push_to_hub} ({one_line(e)}); upload them later with: {later}", file=sys.stderr)
-            return 1
-        print(f"  uploaded to {args.push_to_hub}: {url}")
+
+
+def _upload(args: argparse.Namespace, rotations) -> int:
+    """Upload the saved folder to `--push-to-hub`: 0, or 1 with the command that uploads it later when the Hub
+    cannot be reached or refuses it."""
+    from oscar_hf.calibrate.hub import one_line, push_later_command, push_to_hub
+
+    try:
+        url = push_to_hub(args.out, args.push_to_hub, rotations.metadata, args.subfolder,
+                          args.private or None, args.token)
+    except Exception as e:  # whatever the Hub client raises offline or on refusal: the folder is saved
+        later = push_later_command(args.out, args.push_to_hub, args.subfolder, args.private)
+        print(f"oscar-calibrate: saved the rotations to {args.out} but did not upload them to "
+              f"{args.push_to_hub} ({one_line(e)}); upload them later with: {later}", file=sys.stderr)
+        return 1
+    print(f"  uploaded to {args.push_to_hub}: {url}")
     return 0
-
-
-def _split_held_out(sequences, held_out: int):
-    """(statistics sequences, clip-search sequences): the last `held_out` tokens' sequences are held out."""
-    if not held_out:
-        return sequences, []
-    total, index = 0, len(sequences)
-    while index > 1 and total < held_out:
-        index -= 1
-        total += sequences[index].shape[-1]
-    if index == len(sequences) or index == 0:
-        raise SystemExit("oscar-calibrate: not enough calibration text for both statistics and the clip search")
-    return sequences[:index], sequences[index:]
 
 
 def _encoder_hint(metadata) -> str:

@@ -118,6 +118,47 @@ def _merge_kernel(
                  mask=row_ok & (tl.program_id(2) == 0))
 
 
+def _rotation_operand(value_rotation: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(R_V, its KV-head stride, its row stride): `value_rotation` (`[D, D]`, head stride 0, or `[Hkv, D, D]`) as
+    float32 with unit column stride, what the kernel's float32 loads need; without it, `stand_in` and zeros."""
+    if value_rotation is None:
+        return stand_in, 0, 0
+    rot = value_rotation
+    if rot.dtype != torch.float32 or rot.stride(-1) != 1:
+        rot = rot.float().contiguous()
+    return rot, rot.stride(0) if rot.dim() == 3 else 0, rot.stride(-2)
+
+
+def _row_blocks(rows: int, batch: int, has_rot: bool, batch_rows: int | None) -> tuple[int, int]:
+    """(`BLOCK_M`, `BATCH_ROWS`) for `rows` = G * Lq rows per (batch entry, KV head): one batch entry's rows in
+    blocks of up to 16, or those of `batch_rows` entries together in one block of at most 16 (`None`: the default
+    that `merge_splits` describes)."""
+    block_m = min(16, triton.next_power_of_2(rows))  # a decode step's GQA group, not 16 rows
+    if batch_rows is None:
+        batch_rows = 16 // triton.next_power_of_2(rows) if has_rot and rows <= 8 and batch >= BATCH_ROWS_FROM else 1
+    if batch_rows < 1:
+        raise ValueError(f"merge_splits: batch_rows must be at least 1, got {batch_rows}")
+    if batch_rows > 1:
+        if rows * batch_rows > 16:
+            raise ValueError(f"merge_splits: batch_rows={batch_rows} x {rows} rows exceed a 16-row block")
+        block_m = triton.next_power_of_2(rows * batch_rows)
+    return block_m, batch_rows
+
+
+def _column_blocks(dim: int, has_rot: bool, row_programs: int, column_programs: int | None,
+                   device: torch.device) -> tuple[int, int]:
+    """(`column_programs`, `BLOCK_J`): the programs sharing a row block's `dim` output columns and the columns each
+    merges per step (`None`: the default that `merge_splits` describes, from the `row_programs` of the grid)."""
+    if column_programs is None:
+        column_programs = dim // 32 if has_rot and row_programs < multiprocessors(device) else 1
+    # with R_Vᵀ, 32 columns at a time (registers); else each program's columns in one block
+    block_j = min(dim, 32) if has_rot else dim // max(column_programs, 1)
+    if column_programs < 1 or block_j < 16 or block_j & (block_j - 1) or dim % (column_programs * block_j):
+        raise ValueError(f"merge_splits: column_programs={column_programs} does not divide {dim} columns into "
+                         f"blocks of a power of two from 16{' (32 with R_V)' if has_rot else ''}")
+    return column_programs, block_j
+
+
 def merge_splits(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
@@ -168,34 +209,13 @@ def merge_splits(
     sob, s1, s2 = out.stride(0), out.stride(1), out.stride(2)
     soh, sol = (s2, s1) if out_layout == "blhd" else (s1, s2)
     has_rot = value_rotation is not None and plain_splits is not None and plain_splits < splits
-    if has_rot:
-        rot = value_rotation
-        if rot.dtype != torch.float32 or rot.stride(-1) != 1:
-            rot = rot.float().contiguous()
-        rot_head_stride = rot.stride(0) if rot.dim() == 3 else 0
-        rot_row_stride = rot.stride(-2)
-    else:
-        rot, rot_head_stride, rot_row_stride = partial_out, 0, 0
+    rot, rot_head_stride, rot_row_stride = _rotation_operand(value_rotation if has_rot else None, partial_out)
     lse_target = lse_out if lse_out is not None else partial_lse
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
     rows = groups * q_len
-    block_m = min(16, triton.next_power_of_2(rows))  # a decode step's GQA group, not 16 rows
-    if batch_rows is None:
-        batch_rows = 16 // triton.next_power_of_2(rows) if has_rot and rows <= 8 and batch >= BATCH_ROWS_FROM else 1
-    if batch_rows < 1:
-        raise ValueError(f"merge_splits: batch_rows must be at least 1, got {batch_rows}")
-    if batch_rows > 1:
-        if rows * batch_rows > 16:
-            raise ValueError(f"merge_splits: batch_rows={batch_rows} x {rows} rows exceed a 16-row block")
-        block_m = triton.next_power_of_2(rows * batch_rows)
+    block_m, batch_rows = _row_blocks(rows, batch, has_rot, batch_rows)
     row_programs = triton.cdiv(rows, block_m) * triton.cdiv(batch, batch_rows) * kv_heads
-    if column_programs is None:
-        column_programs = dim // 32 if has_rot and row_programs < multiprocessors(out.device) else 1
-    # with R_Vᵀ, 32 columns at a time (registers); else each program's columns in one block
-    block_j = min(dim, 32) if has_rot else dim // max(column_programs, 1)
-    if column_programs < 1 or block_j < 16 or block_j & (block_j - 1) or dim % (column_programs * block_j):
-        raise ValueError(f"merge_splits: column_programs={column_programs} does not divide {dim} columns into "
-                         f"blocks of a power of two from 16{' (32 with R_V)' if has_rot else ''}")
+    column_programs, block_j = _column_blocks(dim, has_rot, row_programs, column_programs, out.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(batch, batch_rows) * kv_heads, column_programs)
     with launch_device(out):
         _merge_kernel[grid](
@@ -205,5 +225,5 @@ def merge_splits(
             D=dim, BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_S=max(16, triton.next_power_of_2(splits)),
             SPLIT_CHUNK=split_chunk or max(1, 128 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
             COL_SPAN=dim // column_programs, WAIT_PRIOR=after_stage1, BATCH_ROWS=batch_rows,
-            num_warps=num_warps, **(dict(launch_pdl=True) if after_stage1 else {}),
+            num_warps=num_warps, **({"launch_pdl": True} if after_stage1 else {}),
         )

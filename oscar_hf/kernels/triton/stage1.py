@@ -40,6 +40,8 @@ History dots come in two orientations (`LaunchConfig.token_major`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -484,6 +486,154 @@ _PAIR_WORDS = {torch.float16: torch.int32, torch.bfloat16: torch.int32, torch.fl
                torch.uint8: torch.int16}
 
 
+def _check_layouts(query: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
+                   rotated_query: torch.Tensor | None, dense_start: torch.Tensor | None,
+                   history_start: torch.Tensor | None) -> None:
+    """Raise `ValueError` for operands the kernel cannot address: a head_dim stride other than 1, or per-row
+    starts that are not a contiguous int32 `[B]`."""
+    batch = query.shape[0]
+    for t in (query, keys, values, rotated_query):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("attention_partials needs a unit stride along head_dim")
+    for name, start in (("dense_start", dense_start), ("history_start", history_start)):
+        if start is not None and (start.dtype != torch.int32 or start.shape != (batch,) or not start.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int32 [{batch}], got {start.dtype} {tuple(start.shape)}")
+
+
+@dataclass(frozen=True)
+class _HistoryOperands:
+    """The history tier as the kernel reads it: `keys` / `values` (packed codes `[B, Hkv, N, D * bits / 8]`, or
+    rotated rows `[B, Hkv, N, D]`) and the (scale, zero) pairs `[B, Hkv, N]`, one integer word per token."""
+
+    length: int  # N, the history rows (0 without a history)
+    length_ptr: torch.Tensor | None  # int32 [1] holding N on the device (a pinned history), else None
+    keys: torch.Tensor
+    key_scale_zero: torch.Tensor
+    values: torch.Tensor
+    value_scale_zero: torch.Tensor
+    quantized: bool
+    bits: int
+    scale_dtype: tl.dtype  # what a (scale, zero) pair holds
+
+    def pointer_args(self) -> tuple:
+        """Keys, key (scale, zero) words, values, value words, each followed by its `[B, Hkv, N]` strides (zeros
+        for what the kernel does not read)."""
+        rows = bool(self.length)
+        words = self.quantized and rows
+        return (self.keys, *(self.keys.stride()[:3] if rows else (0, 0, 0)),
+                self.key_scale_zero, *(self.key_scale_zero.stride()[:3] if words else (0, 0, 0)),
+                self.values, *(self.values.stride()[:3] if rows else (0, 0, 0)),
+                self.value_scale_zero, *(self.value_scale_zero.stride()[:3] if words else (0, 0, 0)))
+
+
+def _history_operands(history: HistoryTensors | None, partial_lse: torch.Tensor) -> _HistoryOperands:
+    """The history's kernel operands, its (scale, zero) pairs viewed as integer words (`_PAIR_WORDS`). Typed views
+    of `partial_lse` stand in for what the kernel does not read, so that the history branch still compiles: 2-bit
+    codes and their words without history rows, the words of an unquantized history."""
+    hist_len = history.length if history is not None else 0
+    if history is None or hist_len == 0:
+        codes, words = partial_lse.view(torch.uint8), partial_lse.view(torch.int32)
+        return _HistoryOperands(hist_len, None, codes, words, codes, words, True, 2, tl.float16)
+    length_ptr = history.length_ptr if hist_len > 0 else None
+    if not history.quantized:
+        words = partial_lse.view(torch.int32)
+        return _HistoryOperands(hist_len, length_ptr, history.keys, words, history.values, words, False,
+                                history.bits, tl.float16)
+    scale_dtype = _SCALE_DTYPES[history.key_scale_zero.dtype]
+    word = _PAIR_WORDS[history.key_scale_zero.dtype]
+    return _HistoryOperands(hist_len, length_ptr, history.keys, history.key_scale_zero.view(word), history.values,
+                            history.value_scale_zero.view(word), True, history.bits, scale_dtype)
+
+
+def _mask_operands(mask: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int], bool]:
+    """(mask tensor, its (batch, query, column) strides, whether it is boolean): a bool mask is read as uint8 and
+    a broadcast batch or query dimension has stride 0; without a mask the query stands in."""
+    if mask is None:
+        return query, (0, 0, 0), True
+    mask_bool = mask.dtype == torch.bool
+    m = mask.view(torch.uint8) if mask_bool else mask
+    m_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
+                 mask.stride(3))
+    return m, m_strides, mask_bool
+
+
+def _check_graph_capture(mask: torch.Tensor | None, query: torch.Tensor, history: _HistoryOperands) -> None:
+    """Raise `RuntimeError` for a mask over a history whose length is read on the device while a CUDA graph is
+    captured: the graph's replays see the history grow, but the mask keeps its captured width."""
+    if (history.length_ptr is not None and mask is not None and query.is_cuda
+            and torch.cuda.is_current_stream_capturing()):
+        raise RuntimeError("a CUDA graph cannot capture a mask over the history: its width would stay the captured "
+                           "length while the history grows")
+
+
+def _split_counts(plan: SplitPlan, dense_only: bool, history_only: bool,
+                  partial_splits: int | None) -> tuple[int, int]:
+    """(splits per row of the partial buffers, splits this launch covers): the plan's total for a whole launch,
+    its dense splits with `dense_only`, every split past the dense ones with `history_only`."""
+    if dense_only and history_only:
+        raise ValueError("dense_only and history_only exclude each other")
+    if partial_splits is None:
+        partial_splits = plan.total_splits
+    elif partial_splits < plan.total_splits or not (history_only or dense_only):
+        raise ValueError(f"partial_splits={partial_splits} needs dense_only or history_only and at least the "
+                         f"plan's {plan.total_splits} splits")
+    splits = (plan.dense_splits if dense_only else partial_splits - plan.dense_splits if history_only
+              else plan.total_splits)
+    return partial_splits, splits
+
+
+def _tensor_args(query: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
+                 rotated_query: torch.Tensor | None, history: _HistoryOperands, mask_args: tuple,
+                 partial_out: torch.Tensor, partial_lse: torch.Tensor, dense_start: torch.Tensor | None,
+                 dense_length: torch.Tensor | None, history_start: torch.Tensor | None) -> tuple:
+    """The kernel's tensor arguments in its order, each followed by its strides where it has them: query,
+    rotated query, dense keys and values (`[B, H, L]` strides; the query stands in for absent ones), the history
+    and the mask operands, the partial buffers, then the device-side history length, dense starts, dense length
+    and history starts (`partial_lse` stands in for absent ones: the kernel does not read them)."""
+    if keys is None:
+        keys = values = query
+    if rotated_query is None:
+        rotated_query = query
+    return (
+        query, query.stride(0), query.stride(1), query.stride(2),
+        rotated_query, rotated_query.stride(0), rotated_query.stride(1), rotated_query.stride(2),
+        keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
+        values.stride(2),
+        *history.pointer_args(),
+        *mask_args,
+        partial_out, partial_lse, partial_lse if history.length_ptr is None else history.length_ptr,
+        partial_lse if dense_start is None else dense_start,
+        partial_lse if dense_length is None else dense_length,
+        partial_lse if history_start is None else history_start,
+    )
+
+
+def _kernel_keywords(query: torch.Tensor, history: _HistoryOperands, mask: torch.Tensor | None, mask_bool: bool,
+                     plan: SplitPlan, softcap: float | None, causal: bool, config: LaunchConfig,
+                     dense_start: torch.Tensor | None, dense_length: torch.Tensor | None,
+                     history_start: torch.Tensor | None, wait_for_rotation: bool, launch_dependents: bool,
+                     overlap_prior: bool, history_only: bool) -> dict:
+    """The kernel's keyword arguments: the constexprs it is compiled for, then the launch options (warps,
+    pipeline stages, register cap, programmatic dependent launch)."""
+    hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16  # the history dots' operand dtype
+    return dict(
+        D=query.shape[-1], BITS=history.bits, HIST_QUANT=history.quantized, N_FROM_PTR=history.length_ptr is not None,
+        HAS_DENSE_START=dense_start is not None, HAS_HIST_START=history_start is not None and history.length > 0,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
+        LD_FROM_PTR=dense_length is not None,
+        BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
+        HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS,
+        ASM_UNPACK=config.asm_unpack and hist_dt == tl.float16 and not _UPCAST_DOTS and history.length > 0,
+        SZ_DT=history.scale_dtype, TOKEN_MAJOR=config.token_major,
+        FOLD_K=config.fold_key_offsets and config.token_major and history.bits == 2 and hist_dt == tl.float16,
+        WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents, WAIT_AT_END=overlap_prior,
+        HISTORY_ONLY=history_only,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **({} if config.max_registers is None else {"maxnreg": config.max_registers}),
+        **({"launch_pdl": True} if wait_for_rotation or overlap_prior else {}),
+    )
+
+
 def attention_partials(
     query: torch.Tensor,
     keys: torch.Tensor | None,
@@ -537,87 +687,24 @@ def attention_partials(
     `history_only`): the partial buffers hold that many splits per row (default: `plan.total_splits`), more than
     this run's plan cuts when another run of the layer takes more; the launch covers all of them, and the programs
     past the plan's history write empty partials (-inf, 0) that the merge ignores."""
-    batch, q_heads, q_len, dim = query.shape
+    batch, q_heads, q_len, _ = query.shape
     groups = q_heads // kv_heads
     dense_len = keys.shape[2] if keys is not None else 0
-    hist_len = history.length if history is not None else 0
-    for t in (query, keys, values, rotated_query):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError("attention_partials needs a unit stride along head_dim")
-    for name, start in (("dense_start", dense_start), ("history_start", history_start)):
-        if start is not None and (start.dtype != torch.int32 or start.shape != (batch,) or not start.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous int32 [{batch}], got {start.dtype} {tuple(start.shape)}")
-    if keys is None:
-        keys = values = query
-    sz_dt = tl.float16
-    if history is None or hist_len == 0:  # typed placeholders: the history branch still compiles
-        hk = hv = partial_lse.view(torch.uint8)
-        hkz = hvz = partial_lse.view(torch.int32)
-        quantized, bits = True, 2
-    else:
-        hk, hv, quantized, bits = history.keys, history.values, history.quantized, history.bits
-        if quantized:
-            sz_dt = _SCALE_DTYPES[history.key_scale_zero.dtype]
-            word = _PAIR_WORDS[history.key_scale_zero.dtype]
-            hkz = history.key_scale_zero.view(word)
-            hvz = history.value_scale_zero.view(word)
-        else:
-            hkz = hvz = partial_lse.view(torch.int32)
-    if rotated_query is None:
-        rotated_query = query
-    if mask is None:
-        m, m_strides, mask_bool = query, (0, 0, 0), True
-    else:
-        mask_bool = mask.dtype == torch.bool
-        m = mask.view(torch.uint8) if mask_bool else mask
-        m_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
-                     mask.stride(3))
-    hkz_strides = hkz.stride()[:3] if quantized and hist_len else (0, 0, 0)
-    hvz_strides = hvz.stride()[:3] if quantized and hist_len else (0, 0, 0)
-    hist_dt = tl.float32 if query.dtype == torch.float32 else tl.float16
-    n_from_ptr = hist_len > 0 and history.length_ptr is not None
-    if n_from_ptr and mask is not None and query.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("a CUDA graph cannot capture a mask over the history: its width would stay the captured "
-                           "length while the history grows")
-    n_ptr = history.length_ptr if n_from_ptr else partial_lse
-    if dense_only and history_only:
-        raise ValueError("dense_only and history_only exclude each other")
-    if partial_splits is None:
-        partial_splits = plan.total_splits
-    elif partial_splits < plan.total_splits or not (history_only or dense_only):
-        raise ValueError(f"partial_splits={partial_splits} needs dense_only or history_only and at least the "
-                         f"plan's {plan.total_splits} splits")
-    splits = plan.dense_splits if dense_only else partial_splits - plan.dense_splits if history_only else plan.total_splits
-    grid = (splits, plan.row_blocks, batch * kv_heads)
+    _check_layouts(query, keys, values, rotated_query, dense_start, history_start)
+    hist = _history_operands(history, partial_lse)
+    m, m_strides, mask_bool = _mask_operands(mask, query)
+    _check_graph_capture(mask, query, hist)
+    partial_splits, splits = _split_counts(plan, dense_only, history_only, partial_splits)
     if splits == 0:
         return
+    tensors = _tensor_args(query, keys, values, rotated_query, hist, (m, *m_strides), partial_out, partial_lse,
+                           dense_start, dense_length, history_start)
+    scalars = (q_len, dense_len, hist.length, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
+               plan.dense_split_len, plan.history_split_len, max(plan.history_splits, 1), partial_splits,
+               head_offset, q_heads if partial_heads is None else partial_heads, scaling,
+               1.0 if softcap is None else softcap)
+    keywords = _kernel_keywords(query, hist, mask, mask_bool, plan, softcap, causal, config, dense_start,
+                                dense_length, history_start, wait_for_rotation, launch_dependents, overlap_prior,
+                                history_only)
     with launch_device(query):
-        _attention_partials_kernel[grid](
-            query, query.stride(0), query.stride(1), query.stride(2),
-            rotated_query, rotated_query.stride(0), rotated_query.stride(1), rotated_query.stride(2),
-            keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
-            values.stride(2),
-            hk, *(hk.stride()[:3] if hist_len else (0, 0, 0)), hkz, *hkz_strides,
-            hv, *(hv.stride()[:3] if hist_len else (0, 0, 0)), hvz, *hvz_strides,
-            m, *m_strides,
-            partial_out, partial_lse, n_ptr, partial_lse if dense_start is None else dense_start,
-            partial_lse if dense_length is None else dense_length,
-            partial_lse if history_start is None else history_start, q_len, dense_len, hist_len, groups, kv_heads, gap_start, hist_col0, plan.dense_splits,
-            plan.dense_split_len, plan.history_split_len, max(plan.history_splits, 1), partial_splits,
-            head_offset, q_heads if partial_heads is None else partial_heads,
-            scaling, 1.0 if softcap is None else softcap,
-            D=dim, BITS=bits, HIST_QUANT=quantized, N_FROM_PTR=n_from_ptr,
-            HAS_DENSE_START=dense_start is not None, HAS_HIST_START=history_start is not None and hist_len > 0,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n_dense,
-            LD_FROM_PTR=dense_length is not None,
-            BLOCK_NQ=plan.block_n_history, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=causal,
-            HAS_SOFTCAP=softcap is not None, DT=hist_dt, UPCAST_DOTS=_UPCAST_DOTS,
-            ASM_UNPACK=config.asm_unpack and hist_dt == tl.float16 and not _UPCAST_DOTS and hist_len > 0,
-            SZ_DT=sz_dt, TOKEN_MAJOR=config.token_major,
-            FOLD_K=config.fold_key_offsets and config.token_major and bits == 2 and hist_dt == tl.float16,
-            WAIT_ROTATION=wait_for_rotation, LAUNCH_DEPENDENTS=launch_dependents, WAIT_AT_END=overlap_prior,
-            HISTORY_ONLY=history_only,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-            **({} if config.max_registers is None else dict(maxnreg=config.max_registers)),
-            **(dict(launch_pdl=True) if wait_for_rotation or overlap_prior else {}),
-        )
+        _attention_partials_kernel[(splits, plan.row_blocks, batch * kv_heads)](*tensors, *scalars, **keywords)
