@@ -25,44 +25,14 @@ import torch
 
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.eval.assets import CALIBRATION_PLAYS
+from oscar_hf.profile import ChannelPower
 from oscar_hf.rotations.io import SAFETENSORS_NAME
 from oscar_hf.rotations.rotations import Rotations
 
-# of the first calibration play. Most scales settle by then, but those of slow RoPE channels keep moving with the
-# length (the rotation shares a pair's energy between its two channels only over enough positions), so longer text
-# suits longer contexts (docs/retrieval.md, "How much text the scales need")
+# Tokens of the first calibration play the scales are measured on. Most scales settle by then, but those of slow
+# RoPE channels keep moving with the length (the rotation shares a pair's energy between its two channels only over
+# enough positions), so longer text suits longer contexts (docs/retrieval.md, "How much text the scales need")
 DEFAULT_TOKENS = 2048
-FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
-
-
-class _ChannelPower:
-    """Running sums of squares per (layer, KV head, channel) of the keys and the queries, and their counts."""
-
-    def __init__(self):
-        self.sums: dict[int, dict[str, torch.Tensor]] = {}
-        self.counts: dict[int, dict[str, int]] = {}
-
-    def __call__(self, module, query, key, value, scaling, softcap) -> None:
-        layer = module.layer_idx
-        batch, q_heads, q_len, dim = query.shape
-        kv_heads = key.shape[1]
-        new_keys = key[:, :, -q_len:].float()  # a chunked feed's key holds the earlier chunks' tokens too
-        grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads, q_len, dim)
-        sums = self.sums.setdefault(layer, {"key": 0.0, "query": 0.0})
-        counts = self.counts.setdefault(layer, {"key": 0, "query": 0})
-        sums["key"] = sums["key"] + new_keys.pow(2).sum(dim=(0, 2)).cpu()
-        sums["query"] = sums["query"] + grouped.pow(2).sum(dim=(0, 2, 3)).cpu()
-        counts["key"] += batch * q_len
-        counts["query"] += batch * q_len * (q_heads // kv_heads)
-
-    def scales(self) -> dict[int, torch.Tensor]:
-        out = {}
-        for layer, sums in self.sums.items():
-            key_rms = (sums["key"] / self.counts[layer]["key"]).sqrt().clamp_min(FLOOR)
-            query_rms = (sums["query"] / self.counts[layer]["query"]).sqrt().clamp_min(FLOOR)
-            s = (key_rms / query_rms).sqrt()
-            out[layer] = s / s.log().mean(dim=-1, keepdim=True).exp()
-        return out
 
 
 def key_smoothing(model, sequences: Iterable[torch.Tensor], chunk_tokens: int = 2048,
@@ -70,7 +40,7 @@ def key_smoothing(model, sequences: Iterable[torch.Tensor], chunk_tokens: int = 
     """`{layer: [Hkv, d]}` key smoothing scales (module docstring) from the model's attention over `sequences`
     (token id tensors `[1, L]` or `[B, L]`), for every layer whose attention goes through transformers'
     interface."""
-    power = _ChannelPower()
+    power = ChannelPower()
     feed(model, sequences, chunk_tokens=chunk_tokens, progress=progress, observer=power)
     return power.scales()
 

@@ -1,0 +1,140 @@
+"""What a model's own weights say about its attention, measured on random tokens: the data-free recipe.
+
+One forward over a random token sequence repeated twice (no text, no tokenizer; seeded, so every run of a model
+gives the same answer) yields the two things the calibrated recipe takes from text:
+
+- **key smoothing** scales per (layer, KV head, channel): `sqrt(rms(k) / rms(q))` of the post-RoPE keys and
+  queries, normalized to a geometric mean of 1 per head (`ChannelPower`, the rule `oscar_hf.calibrate.smoothing`
+  applies to calibration text). Outlier key channels come from the projection weights, not from the text, so
+  random tokens find them too;
+- a **ranking of layers and KV heads by induction**: over the second copy, the attention a query pays to the
+  token that followed its earlier occurrence (`InductionScores`). Copying a fact out of the context is what these
+  heads do (retrieval heads are induction heads), and it is what a 2-bit history loses first.
+
+`data_free_rotations(model)` turns them into Hadamard `Rotations` with the smoothing applied and both rankings
+recorded, where the ranked presets (`oscar-mixed`, `oscar-next`) find them. The result is kept on the model, so
+caches built on it after the first reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
+from oscar_hf.model_support import attention_shape
+from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, Rotations
+
+PROFILE_TOKENS = 256  # the random sequence's length (it is fed twice)
+PROFILE_SEED = 0
+FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
+
+
+class ChannelPower:
+    """Observer of attention calls: running sums of squares per (layer, KV head, channel) of the keys and the
+    queries (a GQA group's queries pooled), and `scales()`, the key smoothing rule."""
+
+    def __init__(self):
+        self.sums: dict[int, dict[str, torch.Tensor]] = {}
+        self.counts: dict[int, dict[str, int]] = {}
+
+    def __call__(self, module, query, key, value, scaling, softcap) -> None:
+        layer = module.layer_idx
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        new_keys = key[:, :, -q_len:].float()  # a chunked feed's key holds the earlier chunks' tokens too
+        grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads, q_len, dim)
+        sums = self.sums.setdefault(layer, {"key": 0.0, "query": 0.0})
+        counts = self.counts.setdefault(layer, {"key": 0, "query": 0})
+        sums["key"] = sums["key"] + new_keys.pow(2).sum(dim=(0, 2)).cpu()
+        sums["query"] = sums["query"] + grouped.pow(2).sum(dim=(0, 2, 3)).cpu()
+        counts["key"] += batch * q_len
+        counts["query"] += batch * q_len * (q_heads // kv_heads)
+
+    def scales(self) -> dict[int, torch.Tensor]:
+        """`{layer: [Hkv, d]}`: `sqrt(rms(k) / rms(q))` per channel, normalized to a geometric mean of 1 per head
+        (the overall size changes nothing: keys are divided by it, queries multiplied)."""
+        out = {}
+        for layer, sums in self.sums.items():
+            key_rms = (sums["key"] / self.counts[layer]["key"]).sqrt().clamp_min(FLOOR)
+            query_rms = (sums["query"] / self.counts[layer]["query"]).sqrt().clamp_min(FLOOR)
+            s = (key_rms / query_rms).sqrt()
+            out[layer] = s / s.log().mean(dim=-1, keepdim=True).exp()
+        return out
+
+
+class InductionScores:
+    """Observer of one forward over a block of `period` tokens fed twice: per layer, `[Hkv]` the mean attention
+    probability a query at position t of the second copy gives position t - period + 1 (the token that followed
+    the same token in the first copy), over the queries of each KV head's group."""
+
+    def __init__(self, period: int):
+        self.period = period
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, query, key, value, scaling, softcap) -> None:
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads, n = key.shape[1], self.period
+        if q_len != 2 * n or key.shape[2] != 2 * n:
+            raise ValueError(f"induction scores read one forward of 2 x {n} tokens, got {q_len} queries")
+        rows = torch.arange(n, 2 * n - 1, device=query.device)
+        q = query[:, :, n : 2 * n - 1].float().reshape(batch, kv_heads, -1, dim)  # [B, Hkv, G * (n - 1), d]
+        logits = (q @ key.float().transpose(-1, -2)) * scaling
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.view(batch, kv_heads, q_heads // kv_heads, n - 1, 2 * n)
+        future = torch.arange(2 * n, device=query.device)[None, :] > rows[:, None]
+        probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+        copied = probs.gather(-1, (rows - n + 1)[:, None].expand(probs.shape[:-1] + (1,))).squeeze(-1)
+        self.scores[module.layer_idx] = copied.mean(dim=(0, 2, 3)).cpu()
+
+
+def random_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
+    """`[1, length]` token ids drawn uniformly from the vocabulary without its first 100 and its last tenth (where
+    vocabularies tend to keep special and control tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    low = min(100, vocab_size // 2)
+    return torch.randint(low, max(int(vocab_size * 0.9), low + 1), (1, length), generator=generator)
+
+
+@torch.no_grad()
+def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED
+                  ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """(key smoothing scales `{layer: [Hkv, d]}`, induction scores `{layer: [Hkv]}`) of `model`, from one forward
+    over `tokens` random tokens fed twice (module docstring)."""
+    block = random_tokens(model.config.get_text_config().vocab_size, tokens, seed)
+    ids = block.repeat(1, 2).to(model.get_input_embeddings().weight.device)
+    power, induction = ChannelPower(), InductionScores(tokens)
+
+    def observe(call: AttentionCall) -> None:
+        args = (call.module, call.query, call.key, call.value, call.scaling, call.softcap)
+        power(*args)
+        induction(*args)
+
+    with oscar_attention(model):
+        model(input_ids=ids, use_cache=False, **{HOOK_ARGUMENT: observe})
+    return power.scales(), induction.scores
+
+
+def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED) -> Rotations:
+    """Hadamard rotations for `model`'s full-attention layers with the key smoothing and the induction rankings of
+    `profile_model` (module docstring); kept on the model for the next cache."""
+    kept = model.__dict__.setdefault("_oscar_data_free_rotations", {})
+    if (tokens, seed) in kept:
+        return kept[(tokens, seed)]
+    shape = attention_shape(model.config)
+    layers = list(shape.oscar_layer_ids)
+    scales, induction = profile_model(model, tokens, seed)
+    recipe = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel; layers and KV heads ranked by "
+                                 "induction", "text": "random tokens, fed twice", "tokens": tokens, "seed": seed})
+    rotations = Rotations.hadamard(layers, shape.head_dim).with_key_smoothing(
+        {i: scales[i] for i in layers if i in scales}, recipe)
+    scored = [(float(induction[i][h]), i, h) for i in layers if i in induction for h in range(shape.num_kv_heads)]
+    heads = [(i, h) for _, i, h in sorted(scored, key=lambda x: -x[0])]
+    by_layer = sorted({i for _, i, _ in scored}, key=lambda i: -float(induction[i].max()))
+    rotations.metadata.update({RETRIEVAL_LAYERS_KEY: json.dumps(by_layer),
+                               RETRIEVAL_HEADS_KEY: json.dumps([[i, h] for i, h in heads]),
+                               "objective": "hadamard", "retrieval_ranking": "induction on random tokens"})
+    kept[(tokens, seed)] = rotations
+    return rotations

@@ -1,0 +1,56 @@
+"""The data-free profile (`oscar_hf.profile`): induction scores find the head that copies, the smoothing rule is
+the calibrated one, and the rotations it builds are the same every time and rank the model's layers and heads."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from oscar_hf.profile import ChannelPower, InductionScores, data_free_rotations, profile_model
+
+from conftest import tiny_model
+
+
+def test_induction_scores_find_the_head_that_attends_to_the_token_after_the_earlier_occurrence():
+    n = 16
+    positions = torch.arange(2 * n)
+    query = torch.zeros(1, 2, 2 * n, n)  # two query heads, one per KV head
+    key = torch.zeros(1, 2, 2 * n, n)
+    # KV head 0 copies: the key at s encodes token s - 1, the query at t token t, so the one visible match of a
+    # second-copy query is the key right after its token's first occurrence; KV head 1 attends to every key alike
+    key[0, 0] = torch.nn.functional.one_hot((positions - 1) % n, n).float()
+    query[0, 0] = torch.nn.functional.one_hot(positions % n, n).float() * 30.0
+    observer = InductionScores(n)
+    observer(types.SimpleNamespace(layer_idx=3), query, key, key, 1.0, None)
+    scores = observer.scores[3]
+    assert scores.shape == (2,)
+    assert scores[0] > 0.9 and scores[1] < 0.2  # uniform over >= n keys
+
+
+def test_smoothing_scales_balance_key_and_query_channels_per_head():
+    power = ChannelPower()
+    query = torch.randn(1, 4, 64, 8)
+    key = torch.randn(1, 2, 64, 8)
+    key[..., 3] *= 16.0  # an outlier key channel
+    power(types.SimpleNamespace(layer_idx=0), query, key, key, 1.0, None)
+    scales = power.scales()[0]
+    assert scales.shape == (2, 8)
+    torch.testing.assert_close(scales.log().mean(-1), torch.zeros(2), atol=1e-5, rtol=0)  # geometric mean 1
+    assert bool((scales.argmax(-1) == 3).all())  # the outlier channel is divided most
+
+
+def test_data_free_rotations_are_deterministic_and_rank_every_layer_and_head():
+    model = tiny_model("llama", seed=0)
+    first = data_free_rotations(model)
+    assert data_free_rotations(model) is first  # kept on the model
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert sorted(first.retrieval_layers()) == list(range(layers))
+    assert len(first.retrieval_heads()) == layers * heads
+    again = tiny_model("llama", seed=0)
+    scales, induction = profile_model(again)
+    assert set(scales) == set(range(layers)) and all(s.shape == (heads, model.config.head_dim)
+                                                     for s in scales.values())
+    rebuilt = data_free_rotations(again)
+    assert rebuilt.retrieval_layers() == first.retrieval_layers()
+    assert all(torch.equal(rebuilt.key_smoothing[i], first.key_smoothing[i]) for i in range(layers))
