@@ -14,7 +14,8 @@ filled cache holds (OscarCache: allocated capacity, including spare room).
 the measured points) fits `--budget-gb`, then measured at that batch (stepping down on out-of-memory); job
 throughput = batch / step time at that batch.
 
-Kinds (`--caches`): `oscar` (greedy), `oscar-topp` (top-p sampling), `oscar-eager` (greedy, `disable_compile`),
+Kinds (`--caches`): `oscar` (greedy, uniform 2-bit rows: `method="hadamard"`), `oscar-default` (greedy, what
+`OscarCache(model)` stores: `oscar-next` on the model's data-free profile), `oscar-topp` (top-p sampling), `oscar-eager` (greedy, `disable_compile`),
 `oscar-noguards` (an experiment: the compiled step without dynamo's guards), `oscar-compact` (oscar-next's row
 format), `dynamic`, `static` (StaticCache, compiled by `generate`), `quanto`. Today's numbers, with their
 commands, dates and GPUs: `docs/performance.md`.

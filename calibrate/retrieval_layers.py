@@ -48,7 +48,7 @@ from oscar_hf.eval.diagnostics.needle_attention import (
 )
 from oscar_hf.eval.needles import KINDS, make_needle_suite
 from oscar_hf.rotations.io import SAFETENSORS_NAME
-from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, Rotations
+from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, RETRIEVAL_RANKING_KEY, Rotations
 
 DEFAULT_LENGTHS = (1024, 2048)
 DEFAULT_DEPTHS = (0.35, 0.65)
@@ -108,6 +108,7 @@ def rank_and_record(model, tokenizer, rotations: Rotations, data_free: bool = Fa
     record_retrieval_layers(rotations, rank_retrieval_layers(model, tokenizer, layers, lengths, progress=progress))
     heads = OscarCache(model.config, rotations=rotations, method=method, **layout, **HEAD_RANKING_SETTINGS)
     record_retrieval_heads(rotations, rank_retrieval_heads(model, tokenizer, heads, lengths, progress=progress))
+    rotations.metadata[RETRIEVAL_RANKING_KEY] = "needle probes in the calibration plays, answered by the model"
 
 
 def retrieval_trace(model, tokenizer, template, lengths: Sequence[int] = DEFAULT_LENGTHS,

@@ -8,7 +8,7 @@ includes the compile).
 
 The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history. The default
 rotations are the calibrated SmolLM2 ones with smoothed keys and a retrieval ranking, shipped in
-`rotations/smollm2-135m-smoothed` (made by `oscar-calibrate`), so the cache is the 2-bit default `oscar-mixed`.
+`rotations/smollm2-135m-smoothed` (made by `oscar-calibrate`), so the cache is the ranked 2-bit default `oscar-next`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rotati
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default=None, choices=sorted(PRESETS),
-                        help="the preset (default: inferred from --rotations: oscar-mixed for the shipped ones, "
-                             "whose layers are ranked by retrieval; hadamard for 'hadamard')")
+                        help="the preset (default: inferred from --rotations: oscar-next for the shipped ones, "
+                             "whose KV heads are ranked by retrieval, and for 'hadamard', on the model's data-free "
+                             "profile)")
     parser.add_argument("--rotations", default=SHIPPED if os.path.isdir(SHIPPED) else "hadamard",
                         help="'hadamard', 'identity', a folder or a Hub repo id (default: the shipped SmolLM2 ones)")
     parser.add_argument("--prompt-tokens", type=int, default=1500)

@@ -39,11 +39,14 @@ class OscarCache(Cache):
             `attn_implementation="oscar"` yourself; any other attention still gets correct, dequantized K/V).
         rotations: "hadamard" (data-free), "identity" (none), a `Rotations`, a local folder/file, or a Hub repo id.
         method: preset (`oscar`, `oscar-mixed`, `oscar-hifi`, `oscar-next`, `hadamard`, `quarot`, `clip`,
-            `identity`, `none`; `config.PRESETS`); inferred from `rotations` when omitted: nothing means `hadamard`;
-            a file or repo means `oscar-mixed` (2-bit sigma rows with one-byte scale and zero, the top tenth of
-            the layers at 4 bits: 2.475 bits per element at head_dim 64) when it records a layer ranking
-            (`oscar_hf.calibrate.retrieval_layers`) and no `options` choose a row format, else `oscar` (uniform
-            2-bit rows, 2.5 bits).
+            `identity`, `none`; `config.PRESETS`); inferred when omitted, unless `options` choose a row format:
+            on a file or repo that ranks retrieval, `oscar-next` (2-bit sigma rows with one-byte scale and zero,
+            the top tenth of the KV heads at 4 bits: 2.475 bits per element at head_dim 64; `oscar-mixed`, the
+            same share of layers, where only layers are ranked), else `oscar` (uniform 2-bit rows, 2.5 bits);
+            with no rotations or "hadamard" and the model itself, `oscar-next` on its data-free profile
+            (`oscar_hf.profile`: Hadamard rotations, key smoothing and an induction ranking from one forward over
+            random tokens); given only a config, `hadamard` (uniform 2-bit rows). A ranked preset given no
+            rotations, or "hadamard", runs on that profile too.
         config: a full `OscarConfig` instead of `method` and `**options`.
         fold_value_rotation: fold the value rotations into the model's v_proj/o_proj weights (in place, once), so V
             is produced already rotated and the attention output needs no un-rotation (`rotations/folding.py`):

@@ -15,9 +15,11 @@ from oscar_hf.kernels.reference.quantize import COMPACT, ENCODERS
 
 # The presets: complete `OscarConfig`s, named by their `method` field (built below the class as `PRESETS`)
 PRESET_NAMES = ("oscar", "oscar-mixed", "oscar-hifi", "oscar-next", "hadamard", "quarot", "clip", "identity", "none")
-# what a cache given rotations with a layer ranking and no format options stores (`OscarCache`); without a ranking
-# it stores `oscar`'s uniform rows
-RANKED_DEFAULT_METHOD = "oscar-mixed"
+# what a cache stores given no method and no format options on rotations that rank retrieval (a file's, or the
+# model's data-free profile): `oscar-next` where they rank KV heads, `oscar-mixed` where they rank layers only;
+# without a ranking, `oscar`'s uniform rows (`plan`)
+RANKED_DEFAULT_METHOD = "oscar-next"
+LAYER_RANKED_DEFAULT_METHOD = "oscar-mixed"
 # the `OscarConfig` fields that choose a row format: with any of them given, the default stays `oscar`
 FORMAT_FIELDS = ("quantize", "bits", "key_clip_ratio", "value_clip_ratio", "scale_dtype", "encoder",
                  "high_precision_layers", "high_precision_heads", "high_precision_bits", "high_precision_layer_share",

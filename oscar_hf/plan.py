@@ -1,8 +1,10 @@
 """The resolver: (model, rotations, config) into a per-layer plan, which `OscarCache` builds its layers from.
 
-In order: the config (a preset with options, or given whole; rotations that rank their layers and no row-format
-option make the default `oscar-mixed`), the rotations (named, a `Rotations`, a folder or a Hub repo, checked
-against the model), the high-precision layers or KV heads a share takes from the rotations' ranking, the value
+In order: the config (a preset with options, or given whole; with no method and no row-format option, rotations
+that rank retrieval make the default `oscar-next`, or `oscar-mixed` where they rank layers only, and so does a
+model given no rotations: its data-free profile, `profile`, ranks it), the rotations (named, a `Rotations`, a
+folder or a Hub repo, checked against the model; for a ranked preset on Hadamard rotations with the model at hand,
+the profile's), the high-precision layers or KV heads a share takes from the rotations' ranking, the value
 rotations folded into the model's weights (`rotations.folding`, asked for or found there), and per full-attention
 layer: its settings (`OscarConfig.for_layer`, with the clip ratios the rotations record) and its rotations, sliced
 to this tensor-parallel rank's heads (`parallel`).
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from oscar_hf.config import FORMAT_FIELDS, RANKED_DEFAULT_METHOD, OscarConfig
+from oscar_hf.config import FORMAT_FIELDS, LAYER_RANKED_DEFAULT_METHOD, RANKED_DEFAULT_METHOD, OscarConfig
 from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape
 from oscar_hf.parallel import local_head_config, local_heads, tensor_parallel_position
+from oscar_hf.profile import data_free_rotations
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
 
@@ -61,16 +64,25 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
     if recorded_clip_ratios is None:  # the rotations' ratios, unless the caller chose ratios
         recorded_clip_ratios = not (config is not None or "key_clip_ratio" in options or "value_clip_ratio" in options)
     inferred = config is None and method is None
+    weights = model is not model_config  # the model itself, which a data-free profile can run
     if config is None:
-        config = OscarConfig.from_method(method or _infer_method(rotations), **options)
+        config = OscarConfig.from_method(method or _infer_method(rotations, weights, options), **options)
     elif method is not None or options:
         raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
     source = rotations if rotations is not None else config.rotation
-    resolved = resolve_rotations(source, shape, hub_options)
+    if weights and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
+        # a ranked preset on Hadamard rotations: the model's own profile smooths its keys and ranks it
+        resolved, source = resolve_rotations(data_free_rotations(model), shape, hub_options), "hadamard"
+        logger.info("OscarCache: method=%r on data-free rotations: Hadamard, with key smoothing and a ranking of "
+                    "layers and KV heads by induction from one forward over random tokens (oscar_hf.profile)",
+                    config.method)
+    else:
+        resolved = resolve_rotations(source, shape, hub_options)
     if inferred and config.method == "oscar" and _takes_ranked_default(resolved, options):
-        config = OscarConfig.from_method(RANKED_DEFAULT_METHOD, **options)
-        logger.info("OscarCache: method=%r, the 2-bit default of rotations that rank their layers by retrieval "
-                    "(method='oscar' stores uniform 2-bit rows)", RANKED_DEFAULT_METHOD)
+        default = RANKED_DEFAULT_METHOD if resolved.retrieval_heads() else LAYER_RANKED_DEFAULT_METHOD
+        config = OscarConfig.from_method(default, **options)
+        logger.info("OscarCache: method=%r, the 2-bit default of rotations that rank retrieval (method='oscar' "
+                    "stores uniform 2-bit rows)", default)
     config = _with_ranked_precision(config, resolved, shape)
     _check_config(config, shape)
     folded = folded_layers(model, model_config, resolved, shape, fold_value_rotation)
@@ -111,18 +123,31 @@ def resolve_rotations(source, shape, hub_options: dict) -> Rotations | None:
     return source
 
 
-def _infer_method(rotations) -> str:
-    if rotations is None or (isinstance(rotations, str) and rotations == "hadamard"):
-        return "hadamard"
-    if isinstance(rotations, str) and rotations == "identity":
+def _infer_method(rotations, weights: bool, options: dict) -> str:
+    """The preset of a cache given no method: on Hadamard rotations (or none), `RANKED_DEFAULT_METHOD` where the
+    model's weights are at hand for its data-free profile and no option chooses a row format, else the uniform
+    `hadamard` rows; `identity` for none; `oscar` for a file (which `_takes_ranked_default` may change)."""
+    if rotations is None or _named(rotations, "hadamard"):
+        ranked = weights and not any(name in options for name in FORMAT_FIELDS)
+        return RANKED_DEFAULT_METHOD if ranked else "hadamard"
+    if _named(rotations, "identity"):
         return "identity"
     return "oscar"
 
 
+def _named(rotations, name: str) -> bool:
+    return isinstance(rotations, str) and rotations == name
+
+
+def _ranks(config: OscarConfig) -> bool:
+    """Whether `config` takes high-precision layers or KV heads from a ranking."""
+    return bool(config.high_precision_layer_share or config.high_precision_head_share)
+
+
 def _takes_ranked_default(rotations: Rotations | None, options: dict) -> bool:
-    """Whether a cache whose method was inferred as `oscar` stores `RANKED_DEFAULT_METHOD` instead: its rotations
-    record a layer ranking, and no option chooses a row format."""
-    return (rotations is not None and bool(rotations.retrieval_layers())
+    """Whether a cache whose method was inferred as `oscar` stores a ranked preset instead: its rotations record a
+    ranking, and no option chooses a row format."""
+    return (rotations is not None and bool(rotations.retrieval_layers() or rotations.retrieval_heads())
             and not any(name in options for name in FORMAT_FIELDS))
 
 

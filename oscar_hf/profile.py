@@ -24,7 +24,7 @@ import torch
 
 from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
 from oscar_hf.model_support import attention_shape
-from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, Rotations
+from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, RETRIEVAL_RANKING_KEY, Rotations
 
 PROFILE_TOKENS = 256  # the random sequence's length (it is fed twice)
 PROFILE_SEED = 0
@@ -130,11 +130,24 @@ def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE
                                  "induction", "text": "random tokens, fed twice", "tokens": tokens, "seed": seed})
     rotations = Rotations.hadamard(layers, shape.head_dim).with_key_smoothing(
         {i: scales[i] for i in layers if i in scales}, recipe)
-    scored = [(float(induction[i][h]), i, h) for i in layers if i in induction for h in range(shape.num_kv_heads)]
-    heads = [(i, h) for _, i, h in sorted(scored, key=lambda x: -x[0])]
-    by_layer = sorted({i for _, i, _ in scored}, key=lambda i: -float(induction[i].max()))
-    rotations.metadata.update({RETRIEVAL_LAYERS_KEY: json.dumps(by_layer),
-                               RETRIEVAL_HEADS_KEY: json.dumps([[i, h] for i, h in heads]),
-                               "objective": "hadamard", "retrieval_ranking": "induction on random tokens"})
+    record_induction_ranking(rotations, induction, layers)
+    rotations.metadata["objective"] = "hadamard"
     kept[(tokens, seed)] = rotations
     return rotations
+
+
+def induction_ranking(induction: dict[int, torch.Tensor], layers: list[int]) -> tuple[list[int], list[tuple]]:
+    """(layers, (layer, KV head) pairs), most induction first: a layer ranks by its strongest KV head."""
+    scored = [(float(induction[i][h]), i, h) for i in layers if i in induction for h in range(len(induction[i]))]
+    heads = [(i, h) for _, i, h in sorted(scored, key=lambda x: -x[0])]
+    by_layer = sorted({i for _, i, _ in scored}, key=lambda i: -float(induction[i].max()))
+    return by_layer, heads
+
+
+def record_induction_ranking(rotations: Rotations, induction: dict[int, torch.Tensor], layers: list[int]) -> None:
+    """Record `induction_ranking` in `rotations.metadata`, where the ranked presets read it, and say how it was
+    made."""
+    by_layer, heads = induction_ranking(induction, layers)
+    rotations.metadata.update({RETRIEVAL_LAYERS_KEY: json.dumps([int(i) for i in by_layer]),
+                               RETRIEVAL_HEADS_KEY: json.dumps([[int(i), int(h)] for i, h in heads]),
+                               RETRIEVAL_RANKING_KEY: "induction on random tokens (oscar_hf.profile)"})

@@ -212,9 +212,9 @@ def test_every_preset_name_is_a_method_and_oscar_needs_rotations():
     for name, instead in (("oscar", "'hadamard'"), ("oscar4", "'hadamard4'")):
         with pytest.raises(ValueError, match=f"--rotations.*{instead}"):
             select_methods(["bf16", name])
-    for name in ("oscar-hifi", "oscar-next"):
-        with pytest.raises(ValueError, match="retrieval ranking"):
-            select_methods(name)
+    # the ranked presets run on the model's data-free profile when no rotations are given
+    assert [m.name for m in select_methods("oscar-mixed,oscar-hifi,oscar-next")] == ["oscar-mixed", "oscar-hifi",
+                                                                                     "oscar-next"]
     assert [m.name for m in select_methods("oscar,oscar4", rotations="some/folder")] == ["oscar", "oscar4"]
     with pytest.raises(ValueError, match="unknown method.*known: bf16, none"):
         select_methods("bf16,hadamart")

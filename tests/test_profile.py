@@ -54,3 +54,21 @@ def test_data_free_rotations_are_deterministic_and_rank_every_layer_and_head():
     rebuilt = data_free_rotations(again)
     assert rebuilt.retrieval_layers() == first.retrieval_layers()
     assert all(torch.equal(rebuilt.key_smoothing[i], first.key_smoothing[i]) for i in range(layers))
+
+
+def test_a_cache_given_no_rotations_stores_the_ranked_default_on_the_models_profile():
+    from oscar_hf import OscarCache
+
+    model = tiny_model("llama", seed=0)
+    layout = dict(sink_tokens=4, recent_tokens=8)
+    default = OscarCache(model, **layout)
+    assert default.oscar_config.method == "oscar-next"
+    assert default.rotations is data_free_rotations(model)  # the profile, run once per model
+    assert default.oscar_config.high_precision_heads == tuple(default.rotations.retrieval_heads()[:1])
+    assert OscarCache(model, rotations="hadamard", **layout).oscar_config.method == "oscar-next"
+    mixed = OscarCache(model, method="oscar-mixed", **layout)  # a ranked preset given no file: the profile too
+    assert mixed.oscar_config.high_precision_layers == (default.rotations.retrieval_layers()[0],)
+    # the paper's uniform rows where asked for, where an option chooses a row format, and without the weights
+    assert OscarCache(model, method="hadamard", **layout).rotations.key_smoothing == {}
+    assert OscarCache(model, bits=4, **layout).oscar_config.method == "hadamard"
+    assert OscarCache(model.config, **layout).oscar_config.method == "hadamard"

@@ -33,6 +33,8 @@ PROVENANCE_ROWS = (
     ("key_clip_ratios", "Key clip ratios per layer"),
     ("value_clip_ratios", "Value clip ratios per layer"),
     ("encoder", "Row encoder (OscarConfig.encoder)"),
+    ("key_smoothing", "Key smoothing"),
+    ("retrieval_ranking", "Retrieval ranking made by"),  # rotations.RETRIEVAL_RANKING_KEY
     ("library", "Library"),
     ("seconds", "Calibration time (s)"),
     ("device", "Device"),
@@ -80,6 +82,7 @@ def model_card(metadata: Mapping[str, str], repo_id: str | None = None, subfolde
             "```",
             "",
         ]
+    lines += ["## Recipe", "", _recipe(metadata), ""]
     lines += ["## Provenance", "", "| | |", "|---|---|"]
     shown = {key for key, _ in PROVENANCE_ROWS}
     rows = [(label, metadata.get(key)) for key, label in PROVENANCE_ROWS]
@@ -87,6 +90,19 @@ def model_card(metadata: Mapping[str, str], repo_id: str | None = None, subfolde
     lines += [f"| {label} | `{_cell(value)}` |" for label, value in rows if value not in (None, "")]
     lines.append("")
     return ModelCard("\n".join(lines))
+
+
+def _recipe(metadata: Mapping[str, str]) -> str:
+    """One sentence on what the cache gets from these rotations beyond the rotation itself."""
+    smoothed = "Keys are smoothed per channel" if metadata.get("key_smoothing") else "Keys are not smoothed"
+    if metadata.get("retrieval_layers") or metadata.get("retrieval_heads"):
+        how = metadata.get("retrieval_ranking", "needle probes")
+        ranked = (f"layers and KV heads are ranked by retrieval ({how}), so `OscarCache` stores its ranked 2-bit "
+                  "default, `oscar-next` (`oscar-mixed` where only layers are ranked), which keeps the top of the "
+                  "ranking at 4 bits")
+    else:
+        ranked = "no retrieval ranking is recorded, so `OscarCache` stores uniform 2-bit rows (`oscar`)"
+    return f"{smoothed}; {ranked}."
 
 
 def _cell(value: str) -> str:

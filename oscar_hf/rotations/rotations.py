@@ -26,6 +26,7 @@ ORTHOGONALITY_TOLERANCE = 1e-3
 
 DEFAULT_CLIP_BITS = 2
 RETRIEVAL_LAYERS_KEY = "retrieval_layers"  # metadata: JSON list of layer indices, most retrieval-sensitive first
+RETRIEVAL_RANKING_KEY = "retrieval_ranking"  # metadata: how the recorded rankings were made
 RETRIEVAL_HEADS_KEY = "retrieval_heads"  # metadata: JSON list of [layer, KV head] pairs, most sensitive first
 KEY_SMOOTHING_KEY = "key_smoothing"  # metadata: how the key smoothing scales were computed
 
@@ -159,7 +160,8 @@ class Rotations:
         in the metadata (`key_smoothing`). Retrieval rankings recorded without the smoothing are dropped: they
         rank what the unsmoothed history loses, and the smoothed one loses it elsewhere (rank again:
         `oscar_hf.calibrate.retrieval_layers`)."""
-        metadata = {k: v for k, v in self.metadata.items() if k not in (RETRIEVAL_LAYERS_KEY, RETRIEVAL_HEADS_KEY)}
+        dropped = (RETRIEVAL_LAYERS_KEY, RETRIEVAL_HEADS_KEY, RETRIEVAL_RANKING_KEY)
+        metadata = {k: v for k, v in self.metadata.items() if k not in dropped}
         return Rotations(self.key, self.value, self.key_eigenvalues, self.value_eigenvalues,
                          {**metadata, KEY_SMOOTHING_KEY: description}, key_smoothing=scales)
 

@@ -80,8 +80,10 @@ def _oscar(method: str, rotations=None, **options) -> Callable:
     return build
 
 
-# the presets that read calibrated rotations (`PRESETS[...].rotation == "file"`), and the 4-bit row of `oscar`
-ROTATION_METHODS = tuple(name for name, preset in PRESETS.items() if preset.rotation == "file") + ("oscar4",)
+# the presets that need calibrated rotations (`PRESETS[...].rotation == "file"`, unranked: a ranked preset given no
+# file runs on the model's data-free profile, `oscar_hf.profile`), and the 4-bit row of `oscar`
+ROTATION_METHODS = tuple(name for name, preset in PRESETS.items() if preset.rotation == "file" and not (
+    preset.high_precision_layer_share or preset.high_precision_head_share)) + ("oscar4",)
 # what to use instead when no rotations are given
 DATA_FREE_ALTERNATIVE = {"oscar": "hadamard", "oscar4": "hadamard4"}
 
@@ -198,15 +200,7 @@ def select_methods(names: str | Sequence[str] | None = None, rotations: str | No
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(available)}")
     if rotations is None:
-        for name in chosen:
-            preset = PRESETS.get(name)
-            if preset is not None and (preset.high_precision_layer_share or preset.high_precision_head_share):
-                what = "layers" if preset.high_precision_layer_share else "KV heads"
-                raise ValueError(
-                    f"method {name!r} keeps the {what} ranked most retrieval-sensitive at 4 bits: pass --rotations "
-                    "that record a retrieval ranking (oscar-calibrate --rank-retrieval-layers; for data-free "
-                    "Hadamard rotations with a ranking, python -m oscar_hf.calibrate.retrieval_layers --rotations "
-                    "hadamard)")
+        for name in chosen:  # a ranked preset runs on the model's data-free profile (`oscar_hf.profile`)
             if name in ROTATION_METHODS:
                 raise ValueError(
                     f"method {name!r} reads calibrated rotations: pass --rotations <folder, file or Hub id> (made by "
