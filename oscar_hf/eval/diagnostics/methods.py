@@ -118,6 +118,8 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     `recent_tokens=128`) apply to every OSCAR-layout row.
     """
     given = _rotations_label(rotations)
+    # a ranked preset given no rotations runs on the model's data-free profile (`oscar_hf.profile`)
+    ranked = given if rotations is not None else "data-free profile: Hadamard, keys smoothed, ranked by induction"
     kivi = dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=32, residual_length=128)
     methods = [
         Method("bf16", "BF16 (DynamicCache)", lambda m: DynamicCache(config=getattr(m, "config", m))),
@@ -128,12 +130,12 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
         Method("clip", "clip only", _oscar("clip", **oscar_options), oscar=True),
         Method("hadamard", "OSCAR (Hadamard)", _oscar("hadamard", **oscar_options), oscar=True),
         Method("oscar", f"OSCAR ({given})", _oscar("oscar", rotations, **oscar_options), oscar=True),
-        Method("oscar-mixed", f"OSCAR-mixed ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of "
+        Method("oscar-mixed", f"OSCAR-mixed ({ranked}; 2-bit sigma rows, one-byte scale and zero, the top tenth of "
                "the layers by retrieval ranking at 4 bits)", _oscar("oscar-mixed", rotations, **oscar_options),
                oscar=True),
-        Method("oscar-hifi", f"OSCAR-hifi ({given}; 2-bit, the top fifth of the layers by retrieval ranking at 4 bits)",
+        Method("oscar-hifi", f"OSCAR-hifi ({ranked}; 2-bit, the top fifth of the layers by retrieval ranking at 4 bits)",
                _oscar("oscar-hifi", rotations, **oscar_options), oscar=True),
-        Method("oscar-next", f"OSCAR-next ({given}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
+        Method("oscar-next", f"OSCAR-next ({ranked}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
                "KV heads by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True),
         Method("hadamard4", "OSCAR 4-bit (Hadamard)", _oscar("hadamard", **{**oscar_options, "bits": 4}), oscar=True),
         Method("oscar4", f"OSCAR 4-bit ({given})", _oscar("oscar", rotations, **{**oscar_options, "bits": 4}),
