@@ -77,6 +77,26 @@ def test_cli_writes_rotations_that_load_bit_exactly_and_run(model_folder, text_f
     assert torch.equal(cache.layers[1].key_rotation.cpu(), ours.key[1])
 
 
+def test_cli_smooths_keys_and_ranks_by_induction_unless_told_otherwise(model_folder, text_file, tmp_path):
+    """The recipe that retrieves is the default: smoothed keys and the induction ranking, which makes the cache
+    store oscar-next; `--no-smooth-keys --ranking none` gives the paper's plain rotations, and RotationZoo output
+    (which cannot hold scales) goes without smoothing unless asked for."""
+    common = ("--model", model_folder, "--data", text_file, "--tokens", 200, "--context", 100, "--no-progress")
+    assert run_cli(*common, "--out", tmp_path / "default") == 0
+    default = Rotations.from_pretrained(tmp_path / "default")
+    assert set(default.key_smoothing) == {0, 1}
+    assert default.metadata["retrieval_ranking"].startswith("induction")
+    assert sorted(default.retrieval_layers()) == [0, 1] and len(default.retrieval_heads()) == 4
+    assert "## Recipe" in (tmp_path / "default" / "README.md").read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder).eval()
+    assert OscarCache(model, rotations=str(tmp_path / "default")).oscar_config.method == "oscar-next"
+    assert run_cli(*common, "--out", tmp_path / "plain", "--no-smooth-keys", "--ranking", "none") == 0
+    plain = Rotations.from_pretrained(tmp_path / "plain")
+    assert plain.key_smoothing == {} and not plain.retrieval_layers() and "retrieval_ranking" not in plain.metadata
+    assert OscarCache(model, rotations=str(tmp_path / "plain")).oscar_config.method == "oscar"
+    assert run_cli(*common, "--out", tmp_path / "zoo", "--format", "both") == 0  # no scales to lose
+
+
 def test_cli_smooth_keys_stores_scales_that_the_cache_applies(model_folder, text_file, tmp_path):
     out = tmp_path / "smoothed"
     assert run_cli("--model", model_folder, "--data", text_file, "--tokens", 200, "--context", 100, "--out", out,
@@ -234,7 +254,8 @@ BAD_ARGUMENTS = {
     "device and device map": (["--device", "cpu", "--device-map", "auto"], "exclude each other"),
     "device that does not parse": (["--device", "gpu0"], "--device 'gpu0'"),
     "subfolder without an upload": (["--subfolder", "x"], "apply only with --push-to-hub"),
-    "key smoothing in RotationZoo files": (["--smooth-keys", "--format", "both"], "RotationZoo files cannot hold"),
+    "key smoothing in RotationZoo files": (["--smooth-keys", "--format", "both"],
+                                           "RotationZoo files cannot hold.*--no-smooth-keys"),
     "repo id": (["--push-to-hub", "me/bad--id"], "--push-to-hub: 'me/bad--id' is not a valid Hub repo id"),
 }
 
