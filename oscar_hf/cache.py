@@ -44,8 +44,8 @@ class OscarCache(Cache):
             the top tenth of the KV heads at 4 bits: 2.475 bits per element at head_dim 64; `oscar-mixed`, the
             same share of layers, where only layers are ranked), else `oscar` (uniform 2-bit rows, 2.5 bits);
             with no rotations or "hadamard" and the model itself, `oscar-next` on its data-free profile
-            (`oscar_hf.profile`: Hadamard rotations, key smoothing and an induction ranking from one forward over
-            random tokens); given only a config, `hadamard` (uniform 2-bit rows). A ranked preset given no
+            (`oscar_hf.profile`: Hadamard rotations and an induction ranking from one forward over random
+            tokens); given only a config, `hadamard` (uniform 2-bit rows). A ranked preset given no
             rotations, or "hadamard", runs on that profile too.
         config: a full `OscarConfig` instead of `method` and `**options`.
         fold_value_rotation: fold the value rotations into the model's v_proj/o_proj weights (in place, once), so V

@@ -11,8 +11,9 @@ gives the same answer) yields the two things the calibrated recipe takes from te
   token that followed its earlier occurrence (`InductionScores`). Copying a fact out of the context is what these
   heads do (retrieval heads are induction heads), and it is what a 2-bit history loses first.
 
-`data_free_rotations(model)` turns them into Hadamard `Rotations` with the smoothing applied and both rankings
-recorded, where the ranked presets (`oscar-mixed`, `oscar-next`) find them. The result is kept on the model, so
+`data_free_rotations(model)` records the rankings on Hadamard `Rotations`, where the ranked presets (`oscar-mixed`,
+`oscar-next`) find them, and applies the smoothing only when asked (`smooth_keys=True`: a few hundred random
+positions do not measure the slow RoPE channels well enough for long prompts). The result is kept on the model, so
 caches built on it after the first reuse it.
 """
 
@@ -117,22 +118,28 @@ def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED
     return power.scales(), induction.scores
 
 
-def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED) -> Rotations:
-    """Hadamard rotations for `model`'s full-attention layers with the key smoothing and the induction rankings of
-    `profile_model` (module docstring); kept on the model for the next cache."""
+def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
+                        smooth_keys: bool = False) -> Rotations:
+    """Hadamard rotations for `model`'s full-attention layers with the induction rankings of `profile_model`
+    (module docstring) and, where `smooth_keys`, its key smoothing; kept on the model for the next cache.
+
+    Smoothing is off by default: scales measured over a few hundred random positions broke SmolLM2's retrieval at
+    4k tokens (0 of 18 needles where BF16 finds 4, and degenerate text), while the ranking alone keeps it
+    (docs/retrieval.md): the slow RoPE channels' scales need longer text than a profile reads."""
     kept = model.__dict__.setdefault("_oscar_data_free_rotations", {})
-    if (tokens, seed) in kept:
-        return kept[(tokens, seed)]
+    if (tokens, seed, smooth_keys) in kept:
+        return kept[(tokens, seed, smooth_keys)]
     shape = attention_shape(model.config)
     layers = list(shape.oscar_layer_ids)
     scales, induction = profile_model(model, tokens, seed)
-    recipe = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel; layers and KV heads ranked by "
-                                 "induction", "text": "random tokens, fed twice", "tokens": tokens, "seed": seed})
-    rotations = Rotations.hadamard(layers, shape.head_dim).with_key_smoothing(
-        {i: scales[i] for i in layers if i in scales}, recipe)
+    rotations = Rotations.hadamard(layers, shape.head_dim)
+    if smooth_keys:
+        recipe = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel", "text": "random tokens, fed "
+                             "twice", "tokens": tokens, "seed": seed})
+        rotations = rotations.with_key_smoothing({i: scales[i] for i in layers if i in scales}, recipe)
     record_induction_ranking(rotations, induction, layers)
     rotations.metadata["objective"] = "hadamard"
-    kept[(tokens, seed)] = rotations
+    kept[(tokens, seed, smooth_keys)] = rotations
     return rotations
 
 

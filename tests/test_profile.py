@@ -52,8 +52,9 @@ def test_data_free_rotations_are_deterministic_and_rank_every_layer_and_head():
     assert set(scales) == set(range(layers)) and all(s.shape == (heads, model.config.head_dim)
                                                      for s in scales.values())
     rebuilt = data_free_rotations(again)
-    assert rebuilt.retrieval_layers() == first.retrieval_layers()
-    assert all(torch.equal(rebuilt.key_smoothing[i], first.key_smoothing[i]) for i in range(layers))
+    assert rebuilt.retrieval_layers() == first.retrieval_layers() and first.key_smoothing == {}
+    smoothed = data_free_rotations(again, smooth_keys=True)  # asked for: the profile's scales
+    assert all(torch.equal(smoothed.key_smoothing[i], scales[i]) for i in range(layers))
 
 
 def test_a_cache_given_no_rotations_stores_the_ranked_default_on_the_models_profile():
