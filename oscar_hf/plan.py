@@ -100,18 +100,18 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
         if recorded_clip_ratios and i not in config.high_precision_layers:
             layer_config = _recorded_clip_config(layer_config, resolved, i)
         layers.append(LayerPlan(layer_config, key_r, None if i in folded else value_r, query_r))
-    name = "identity" if resolved is None else "hadamard" if isinstance(source, str) and source == "hadamard" else None
+    name = "identity" if resolved is None else "hadamard" if _named(source, "hadamard") else None
     return CachePlan(config, resolved, name, shape, tuple(layers), recorded_clip_ratios, bool(folded))
 
 
 def resolve_rotations(source, shape, hub_options: dict) -> Rotations | None:
     """A checked `Rotations` for the model's full-attention layers, or None for the identity."""
     layer_ids = shape.oscar_layer_ids
-    if not layer_ids or (isinstance(source, str) and source == "identity"):
+    if not layer_ids or _named(source, "identity"):
         return None
-    if isinstance(source, str) and source == "hadamard":
+    if _named(source, "hadamard"):
         return Rotations.hadamard(layer_ids, shape.head_dim)
-    if isinstance(source, str) and source == "file":
+    if _named(source, "file"):
         raise ValueError(
             "method='oscar' needs calibrated rotations: pass rotations=<folder, file or Hub repo id> "
             "(make them with `oscar-calibrate`), or use method='hadamard' for data-free rotations"
@@ -135,6 +135,7 @@ def _infer_method(rotations, weights: bool, options: dict) -> str:
 
 
 def _named(rotations, name: str) -> bool:
+    """Whether `rotations` is the named source `name` (a string; a path or a `Rotations` never is)."""
     return isinstance(rotations, str) and rotations == name
 
 

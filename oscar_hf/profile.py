@@ -100,22 +100,22 @@ def random_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED
-                  ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """(key smoothing scales `{layer: [Hkv, d]}`, induction scores `{layer: [Hkv]}`) of `model`, from one forward
-    over `tokens` random tokens fed twice (module docstring)."""
+def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED, smoothing: bool = True
+                  ) -> tuple[dict[int, torch.Tensor] | None, dict[int, torch.Tensor]]:
+    """(key smoothing scales `{layer: [Hkv, d]}`, or None unless `smoothing`; induction scores `{layer: [Hkv]}`) of
+    `model`, from one forward over `tokens` random tokens fed twice (module docstring)."""
     block = random_tokens(model.config.get_text_config().vocab_size, tokens, seed)
     ids = block.repeat(1, 2).to(model.get_input_embeddings().weight.device)
-    power, induction = ChannelPower(), InductionScores(tokens)
+    induction = InductionScores(tokens)
+    observers = [induction, ChannelPower()] if smoothing else [induction]
 
     def observe(call: AttentionCall) -> None:
-        args = (call.module, call.query, call.key, call.value, call.scaling, call.softcap)
-        power(*args)
-        induction(*args)
+        for observer in observers:
+            observer(call.module, call.query, call.key, call.value, call.scaling, call.softcap)
 
     with oscar_attention(model):
         model(input_ids=ids, use_cache=False, **{HOOK_ARGUMENT: observe})
-    return power.scales(), induction.scores
+    return (observers[1].scales() if smoothing else None), induction.scores
 
 
 def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
@@ -131,7 +131,7 @@ def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE
         return kept[(tokens, seed, smooth_keys)]
     shape = attention_shape(model.config)
     layers = list(shape.oscar_layer_ids)
-    scales, induction = profile_model(model, tokens, seed)
+    scales, induction = profile_model(model, tokens, seed, smoothing=smooth_keys)
     rotations = Rotations.hadamard(layers, shape.head_dim)
     if smooth_keys:
         recipe = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel", "text": "random tokens, fed "

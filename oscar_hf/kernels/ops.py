@@ -15,16 +15,16 @@ kernel exists, the CUDA one registered for CUDA:
 - `oscar_hf::gather_rows`: rows of a BF16 buffer moved within it (the window's shift after a demotion, the sink of
   a left-padded row taking real tokens), every source row read before any is written.
 
-A call object is not an op argument: `_decode_arguments` / `_decode_call` (and their demotion pair) are the one
-place that flattens a call into the op's schema and back. A backend is named by its spec (`kernels.select
-.backend_spec`: its kind and settings as a string), which the op turns back into the shared backend of those
-settings (`backend_from_spec`) on CUDA, and into the reference of the same history chunk elsewhere: a compiled
-graph holds a description, not an object, and no registry of backend objects exists.
+A call object is not an op argument: `_decode_arguments` / `_decode_call` (and `_demote_arguments` /
+`DemoteCall`) are the one place that flattens a call into the op's schema and back. A backend is named by its spec
+(`kernels.select.backend_spec`: its kind and settings as a string), which the op turns back into the shared
+backend of those settings (`backend_from_spec`) on CUDA, and into the reference of the same history chunk
+elsewhere (`reference_for`): a compiled graph holds a description, not an object, and no registry of backend
+objects exists.
 """
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
 import torch
@@ -38,14 +38,9 @@ from oscar_hf.kernels.interface import (
     HistoryTensors,
     block_start,
 )
-from oscar_hf.kernels.select import backend_from_spec, backend_spec
+from oscar_hf.kernels.select import backend_from_spec, backend_spec, reference_for
 
-
-@lru_cache(maxsize=None)
-def _reference(spec: str) -> Backend:
-    """The reference backend with `spec`'s history chunk: what every op runs off CUDA."""
-    chunk = json.loads(spec)["settings"].get("history_chunk", 4096)
-    return backend_from_spec(json.dumps({"kind": "reference", "settings": {"history_chunk": chunk}}))
+_reference = lru_cache(maxsize=None)(reference_for)  # a compiled step calls it every step: parse each spec once
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -107,21 +102,16 @@ def _(query, keys, values, dense_length, dense_start, history_start, history_len
 
 # ---------------------------------------------------------------------------------------------- demotion
 def _demote_arguments(call: DemoteCall, spec: str) -> tuple:
-    """`call` in the demotion ops' schema, up to `only_if` (`_demote_call` reads it back)."""
+    """`call` in the demotion ops' schema, up to `only_if` (its fields in order: `DemoteCall(*fields)` reads it
+    back)."""
     return (call.keys, call.values, call.key_rotation, call.value_rotation, call.key_clip_ratio,
             call.value_clip_ratio, call.bits, call.encoder, call.key_codes, call.key_scale_zero, call.value_codes,
             call.value_scale_zero, spec, call.only_if)
 
 
-def _demote_call(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
-                 key_codes, key_scale_zero, value_codes, value_scale_zero, only_if) -> DemoteCall:
-    return DemoteCall(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
-                      key_codes, key_scale_zero, value_codes, value_scale_zero, only_if)
-
-
 def _call_fields(arguments: dict) -> tuple:
     """An op's arguments without its backend spec and ordering inputs, in schema order (what `_decode_call` and
-    `_demote_call` take)."""
+    `DemoteCall` take)."""
     return tuple(v for k, v in arguments.items() if k not in ("backend", "at", "after"))
 
 
@@ -133,13 +123,13 @@ def demote_kv(
     key_scale_zero: torch.Tensor, value_codes: torch.Tensor, value_scale_zero: torch.Tensor, backend: str,
     only_if: torch.Tensor | None = None,
 ) -> None:
-    _reference(backend).demote_kv(_demote_call(*_call_fields(locals())))
+    _reference(backend).demote_kv(DemoteCall(*_call_fields(locals())))
 
 
 @demote_kv.register_kernel("cuda")
 def _demote_kv_cuda(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
                     key_codes, key_scale_zero, value_codes, value_scale_zero, backend, only_if=None):
-    backend_from_spec(backend).demote_kv(_demote_call(*_call_fields(locals())))
+    backend_from_spec(backend).demote_kv(DemoteCall(*_call_fields(locals())))
 
 
 @demote_kv.register_fake
@@ -161,13 +151,13 @@ def demote_into(
     The buffers are written in place but not declared mutated, as in `write_rows` (whose docstring says why):
     `after` (the attention output that read them) orders the write after that read, and the rows written lie
     beyond the count until the caller advances it."""
-    return _reference(backend).demote_kv_at(_demote_call(*_call_fields(locals())), at)
+    return _reference(backend).demote_kv_at(DemoteCall(*_call_fields(locals())), at)
 
 
 @demote_into.register_kernel("cuda")
 def _demote_into_cuda(keys, values, key_rotation, value_rotation, key_clip_ratio, value_clip_ratio, bits, encoder,
                       key_codes, key_scale_zero, value_codes, value_scale_zero, backend, only_if, at, after):
-    return backend_from_spec(backend).demote_kv_at(_demote_call(*_call_fields(locals())), at)
+    return backend_from_spec(backend).demote_kv_at(DemoteCall(*_call_fields(locals())), at)
 
 
 @demote_into.register_fake

@@ -76,6 +76,12 @@ def backend_spec(backend: Backend) -> str:
     return _spec(backend.name, backend.settings())
 
 
+def reference_for(spec: str) -> Backend:
+    """The reference backend with the history chunk of the backend `spec` describes: what the ops run off CUDA."""
+    chunk = json.loads(spec)["settings"].get("history_chunk", 4096)
+    return backend_from_spec(_spec("reference", {"history_chunk": chunk}))
+
+
 def backend_from_spec(spec: str) -> Backend:
     """The backend `spec` (from `backend_spec`, or naming only some settings) describes: one shared instance per
     full description, so that its scratch and compiled kernels serve every cache and step that names it."""
