@@ -2,7 +2,9 @@
 (`oscar_hf.config.PRESETS`), the 4-bit rows `hadamard4` and `oscar4`, the BF16 reference `bf16`, and peer caches;
 each built fresh for a model.
 
-Peers need optional packages, imported only when their cache is built:
+The peer `turboquant3` (TurboQuant-MSE at 3 bits for every layer, the OSCAR paper's headline baseline) is our own
+simulation, `eval.diagnostics.turboquant`; the other peers need optional packages, imported only when their cache
+is built:
 - `kivi2`, `quanto2`, `quanto4`: `optimum-quanto` (HF `QuantizedCache(backend="quanto")`);
 - `hqq2`, `hqq4`: `hqq` (HF `QuantizedCache(backend="hqq")`);
 - `turboquant2`: `turboquant-impl` (its top-level package is `turboquant`; install it in its own `--target`
@@ -20,9 +22,11 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from oscar_hf.cache import OscarCache
-from oscar_hf.plan import NAMED_ROTATIONS
 from oscar_hf.config import PRESETS, OscarConfig
+from oscar_hf.eval.diagnostics.turboquant import TurboQuantMSECache, TurboQuantMSELayer
+from oscar_hf.eval.diagnostics.turboquant import bits_per_element as turboquant_bits_per_element
 from oscar_hf.layer import OscarLayer
+from oscar_hf.plan import NAMED_ROTATIONS
 from oscar_hf.rotations.io import rotation_metadata
 from oscar_hf.rotations.rotations import KEY_SMOOTHING_KEY
 
@@ -152,6 +156,10 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
                _quantized("hqq", nbits=4, axis_key=1, axis_value=1, q_group_size=64, residual_length=128)),
         Method("turboquant2", "TurboQuant-MSE 2-bit (turboquant-impl, R128, layer 0 kept full precision)",
                _turboquant(2)),
+        Method("turboquant3", "TurboQuant-MSE 3-bit (own implementation: random orthogonal rotation per layer, "
+               "Gaussian Lloyd-Max codes, a BF16 norm per token; every layer, R128): "
+               f"{turboquant_bits_per_element(3, 64):g} bits/element at head_dim 64",
+               lambda m: TurboQuantMSECache(m, bits=3, residual_length=128)),
     ]
     if oscar_options:  # the label says what the options changed, so a report never names a preset it did not run
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(oscar_options.items()))
@@ -159,7 +167,7 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     return {m.name: m for m in methods}
 
 
-PEER_METHODS = ("kivi2", "quanto2", "quanto4", "hqq2", "hqq4", "turboquant2")
+PEER_METHODS = ("kivi2", "quanto2", "quanto4", "hqq2", "hqq4", "turboquant2", "turboquant3")
 
 
 def default_methods(rotations: str | None = None) -> tuple[str, ...]:
@@ -244,6 +252,9 @@ def layer_stored_bytes(layer, bf16_model: bool = False) -> int:
     """
     if isinstance(layer, OscarLayer):
         as_bf16 = bf16_model and layer.is_initialized and layer.dtype == torch.float32
+        return layer.nbytes(torch.bfloat16 if as_bf16 else None)
+    if isinstance(layer, TurboQuantMSELayer):  # it stores dequantized K/V: count its codes and norms instead
+        as_bf16 = bf16_model and layer.is_initialized and layer.keys.dtype == torch.float32
         return layer.nbytes(torch.bfloat16 if as_bf16 else None)
     seen: set = set()
     return sum(_tensor_bytes(getattr(layer, name, None), bf16_model, seen) for name in CACHE_TENSORS)
