@@ -3,6 +3,7 @@ the same form beside it; runs through caches and through lm-eval score it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import transformers
 from oscar_hf.eval.diagnostics.methods import builtin_methods
 from oscar_hf.eval.diagnostics.needle_attention import copy_targets, needle_attention, report_table
 from oscar_hf.eval.needles import KINDS, WORDS, make_needle_probe, make_needle_suite
-from oscar_hf.eval.retrieval import is_hit, run_probes, summary_table
+from oscar_hf.eval.retrieval import ANSWER_SEPARATOR, answer_values, is_hit, run_probes, summary_table
 
 from conftest import char_tokenizer
 
@@ -63,6 +64,76 @@ def test_depths_order_the_needles_and_seeds_repeat():
 def test_hits_ignore_case_and_quotes():
     assert is_hit("amber harbor lantern", 'The phrase is "Amber Harbor Lantern".')
     assert not is_hit("2651247", "The code is 265124.")
+
+
+def test_a_hit_on_two_asked_values_needs_both():
+    answer = ANSWER_SEPARATOR.join(["2651247", "amber harbor lantern"])
+    assert answer_values(answer) == ["2651247", "amber harbor lantern"] and answer_values("2651247") == ["2651247"]
+    assert is_hit(answer, "Amber Harbor Lantern, and the code is 2651247.")
+    assert not is_hit(answer, "The code is 2651247.") and not is_hit(answer, "It is amber harbor lantern.")
+
+
+def _fingerprint(probe) -> str:
+    text = f"{probe.input_ids[0].tolist()}|{probe.answer}|{probe.span}|{probe.value_span}|{probe.kind}|{probe.requested}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_one_asked_needle_keeps_the_published_probes():
+    # fingerprints of probes as built before probes could ask for several needles: published results were measured
+    # on them, so their token ids, answers and spans must not move
+    tokenizer = char_tokenizer()
+    suite = make_needle_suite(tokenizer, [1500, 2500], [0.2, 0.8], KINDS, [0, 2], seed=0, sink=SINK, recent=RECENT)
+    assert [_fingerprint(p) for p in suite[::3]] == [
+        "63060c53a45386f1", "e20316899b3243cc", "aed88f87ed6637c7", "51a3fcddedf42cf8",
+        "10355f270e371f8a", "8a98c9caf1581baa", "bde542b2f7e23ebb", "ec9004e918ba3d1c"]
+    aligned = make_needle_probe(tokenizer, 1500, 0.5, "uuid", 3, seed=2, sink=SINK, recent=RECENT, align=32)
+    assert _fingerprint(aligned) == "57307b159691dccb"
+    one = [p for p in suite if p.requested == 2500]
+    both = make_needle_suite(tokenizer, [2500], [0.2, 0.8], KINDS, [0, 2], seed=0, sink=SINK, recent=RECENT,
+                             asked=[1, 2])
+    assert [_fingerprint(p) for p in both[: len(one)]] == [_fingerprint(p) for p in one]
+    assert [p.kind for p in both[len(one):]] == [f"{p.kind} x2" for p in one]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("distractors", [0, 2])
+def test_two_asked_needles_are_both_in_the_prompt_and_in_the_plural_question(kind, distractors):
+    tokenizer = char_tokenizer()
+    noun = {"number": "codes", "words": "phrases", "uuid": "identifiers"}[kind]
+    for length, depth in ((1500, 0.2), (2500, 0.8)):
+        probe = make_needle_probe(tokenizer, length, depth, kind, distractors, seed=1, sink=SINK, recent=RECENT,
+                                  asked=2)
+        text = tokenizer.decode(probe.input_ids[0])
+        found = {m[2]: m for m in re.finditer(rf"The secret \w+ of the (\w+) vault is ({FORMAT[kind]})\.", text)}
+        assert len(found) == distractors + 2 and probe.kind == f"{kind} x2" and probe.distractors == distractors
+        first, second = answer_values(probe.answer)
+        assert text.count(first) == 1 and text.count(second) == 1
+        question = f"What are the secret {noun} of the {found[first][1]} vault and the {found[second][1]} vault?"
+        assert text.rstrip().endswith(question) and probe.message.endswith(question)
+        assert length - 300 < probe.length <= length and probe.input_ids.shape == (1, probe.length)
+        # span and value_span describe the first asked needle, placed at `depth` in the 2-bit history
+        at, stop = probe.span
+        assert tokenizer.decode(probe.input_ids[0, at:stop]) == found[first][0]
+        assert tokenizer.decode(probe.input_ids[0, slice(*probe.value_span)]) == first
+        assert SINK <= at and stop <= probe.length - RECENT
+        assert is_hit(probe.answer, f"{second} and {first}") and not is_hit(probe.answer, first)
+    with pytest.raises(ValueError, match="asked"):
+        make_needle_probe(tokenizer, 1500, 0.5, kind, asked=0)
+
+
+def test_the_cli_asks_for_one_or_two_needles(monkeypatch, tmp_path):
+    from oscar_hf.eval import needles
+
+    built = []
+
+    def probes_only(args, prog, argv, make, *rest, **options):  # the suite the CLI would run, without a model
+        built.extend(make(char_tokenizer()))
+        return 0
+
+    monkeypatch.setattr(needles, "run_cli", probes_only)
+    needles.main(["--lengths", "1500", "--depths", "0.5", "--kinds", "number", "--distractors", "0", "--asked", "1,2",
+                  "--out", str(tmp_path)])
+    assert [p.kind for p in built] == ["number", "number x2"] and ANSWER_SEPARATOR in built[1].answer
 
 
 def test_an_unquantized_cache_retrieves_exactly_what_bf16_retrieves(tiny_llama_model):

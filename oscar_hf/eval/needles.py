@@ -7,11 +7,14 @@ same form, inserted between its speeches, then the question. Needle kinds:
 - `words`: "The secret phrase of the cobalt vault is amber harbor lantern." (3 words);
 - `uuid`: "The secret identifier of the cobalt vault is 3f9a1c07-5b2e-4d8a." (UUID-like hex).
 With `distractors` > 0 the passage also holds that many needles of other vaults; the question names one.
+With `asked` = 2 the question names two vaults ("What are the secret codes of the cobalt vault and the amber vault?")
+and a hit needs both values (probe kind e.g. `number x2`).
 
 Depth is measured over the span the cache quantizes: 0 is the first token after the BF16 sink, 1 the last token
 before the BF16 recent window (`sink` and `recent` default to `OscarConfig`'s), so every needle of the suite sits in
-the 2-bit history of a prompt that was prefilled and then decoded. Greedy generation; a hit when the value appears
-in the answer (`retrieval.is_hit`).
+the 2-bit history of a prompt that was prefilled and then decoded (the second needle of `asked` = 2 sits at a random
+speech boundary, as distractors do). Greedy generation; a hit when every asked value appears in the answer
+(`retrieval.is_hit`).
 
     oscar-needles --model smollm2 --lengths 1024,2048,4096,8000 --methods bf16,hadamard,hadamard4 --out out/needles
 
@@ -32,7 +35,7 @@ from transformers.utils import logging
 from oscar_hf.config import OscarConfig
 from oscar_hf.eval.assets import EVALUATION_PLAYS, play_text
 from oscar_hf.eval.diagnostics.methods import parse_method_names
-from oscar_hf.eval.retrieval import Probe, add_common_arguments, run_cli
+from oscar_hf.eval.retrieval import ANSWER_SEPARATOR, Probe, add_common_arguments, run_cli
 
 logger = logging.get_logger(__name__)
 
@@ -61,6 +64,15 @@ class Needle:
     @property
     def question(self) -> str:
         return f"What is the secret {_NOUN[self.kind]} of the {self.vault}?"
+
+
+def _question(asked: Sequence[Needle]) -> str:
+    """The question for the needles `asked` (of one kind): "What are the secret codes of the cobalt vault and the
+    amber vault?" for two, the needle's own question for one."""
+    if len(asked) == 1:
+        return asked[0].question
+    vaults = [f"the {n.vault}" for n in asked]
+    return f"What are the secret {_NOUN[asked[0].kind]}s of {', '.join(vaults[:-1])} and {vaults[-1]}?"
 
 
 def random_value(kind: str, rng: random.Random) -> str:
@@ -92,28 +104,35 @@ def _chat(tokenizer, message: str) -> str:
 
 def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distractors: int = 0, seed: int = 0,
                       play: str = EVALUATION_PLAYS[0], sink: int | None = None, recent: int | None = None,
-                      align: int = 1) -> Probe:
+                      align: int = 1, asked: int = 1) -> Probe:
     """A chat prompt of at most `length` tokens with one needle of `kind` at `depth` of the quantized span and
     `distractors` others; `Probe.answer` is the asked-for value, `Probe.span` / `Probe.value_span` the tokens of its
-    sentence and of the value. With `align` > 1 the prompt's length is a multiple of it (the last speech loses
-    characters until it is): caches that quantize whole groups of tokens (`kivi2`: 32) take only such prefixes. `align=1`
-    leaves every probe as it was."""
+    sentence and of the value. With `asked` > 1 the question asks for that many needles: the first at `depth` (the
+    one `span` / `value_span` describe), the others at random speech boundaries as distractors are placed, besides
+    the `distractors`; `Probe.answer` joins their values with `retrieval.ANSWER_SEPARATOR` and `Probe.kind` is e.g.
+    `number x2`. With `align` > 1 the prompt's length is a multiple of it (the last speech loses characters until it
+    is): caches that quantize whole groups of tokens (`kivi2`: 32) take only such prefixes. `align=1` and `asked=1`
+    leave every probe as it was."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth}: expected a fraction in [0, 1]")
     if align < 1:
         raise ValueError(f"align={align}: expected a positive number of tokens")
+    if asked < 1:
+        raise ValueError(f"asked={asked}: expected a positive number of needles")
     defaults = OscarConfig()
     sink = defaults.sink_tokens if sink is None else sink
     recent = defaults.recent_tokens if recent is None else recent
-    rng = random.Random(f"{seed}:{kind}:{length}:{depth}:{distractors}:{play}")
-    needles = [Needle(f"{color} vault", kind, random_value(kind, rng)) for color in rng.sample(COLORS, distractors + 1)]
-    target = needles[0]
+    # the seed of a one-needle question is the one published results were measured with; more get their own
+    rng = random.Random(f"{seed}:{kind}:{length}:{depth}:{distractors}:{play}" + (f":{asked}" if asked > 1 else ""))
+    colors = rng.sample(COLORS, distractors + asked)
+    needles = [Needle(f"{color} vault", kind, random_value(kind, rng)) for color in colors]
+    question = _question(needles[:asked])
     passages = _passages(play)
     start = rng.randrange(len(passages) // 2)
     passages = passages[start:] + passages[:start]
     # speeches while they fit beside the fixed parts and the needles (pieces are counted apart: the whole is
     # checked, and shortened, below)
-    budget = length - _token_count(tokenizer, _chat(tokenizer, f"{INSTRUCTION}\n\n\n\n{target.question}"))
+    budget = length - _token_count(tokenizer, _chat(tokenizer, f"{INSTRUCTION}\n\n\n\n{question}"))
     budget -= sum(_token_count(tokenizer, "\n\n" + n.sentence) for n in needles)
     chosen, used = [], 0
     for passage in passages:
@@ -128,12 +147,16 @@ def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distracto
         chosen.append(passage)
         used += cost
     while True:
-        if len(chosen) < distractors + 2:
-            raise ValueError(f"length={length} leaves no room for a passage around {distractors + 1} needles")
-        message, text, span, value_span = _build(tokenizer, chosen, needles, depth, sink, recent, rng.getstate())
+        if len(chosen) < distractors + asked + 1:
+            raise ValueError(f"length={length} leaves no room for a passage around {distractors + asked} needles")
+        message, text, span, value_span = _build(tokenizer, chosen, needles, question, depth, sink, recent,
+                                                 rng.getstate())
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) <= length and len(ids) % align == 0:
-            return Probe(len(ids), depth, target.value, torch.tensor([ids]), kind=kind, distractors=distractors,
+            answer = ANSWER_SEPARATOR.join(n.value for n in needles[:asked])
+            # several asked needles are a kind of their own in the summary tables
+            label = kind if asked == 1 else f"{kind} x{asked}"
+            return Probe(len(ids), depth, answer, torch.tensor([ids]), kind=label, distractors=distractors,
                          span=span, value_span=value_span, message=message, requested=length)
         if len(ids) <= length and len(chosen[-1].rstrip()) > 1:  # off a multiple of `align`: one character fewer
             chosen[-1] = chosen[-1].rstrip()[:-1]
@@ -141,11 +164,11 @@ def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distracto
             chosen.pop()
 
 
-def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, sink: int, recent: int,
+def _build(tokenizer, passages: list[str], needles: list[Needle], question: str, depth: float, sink: int, recent: int,
            state) -> tuple[str, str, tuple[int, int], tuple[int, int]]:
-    """The prompt with the distractors (`needles[1:]`) at random speech boundaries and the target (`needles[0]`)
-    at the boundary nearest to `depth` of the tokens between the first `sink` and the last `recent`: (message, chat
-    text, tokens of the target's sentence, tokens of its value)."""
+    """The prompt ending in `question` with `needles[1:]` (distractors, and further asked needles) at random speech
+    boundaries and the target (`needles[0]`) at the boundary nearest to `depth` of the tokens between the first `sink`
+    and the last `recent`: (message, chat text, tokens of the target's sentence, tokens of its value)."""
     rng = random.Random()
     rng.setstate(state)
     target = needles[0]
@@ -154,7 +177,7 @@ def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, 
     marker = "\u2063"  # where the passage goes in the template
     frame = _chat(tokenizer, INSTRUCTION + "\n\n" + marker)
     at = _token_count(tokenizer, frame[: frame.index(marker)])
-    tail = _token_count(tokenizer, "\n\n" + target.question + frame[frame.index(marker) + len(marker):])
+    tail = _token_count(tokenizer, "\n\n" + question + frame[frame.index(marker) + len(marker):])
     offsets = {}
     for i, passage in enumerate(passages):
         if i in others:
@@ -174,7 +197,7 @@ def _build(tokenizer, passages: list[str], needles: list[Needle], depth: float, 
         if i == spot:
             parts.append(target.sentence)
         parts.append(passage)
-    message = INSTRUCTION + "\n\n" + "\n\n".join(parts) + "\n\n" + target.question
+    message = INSTRUCTION + "\n\n" + "\n\n".join(parts) + "\n\n" + question
     text = _chat(tokenizer, message)
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
     char = text.index(target.sentence)
@@ -192,15 +215,19 @@ def _token_span(offsets: Sequence[tuple[int, int]], begin: int, end: int) -> tup
 def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float], kinds: Sequence[str] = KINDS,
                       distractors: Sequence[int] = (0,), seed: int = 0, sink: int | None = None,
                       recent: int | None = None, plays: Sequence[str] = EVALUATION_PLAYS,
-                      align: int = 1) -> list[Probe]:
-    """Every combination of length, depth, kind and distractor count. Each probe's play (one of `plays`, by default
-    the held-out ones) follows from its own parameters and the seed, so a probe is the same in every suite that holds
-    it. Choices fitted on probes (which layers to keep at higher precision, say) take `assets.CALIBRATION_PLAYS`."""
+                      align: int = 1, asked: Sequence[int] = (1,)) -> list[Probe]:
+    """Every combination of asked-needle count, kind, distractor count, length and depth. Each probe's play (one of
+    `plays`, by default the held-out ones) follows from its own parameters and the seed, so a probe is the same in
+    every suite that holds it. Choices fitted on probes (which layers to keep at higher precision, say) take
+    `assets.CALIBRATION_PLAYS`."""
     probes = []
-    grid = ((k, c, n, d) for k in kinds for c in distractors for n in lengths for d in depths)
-    for kind, count, length, depth in grid:
-        play = random.Random(f"{seed}:{kind}:{length}:{depth}:{count}").choice(list(plays))
-        probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent, align))
+    grid = ((a, k, c, n, d) for a in asked for k in kinds for c in distractors for n in lengths for d in depths)
+    for count_asked, kind, count, length, depth in grid:
+        # one asked needle keeps the play of the published probes
+        key = f"{seed}:{kind}:{length}:{depth}:{count}" + (f":{count_asked}" if count_asked > 1 else "")
+        play = random.Random(key).choice(list(plays))
+        probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent, align,
+                                        count_asked))
     return probes
 
 
@@ -210,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="1024,2048,4096,8000")
     p.add_argument("--depths", default="0.2,0.5,0.8")
     p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--distractors", default="0,3", help="needle counts besides the asked one, comma-separated")
+    p.add_argument("--distractors", default="0,3", help="needle counts besides the asked ones, comma-separated")
+    p.add_argument("--asked", default="1",
+                   help="how many needles one question asks for, comma-separated (2: 'What are the secret codes of "
+                        "the cobalt vault and the amber vault?', a hit needs both values)")
     p.add_argument("--align", type=int, default=1,
                    help="make every prompt's length a multiple of this (32 for kivi2, which quantizes whole groups "
                         "of 32 tokens); 1 keeps the probes of earlier runs")
@@ -224,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     def make(tokenizer):
         return make_needle_suite(tokenizer, [int(x) for x in args.lengths.split(",")],
                                  [float(x) for x in args.depths.split(",")], args.kinds.split(","),
-                                 [int(x) for x in args.distractors.split(",")], seed=args.seed, align=args.align)
+                                 [int(x) for x in args.distractors.split(",")], seed=args.seed, align=args.align,
+                                 asked=[int(x) for x in args.asked.split(",")])
 
     def trace(model, tokenizer, probes, results, methods, command):
         from oscar_hf.eval.diagnostics.needle_attention import needle_attention, write_report

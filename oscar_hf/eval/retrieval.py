@@ -45,12 +45,12 @@ class Probe:
 
     length: int  # prompt tokens
     depth: float
-    answer: str
+    answer: str  # several facts asked at once: their values joined by `ANSWER_SEPARATOR`
     input_ids: torch.Tensor
     kind: str = "passkey"
     distractors: int = 0  # other facts of the same form in the prompt
-    span: tuple[int, int] = (-1, -1)  # prompt tokens [start, stop) of the fact's sentence ((-1, -1): not recorded)
-    value_span: tuple[int, int] = (-1, -1)  # prompt tokens [start, stop) of `answer` inside it
+    span: tuple[int, int] = (-1, -1)  # prompt tokens [start, stop) of the (first) fact's sentence (-1: not recorded)
+    value_span: tuple[int, int] = (-1, -1)  # prompt tokens [start, stop) of (the first value of) `answer` in it
     message: str = ""  # the prompt as text before any chat template (what an lm-eval document holds)
     requested: int = 0  # the length asked for (prompts cut at speech boundaries fall short of it); 0: `length`
 
@@ -79,9 +79,20 @@ class ProbeResult:
     tokens: list[int] = field(default_factory=list)  # the generated token ids
 
 
+# Joins the values of a probe that asks for several facts into one `answer` (a string, so that results, reports and
+# lm-eval documents keep one field); no value holds it, and it leaves the markdown tables of `write_results` intact.
+ANSWER_SEPARATOR = " && "
+
+
+def answer_values(answer: str) -> list[str]:
+    """The values an `answer` asks for: one, or several joined by `ANSWER_SEPARATOR`."""
+    return answer.split(ANSWER_SEPARATOR)
+
+
 def is_hit(answer: str, output: str) -> bool:
-    """Whether the generated `output` contains `answer` (case and surrounding quotes ignored)."""
-    return answer.strip().strip('"').lower() in output.lower()
+    """Whether the generated `output` contains every value of `answer` (`answer_values`; case and surrounding quotes
+    ignored)."""
+    return all(value.strip().strip('"').lower() in output.lower() for value in answer_values(answer))
 
 
 def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Method], max_new_tokens: int = 8,

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from oscar_hf.demotion import in_history
 from oscar_hf.eval.decode_equivalent import LayerProbe, SimulationPlan, simulate_logits
+from oscar_hf.eval.retrieval import answer_values
 from oscar_hf.kernels.reference.attention import gqa_mix, gqa_scores
 
 METRICS = ("mass_bf16", "mass_quantized", "rank_bf16", "rank_quantized", "value_error", "readout_error")
@@ -106,15 +107,17 @@ def needle_attention(model, tokenizer, probes: Sequence, answers: Sequence[Seque
                      template, row_format=None, progress: bool = True,
                      with_copy_accuracy: bool = True) -> NeedleAttention:
     """Needle statistics of `template`'s cache settings (an unused `OscarCache`) over `probes` (`retrieval.Probe`s
-    with a `value_span`), each with the answer
-    tokens BF16 gave for it. Probes whose answer does not contain the fact, or whose fact's first token is predicted
-    by the prefill alone, are skipped; at least one must remain. `row_format` replaces the cache's quantizer (see
-    `SimulationPlan`). `with_copy_accuracy=False` skips the propagated forward (`copy_accuracy` is then NaN)."""
+    with a `value_span`), each with the answer tokens BF16 gave for it; a probe that asks for several facts is traced
+    on its first, the one at `value_span`. Probes whose answer does not contain the fact, or whose fact's first token
+    is predicted by the prefill alone, are skipped; at least one must remain. `row_format` replaces the cache's
+    quantizer (see `SimulationPlan`). `with_copy_accuracy=False` skips the propagated forward (`copy_accuracy` is then
+    NaN)."""
     device = next(model.parameters()).device
     sums: dict[int, dict[str, torch.Tensor]] = {}
     queries_total, used, hits = 0, 0, 0
     for probe, answer in tqdm(list(zip(probes, answers)), desc="needle attention", disable=not progress, leave=False):
-        targets = [i for i in copy_targets(tokenizer, answer, probe.answer) if i > 0]
+        # `value_span` locates the first asked fact only: its value is the one traced
+        targets = [i for i in copy_targets(tokenizer, answer, answer_values(probe.answer)[0]) if i > 0]
         if not targets or probe.value_span[0] < 0:
             continue
         prompt = probe.length
