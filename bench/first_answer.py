@@ -28,8 +28,10 @@ from oscar_hf import OscarCache
 from oscar_hf.compat import cache_argument_name
 
 
-def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk: int | None, seed: int) -> dict:
-    """One `generate` call with a fresh `kind` cache over a random `[batch, context]` prompt."""
+def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk: int | None, seed: int,
+             compile_config=None) -> dict:
+    """One `generate` call with a fresh `kind` cache over a random `[batch, context]` prompt (`compile_config`:
+    `generate`'s, when it compiles)."""
     set_attention(model, kind)
     empty_cache()
     base = allocated()
@@ -46,6 +48,8 @@ def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk:
         options[cache_argument_name(model)] = cache
     if kind == "oscar-eager":
         options["disable_compile"] = True
+    elif compile_config is not None:
+        options["compile_config"] = compile_config
     reset_peak()
     sync()
     began = time.perf_counter()
@@ -82,28 +86,40 @@ def main() -> None:
     p.add_argument("--caches", default="dynamic,oscar")
     p.add_argument("--calls", type=int, default=1, help="calls per cache kind in this process (fresh cache each)")
     p.add_argument("--chunk", type=int, default=None, help="generate(prefill_chunk_size=...)")
+    p.add_argument("--compile-backend", default=None,
+                   help="generate's torch.compile backend instead of its default (inductor, reduce-overhead): e.g. "
+                        "cudagraphs (the eager graph replayed from CUDA graphs, no code generation)")
     p.add_argument("--out", default=None, help="append the rows as JSON lines to this file")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, times nothing)")
     args = p.parse_args()
     if args.smoke:
         harness.DEVICE = "cpu"
     model = build_model(smoke=args.smoke)
+    compile_config = None
+    if args.compile_backend:
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(fullgraph=True, backend=args.compile_backend, mode=None)
     rows = []
     for kind in args.caches.split(","):
         for call in range(1, args.calls + 1):
             try:
-                row = one_call(model, kind, args.batch, args.context, args.new_tokens, args.chunk, seed=call)
+                row = one_call(model, kind, args.batch, args.context, args.new_tokens, args.chunk, seed=call,
+                               compile_config=compile_config)
             except torch.OutOfMemoryError:
                 empty_cache()
                 row = dict(cache=kind, context=args.context, batch=args.batch, new_tokens=args.new_tokens,
                            chunk=args.chunk or 0, error="OOM")
             row["call"] = call
+            row["compile_backend"] = args.compile_backend or "default"
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
     print(table(rows))
+    # where a compile's seconds went (dynamo tracing, AOT, inductor, CUDA-graph recording), when one ran
+    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
 
 if __name__ == "__main__":
