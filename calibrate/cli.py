@@ -235,12 +235,17 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     tiers = Tiers(args.sink, args.recent, args.skip_tokens) if args.tiered else Tiers(skip_tokens=args.skip_tokens)
     settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
     metadata = _provenance(args, argv, model, device)
-    rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
-    if args.smooth_keys:  # before the clip search and the ranking: both measure the history as it will be stored
-        from oscar_hf.calibrate.smoothing import smooth_keys
+    scales = None
+    if args.smooth_keys:  # before the fit (the key rotation is fitted to the smoothed keys), the clip search and the
+        # ranking: all three measure the history as it will be stored
+        from oscar_hf.calibrate.smoothing import key_smoothing
 
-        rotations = smooth_keys(rotations, model, statistics, args.data, args.chunk_tokens,
-                                progress="key smoothing" if progress else False)
+        scales = key_smoothing(model, statistics, args.chunk_tokens, progress="key smoothing" if progress else False)
+    rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata, key_smoothing=scales)
+    if scales is not None:
+        from oscar_hf.calibrate.smoothing import attach_key_smoothing
+
+        rotations = attach_key_smoothing(rotations, scales, statistics, args.data)
     _record_clip_ratios(args, model, search, rotations, layers, head_dim, progress)
     _rank(args, model, tokenizer, rotations, layers, progress)
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"

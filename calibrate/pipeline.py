@@ -100,6 +100,26 @@ def _run(model, sequences, collector: MomentCollector, chunk_tokens, progress, t
         raise NoAttentionError(f"full-attention layers {missing} were never called during the forward passes")
 
 
+def smoothed_key_moments(moments: dict[str, dict[int, torch.Tensor]],
+                         scales: dict[int, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+    """The key-objective moments as smoothed keys and queries have them: `E[(q s)(q s)ᵀ] = S E[q qᵀ] S` and
+    `E[(k / s)(k / s)ᵀ] = S⁻¹ E[k kᵀ] S⁻¹` per KV head (`S = diag(s)`), for the layers `scales` covers. Value
+    moments are unchanged: smoothing leaves every score, hence every softmax weight, as it was."""
+    out = dict(moments)
+    for name, power in (("query", 1.0), ("key", -1.0)):
+        if name not in moments:
+            continue
+        smoothed = {}
+        for layer, m in moments[name].items():
+            if layer not in scales:
+                smoothed[layer] = m
+                continue
+            s = scales[layer].to(device=m.device, dtype=m.dtype) ** power  # [Hkv, d]
+            smoothed[layer] = s[:, :, None] * m * s[:, None, :]
+        out[name] = smoothed
+    return out
+
+
 def rotations_from_moments(
     moments: dict[str, dict[int, torch.Tensor]],
     key_objective: str,
@@ -133,12 +153,20 @@ def calibrate(
     settings: CalibrationSettings = CalibrationSettings(),
     progress: bool = False,
     metadata: dict[str, str] | None = None,
+    key_smoothing: dict[int, torch.Tensor] | None = None,
 ) -> Rotations:
-    """Fit `Rotations` for every full-attention layer of `model` from `[1, L]` token sequences."""
+    """Fit `Rotations` for every full-attention layer of `model` from `[1, L]` token sequences.
+
+    `key_smoothing` (`{layer: [Hkv, d]}`, `calibrate.smoothing.key_smoothing`): the scales the keys will be stored
+    with. The key rotation is then fitted to the keys and queries the history will see, `k / s` and `q * s`, not to
+    the raw ones (a rotation fitted before smoothing suits a distribution the history never holds); the caller
+    attaches the scales (`Rotations.with_key_smoothing`)."""
     layers, kv_heads, head_dim = calibration_layers(model)
     first, second = passes_needed([settings.key_objective], [settings.value_objective])
     moments = collect_moments(model, sequences, first | second, settings.tiers, settings.chunk_tokens,
                               settings.max_elements, progress)
+    if key_smoothing is not None:
+        moments = smoothed_key_moments(moments, key_smoothing)
     tiers = settings.tiers
     info = {
         "tokens": str(sum(s.shape[-1] for s in sequences)),

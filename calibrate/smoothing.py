@@ -49,7 +49,13 @@ def smooth_keys(rotations: Rotations, model, sequences: Sequence[torch.Tensor], 
                 chunk_tokens: int = 2048, progress: bool | str = False) -> Rotations:
     """`rotations` with the key smoothing of `key_smoothing` over `sequences` for the layers they rotate, the rule,
     the token count and `text` (where the sequences come from) recorded in the metadata."""
-    scales = key_smoothing(model, sequences, chunk_tokens, progress)
+    return attach_key_smoothing(rotations, key_smoothing(model, sequences, chunk_tokens, progress), sequences, text)
+
+
+def attach_key_smoothing(rotations: Rotations, scales: dict[int, torch.Tensor], sequences: Sequence[torch.Tensor],
+                         text: str) -> Rotations:
+    """`rotations` with `scales` for the layers they rotate, and the rule, the token count of `sequences` and
+    `text` recorded in the metadata."""
     description = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel",
                               "tokens": sum(ids.shape[-1] for ids in sequences), "text": text})
     return rotations.with_key_smoothing({i: s for i, s in scales.items() if i in rotations.key}, description)

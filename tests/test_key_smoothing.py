@@ -183,3 +183,25 @@ def test_the_kernels_decode_smoothed_keys_like_the_reference(monkeypatch):
     monkeypatch.setattr(triton_backend, "attention_partials", spy_partials)
     kernels = run(TritonBackend(min_dense_tokens=8, min_history_tokens=8, target_programs=16))
     assert demoted and read and torch.equal(kernels, reference)
+
+
+def test_key_rotations_are_fitted_to_the_keys_and_queries_the_history_holds():
+    """With key smoothing the history holds `k / s` and the query is `q * s`: the key objective's moments are those
+    of the smoothed rows, so that the rotation suits what is stored (`pipeline.smoothed_key_moments`)."""
+    from oscar_hf.calibrate.pipeline import smoothed_key_moments
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 500, 8, generator=g, dtype=torch.float64), torch.randn(2, 500, 8, generator=g,
+                                                                             dtype=torch.float64)
+    s = torch.rand(2, 8, generator=g, dtype=torch.float64) * 3 + 0.25
+
+    def moment(x):
+        return x.transpose(1, 2) @ x / x.shape[1]
+
+    value = moment(torch.randn(2, 500, 8, generator=g, dtype=torch.float64))
+    moments = {"query": {3: moment(q)}, "key": {3: moment(k)}, "value": {3: value}}
+    smoothed = smoothed_key_moments(moments, {3: s})
+    torch.testing.assert_close(smoothed["query"][3], moment(q * s[:, None, :]))
+    torch.testing.assert_close(smoothed["key"][3], moment(k / s[:, None, :]))
+    assert smoothed["value"][3] is value  # scores, hence softmax weights and values, do not change
+    assert smoothed_key_moments(moments, {})["query"][3] is moments["query"][3]  # layers without scales
