@@ -22,12 +22,15 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
+from transformers.utils import logging
 
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.eval.assets import CALIBRATION_PLAYS
 from oscar_hf.profile import ChannelPower
 from oscar_hf.rotations.io import SAFETENSORS_NAME
 from oscar_hf.rotations.rotations import Rotations
+
+logger = logging.get_logger(__name__)
 
 # Tokens of the first calibration play the scales are measured on. Most scales settle by then, but those of slow
 # RoPE channels keep moving with the length (the rotation shares a pair's energy between its two channels only over
@@ -78,13 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1:
         p.error(f"--tokens {args.tokens} must be at least 1")
     start = time.time()
+    fitted = None if args.rotations == "hadamard" else Rotations.from_pretrained(args.rotations)
+    objective = fitted.metadata.get("key_objective", "hadamard") if fitted is not None else "hadamard"
+    if objective != "hadamard":
+        # smoothing added after the fit leaves a key rotation fitted to the raw keys and queries, which the history
+        # no longer holds: on SmolLM2 that cost 5 of 13 needles (docs/retrieval.md, "The calibrated default")
+        logger.warning(f"{args.rotations}: the key rotation was fitted ({objective}) to unsmoothed keys; smoothing "
+                       "them now leaves it fitted to keys the history does not hold. Fit and smooth together with "
+                       "oscar-calibrate (it smooths by default), or smooth Hadamard rotations here.")
     model, tokenizer = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
     shape = attention_shape(model.config)
-    if args.rotations == "hadamard":
+    if fitted is None:
         rotations = Rotations.hadamard(shape.oscar_layer_ids, shape.head_dim)
         rotations.metadata.update(model=args.model, objective="hadamard")
     else:
-        rotations = Rotations.from_pretrained(args.rotations)
+        rotations = fitted
     text = play_tokens(tokenizer, CALIBRATION_PLAYS[0], args.tokens)
     smoothed = smooth_keys(rotations, model, [text], CALIBRATION_PLAYS[0], progress=not args.no_progress)
     smoothed.save_pretrained(args.out)

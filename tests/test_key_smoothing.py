@@ -143,6 +143,31 @@ def test_the_smoothing_command_checks_its_arguments_before_loading_the_model(tmp
     assert not (tmp_path / "o").exists()
 
 
+def test_smoothing_fitted_rotations_afterwards_warns_before_loading_the_model(tmp_path, caplog, monkeypatch):
+    """Scales added after a fit leave the key rotation fitted to keys the history no longer holds: the command says
+    so (and what to do) before any work; Hadamard rotations, whose fit does not depend on the keys, do not warn."""
+    from oscar_hf.calibrate import smoothing
+    from oscar_hf.eval import assets
+
+    fitted = Rotations.hadamard([0, 1], 16)
+    fitted.metadata["key_objective"] = "qqt"
+    fitted.save_pretrained(tmp_path / "fitted")
+
+    class Loaded(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(assets, "load_model", refuse)
+    for source, warns in ((str(tmp_path / "fitted"), True), ("hadamard", False)):
+        caplog.clear()
+        with pytest.raises(Loaded):
+            smoothing.main(["--model", "smollm2", "--rotations", source, "--out", str(tmp_path / "o"), "--no-progress"])
+        warned = any("fitted (qqt) to unsmoothed keys" in r.getMessage() for r in caplog.records)
+        assert warned == warns, source
+
+
 def test_the_kernels_decode_smoothed_keys_like_the_reference(monkeypatch):
     """Smoothed (non-orthogonal, per KV head) key and query matrices through the Triton demotion and attention
     kernels (Triton's interpreter on CPU): a greedy generate gives the reference backend's tokens, and its history
