@@ -233,19 +233,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     statistics, search = _calibration_sequences(args, tokenizer, documents)
     progress = not args.no_progress
     tiers = Tiers(args.sink, args.recent, args.skip_tokens) if args.tiered else Tiers(skip_tokens=args.skip_tokens)
-    settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens)
+    # smoothing is part of the fit, so the clip search and the ranking below measure the history as it is stored
+    settings = CalibrationSettings(args.key_objective, args.value_objective, args.per_head, tiers, args.chunk_tokens,
+                                   smooth_keys=args.smooth_keys)
     metadata = _provenance(args, argv, model, device)
-    scales = None
-    if args.smooth_keys:  # before the fit (the key rotation is fitted to the smoothed keys), the clip search and the
-        # ranking: all three measure the history as it will be stored
-        from oscar_hf.calibrate.smoothing import key_smoothing
-
-        scales = key_smoothing(model, statistics, args.chunk_tokens, progress="key smoothing" if progress else False)
-    rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata, key_smoothing=scales)
-    if scales is not None:
-        from oscar_hf.calibrate.smoothing import attach_key_smoothing
-
-        rotations = attach_key_smoothing(rotations, scales, statistics, args.data)
+    rotations = calibrate(model, statistics, settings, progress=progress, metadata=metadata)
     _record_clip_ratios(args, model, search, rotations, layers, head_dim, progress)
     _rank(args, model, tokenizer, rotations, layers, progress)
     rotations.metadata["seconds"] = f"{time.time() - start:.1f}"

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_hf.calibrate.capture import NoAttentionError, feed
+from oscar_hf.calibrate.capture import NoAttentionError, Observer, feed
 from oscar_hf.calibrate.fit import fit_rotations
 from oscar_hf.calibrate.objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES, check_objectives, passes_needed
+from oscar_hf.calibrate.smoothing import attach_key_smoothing
 from oscar_hf.calibrate.statistics import MomentCollector, Tiers
 from oscar_hf.model_support import UnsupportedModelError, attention_shape
+from oscar_hf.profile import ChannelPower
 from oscar_hf.rotations.rotations import Rotations
 
 
@@ -32,6 +34,9 @@ class CalibrationSettings:
     tiers: Tiers = field(default_factory=Tiers)
     chunk_tokens: int = 2048
     max_elements: int = 1 << 23
+    # per-channel key smoothing (`calibrate.smoothing`), measured in the statistics' own pass; the key rotation is
+    # then fitted to the smoothed keys and queries
+    smooth_keys: bool = False
 
     def __post_init__(self):
         check_objectives(self.key_objective, self.value_objective)
@@ -66,11 +71,12 @@ def collect_moments(
     chunk_tokens: int = 2048,
     max_elements: int = 1 << 23,
     progress: bool = False,
+    also: Observer | None = None,
 ) -> dict[str, dict[int, torch.Tensor]]:
     """Moment name -> layer -> float64 `[Hkv, d, d]` mean, for the names in `needs` (see `statistics.MOMENTS`).
 
     One forward pass over `sequences`, plus a second one when "sst" is requested (its weights need the final
-    query moment).
+    query moment). `also`, another observer of attention calls, sees the first pass too.
     """
     layers, kv_heads, head_dim = calibration_layers(model)
     if not sequences:
@@ -79,7 +85,7 @@ def collect_moments(
     first = (needs - {"sst"}) | ({"query"} if "sst" in needs else set())
     total = sum(s.shape[-1] for s in sequences)
     collector = MomentCollector(layers, kv_heads, head_dim, first, tiers, max_elements=max_elements)
-    _run(model, sequences, collector, chunk_tokens, "statistics" if progress else False, total)
+    _run(model, sequences, collector, chunk_tokens, "statistics" if progress else False, total, also)
     result = {name: collector.means(name) for name in first}
     if "sst" in needs:
         second = MomentCollector(layers, kv_heads, head_dim, {"sst"}, tiers, query_moments=result["query"],
@@ -89,8 +95,13 @@ def collect_moments(
     return {name: result[name] for name in needs}
 
 
-def _run(model, sequences, collector: MomentCollector, chunk_tokens, progress, total) -> None:
-    feed(model, sequences, chunk_tokens, progress, total, observer=collector)
+def _run(model, sequences, collector: MomentCollector, chunk_tokens, progress, total,
+         also: Observer | None = None) -> None:
+    def both(*call) -> None:
+        collector(*call)
+        also(*call)
+
+    feed(model, sequences, chunk_tokens, progress, total, observer=collector if also is None else both)
     if collector.calls == 0:
         raise NoAttentionError(
             f"{type(model).__name__} ran without calling any attention implementation: no attention layers to calibrate"
@@ -153,20 +164,21 @@ def calibrate(
     settings: CalibrationSettings = CalibrationSettings(),
     progress: bool = False,
     metadata: dict[str, str] | None = None,
-    key_smoothing: dict[int, torch.Tensor] | None = None,
 ) -> Rotations:
     """Fit `Rotations` for every full-attention layer of `model` from `[1, L]` token sequences.
 
-    `key_smoothing` (`{layer: [Hkv, d]}`, `calibrate.smoothing.key_smoothing`): the scales the keys will be stored
-    with. The key rotation is then fitted to the keys and queries the history will see, `k / s` and `q * s`, not to
-    the raw ones (a rotation fitted before smoothing suits a distribution the history never holds); the caller
-    attaches the scales (`Rotations.with_key_smoothing`)."""
+    With `settings.smooth_keys` the key smoothing scales are measured in the statistics' first pass and stored with
+    the rotations, and the key rotation is fitted to the keys and queries the history will hold, `k / s` and
+    `q * s`, not to the raw ones (a rotation fitted before smoothing suits a distribution the history never
+    holds). `metadata["data"]` names the text in the smoothing's description."""
     layers, kv_heads, head_dim = calibration_layers(model)
     first, second = passes_needed([settings.key_objective], [settings.value_objective])
+    power = ChannelPower() if settings.smooth_keys else None
     moments = collect_moments(model, sequences, first | second, settings.tiers, settings.chunk_tokens,
-                              settings.max_elements, progress)
-    if key_smoothing is not None:
-        moments = smoothed_key_moments(moments, key_smoothing)
+                              settings.max_elements, progress, also=power)
+    scales = power.scales() if power is not None else None
+    if scales is not None:
+        moments = smoothed_key_moments(moments, scales)
     tiers = settings.tiers
     info = {
         "tokens": str(sum(s.shape[-1] for s in sequences)),
@@ -175,5 +187,8 @@ def calibrate(
         "skip_tokens": str(tiers.skip_tokens),
         **(metadata or {}),
     }
-    return rotations_from_moments(moments, settings.key_objective, settings.value_objective, settings.per_head,
-                                  layers, kv_heads, head_dim, info)
+    rotations = rotations_from_moments(moments, settings.key_objective, settings.value_objective, settings.per_head,
+                                       layers, kv_heads, head_dim, info)
+    if scales is None:
+        return rotations
+    return attach_key_smoothing(rotations, scales, sequences, info.get("data", "calibration sequences"))
