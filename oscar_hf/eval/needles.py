@@ -75,6 +75,12 @@ def _question(asked: Sequence[Needle]) -> str:
     return f"What are the secret {_NOUN[asked[0].kind]}s of {', '.join(vaults[:-1])} and {vaults[-1]}?"
 
 
+def _seed_key(asked: int, *parts) -> str:
+    """The random seed of a probe's choices, from its parameters: a one-needle question keeps the seed the
+    published results were measured with, more asked needles get their own."""
+    return ":".join(map(str, parts)) + (f":{asked}" if asked > 1 else "")
+
+
 def random_value(kind: str, rng: random.Random) -> str:
     if kind == "number":
         return str(rng.randint(10**6, 10**7 - 1))
@@ -122,8 +128,7 @@ def make_needle_probe(tokenizer, length: int, depth: float, kind: str, distracto
     defaults = OscarConfig()
     sink = defaults.sink_tokens if sink is None else sink
     recent = defaults.recent_tokens if recent is None else recent
-    # the seed of a one-needle question is the one published results were measured with; more get their own
-    rng = random.Random(f"{seed}:{kind}:{length}:{depth}:{distractors}:{play}" + (f":{asked}" if asked > 1 else ""))
+    rng = random.Random(_seed_key(asked, seed, kind, length, depth, distractors, play))
     colors = rng.sample(COLORS, distractors + asked)
     needles = [Needle(f"{color} vault", kind, random_value(kind, rng)) for color in colors]
     question = _question(needles[:asked])
@@ -223,9 +228,7 @@ def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float]
     probes = []
     grid = ((a, k, c, n, d) for a in asked for k in kinds for c in distractors for n in lengths for d in depths)
     for count_asked, kind, count, length, depth in grid:
-        # one asked needle keeps the play of the published probes
-        key = f"{seed}:{kind}:{length}:{depth}:{count}" + (f":{count_asked}" if count_asked > 1 else "")
-        play = random.Random(key).choice(list(plays))
+        play = random.Random(_seed_key(count_asked, seed, kind, length, depth, count)).choice(list(plays))
         probes.append(make_needle_probe(tokenizer, length, depth, kind, count, seed, play, sink, recent, align,
                                         count_asked))
     return probes
