@@ -109,7 +109,9 @@ class TurboQuantMSELayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         # the same Π for K and V (one per layer); a value width unlike the keys' gets its own
         self.key_rotation = random_rotation(key_states.shape[-1], self.seed, self.layer_idx).to(self.device)
-        self.value_rotation = random_rotation(value_states.shape[-1], self.seed, self.layer_idx).to(self.device)
+        value_dim = value_states.shape[-1]
+        self.value_rotation = (self.key_rotation if value_dim == key_states.shape[-1]
+                               else random_rotation(value_dim, self.seed, self.layer_idx).to(self.device))
         self.centroids = gaussian_lloyd_max(self.bits).to(self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
