@@ -26,10 +26,10 @@ import datetime
 import json
 
 import torch
-from transformers import CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
 
 from oscar_hf import OscarCache
-from oscar_hf.compat import cache_argument_name
+from oscar_hf.compat import cache_argument_name, compile_config_anywhere
 
 
 def build(device: str, smoke: bool) -> Qwen3ForCausalLM:
@@ -89,8 +89,7 @@ def main(argv=None) -> None:
                output_logits=True, return_dict_in_generate=True)
     dynamic = DynamicCache(config=model.config)
     want = model.generate(ids, disable_compile=True, **run, **{name: dynamic})
-    compile_anywhere = CompileConfig()
-    compile_anywhere._compile_all_devices = True  # so that --smoke compiles on the CPU too
+    compile_anywhere = compile_config_anywhere()  # so that --smoke compiles on the CPU too
     rows = []
     for path in ("eager", "generate compile", "compiled forward"):
         result = dict(path=path)

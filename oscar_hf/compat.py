@@ -2,7 +2,8 @@
 
 - 5.24 renamed the forward/generate argument `past_key_values` to `cache`;
 - 5.24 passes the attention's kwargs dict into `Cache.update(..., kwargs=kwargs)`; 5.17-5.23 pass nothing;
-- `crop` with a positive value (keep that many tokens) is deprecated in 5.17 and refused in later releases.
+- `crop` with a positive value (keep that many tokens) is deprecated in 5.17 and refused in later releases;
+- `generate` compiles on CUDA (and a few other accelerators) only, unless a private `CompileConfig` flag says so.
 """
 
 from __future__ import annotations
@@ -47,3 +48,13 @@ def positive_crop_refused() -> bool:
     except (ValueError, RuntimeError):
         return True
     return False
+
+
+def compile_config_anywhere(**options):
+    """A `CompileConfig(**options)` that `generate` follows on every device, the CPU included: transformers compiles
+    on CUDA only unless its private `_compile_all_devices` flag is set (the one place that sets it)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(**options)
+    config._compile_all_devices = True
+    return config

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import CompileConfig, DynamicCache
+from transformers import DynamicCache
 
 from oscar_hf import OscarCache
+from oscar_hf.compat import compile_config_anywhere
 
 from conftest import cache_argument_name, forward, tiny_llama
 
@@ -34,9 +35,7 @@ def _generate(model, cache, chunk: int | None, compiled: bool = False) -> torch.
     options = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
                    attention_mask=torch.ones(2, PROMPT, dtype=torch.long), prefill_chunk_size=chunk)
     if compiled:
-        config = CompileConfig(fullgraph=True)
-        config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-        options["compile_config"] = config
+        options["compile_config"] = compile_config_anywhere(fullgraph=True)
     else:
         options["disable_compile"] = True
     return model.generate(_ids(), **options, **{cache_argument_name(model): cache})

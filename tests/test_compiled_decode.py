@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
-from transformers import CompileConfig
 
 from oscar_hf import OscarCache
+from oscar_hf.compat import compile_config_anywhere
 
 from conftest import cache_argument_name, forward, kernel_qwen3, tiny_model
 
@@ -249,8 +249,7 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
         return out, cache
 
     eager, _ = run(None)
-    config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    config = compile_config_anywhere(fullgraph=True)
     compiled, cache = run(config)
     assert cache.layers[0].counted is not None  # decoded device-counted
     assert cache.layers[0].sink_length == 4 and cache.layers[0].row_start.tolist() == [0, 25]
@@ -319,8 +318,7 @@ def _front_door(model, ids, options, compiled, counted=True, seed=0, **cache_opt
         layer.allow_counted_decode = counted
     config = None
     if compiled:
-        config = CompileConfig()
-        config._compile_all_devices = True
+        config = compile_config_anywhere()
     out = model.generate(ids, compile_config=config, disable_compile=not compiled, **options,
                          **{cache_argument_name(model): cache})
     return out, cache

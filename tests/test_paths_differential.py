@@ -21,10 +21,11 @@ import json
 
 import pytest
 import torch
-from transformers import CompileConfig, DynamicCache
+from transformers import DynamicCache
 
 from oscar_hf import OscarCache, graphed_generate
 from oscar_hf.attention import oscar_attention_forward
+from oscar_hf.compat import compile_config_anywhere
 from oscar_hf.config import PRESETS
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY
@@ -46,9 +47,7 @@ def threads(n: int = THREADS):
 
 
 def _generate_config():
-    config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True  # transformers compiles generate's step on CUDA only unless told
-    return config
+    return compile_config_anywhere(fullgraph=True)
 
 
 def _step_paths(model):

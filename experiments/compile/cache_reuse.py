@@ -16,12 +16,12 @@ import argparse
 import time
 
 import torch
-from transformers import CompileConfig, StaticCache
+from transformers import StaticCache
 
 from bench import harness
 from bench.harness import build_model, set_attention, sync
 from oscar_hf import OscarCache
-from oscar_hf.compat import cache_argument_name
+from oscar_hf.compat import cache_argument_name, compile_config_anywhere
 
 
 def main() -> None:
@@ -35,8 +35,7 @@ def main() -> None:
     model = build_model(smoke=args.device == "cpu")
     set_attention(model, args.cache)
     ids = torch.randint(10, 1000, (1, args.context), device=args.device)
-    config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    config = compile_config_anywhere(fullgraph=True)
     cache = (OscarCache(model, method="hadamard") if args.cache == "oscar"
              else StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens))
     sync()

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import CompileConfig, DynamicCache
+from transformers import DynamicCache
 
-from oscar_hf.compat import cache_argument_name, output_cache
+from oscar_hf.compat import cache_argument_name, compile_config_anywhere, output_cache
 from oscar_hf.eval.diagnostics.layers import prefill_by_replay
 
 
@@ -50,8 +50,7 @@ def greedy_through_cache(model, cache, max_new_tokens: int, prefill: Prefill | N
     name = cache_argument_name(model)
     options = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id or 0)
     if compiled:
-        options["compile_config"] = CompileConfig(fullgraph=True)
-        options["compile_config"]._compile_all_devices = True  # transformers compiles on CUDA only unless told
+        options["compile_config"] = compile_config_anywhere(fullgraph=True)
     if prefill is None:
         out = model.generate(input_ids=prompt, max_new_tokens=max_new_tokens, **options, **{name: cache})
         return out[0, prompt.shape[1]:].tolist()
