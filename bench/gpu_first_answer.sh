@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The first-answer measurements of one machine, as processes in order (torch's compile caches stay on this
+# machine's disk between them). Usage: bench/gpu_first_answer.sh OUT_DIR PART  (PART: a = the 32k/8 256-token
+# calls: oscar fresh twice, oscar in a second process, dynamic, static; b = oscar with the cudagraphs backend in a
+# fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill)
+set -o pipefail
+out=${1:?usage: bench/gpu_first_answer.sh OUT_DIR PART}
+part=${2:?PART: a or b}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
+fa() {
+  echo "== $*" | tee -a "$out/first_answer.log"; local began=$SECONDS
+  python3 -m bench.first_answer --out "$out/first_answer.jsonl" "$@" 2>&1 | tee -a "$out/first_answer.log"
+  echo "process wall $((SECONDS - began)) s" | tee -a "$out/first_answer.log"
+}
+if [[ $part == a ]]; then
+  fa --context 32768 --batch 8 --new-tokens 256 --caches oscar --calls 2          # the machine's first compile
+  fa --context 32768 --batch 8 --new-tokens 256 --caches oscar                    # a second process
+  fa --context 32768 --batch 8 --new-tokens 256 --caches dynamic,oscar-eager
+  fa --context 32768 --batch 8 --new-tokens 256 --caches static --calls 2
+fi
+if [[ $part == b ]]; then
+  TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_cudagraphs fa --context 32768 --batch 8 --new-tokens 256 --caches oscar --calls 2 --compile-backend cudagraphs
+  fa --context 32768 --batch 8 --new-tokens 16 --caches dynamic,oscar-eager,oscar
+  fa --context 100000 --batch 4 --new-tokens 16 --caches dynamic,oscar --chunk 8192
+fi
