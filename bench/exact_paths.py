@@ -95,7 +95,7 @@ def main(argv=None) -> None:
         result = dict(path=path)
         for forced in (True, False):
             torch._dynamo.reset()
-            cache = OscarCache(model, method="none")
+            cache = OscarCache(model, method="none", compile_decode=path == "generate compile")
             eager_forward = model.forward
             options = dict(disable_compile=True) if path != "generate compile" else dict(
                 compile_config=compile_anywhere)

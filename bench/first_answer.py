@@ -6,7 +6,9 @@ cache it leaves. Random-weight Qwen3-8B (bf16), a random prompt, a new cache for
     python -m bench.first_answer --context 100000 --batch 4 --new-tokens 16 --caches dynamic,oscar --chunk 8192
 
 Kinds: `dynamic` (DynamicCache, eager), `static` (StaticCache, compiled by `generate`), `oscar` (`OscarCache(model)`:
-the default a user gets), `oscar-eager` (the same with `disable_compile=True`). `--chunk N` passes
+the default a user gets: it decodes eagerly until its eager steps have cost what a compile is expected to,
+`oscar_hf.compile_policy`), `oscar-compiled` (`compile_decode=True`: generate compiles from the first call),
+`oscar-eager` (`disable_compile=True`). `--chunk N` passes
 `prefill_chunk_size=N` to `generate`. Run the script twice on one machine to see a second process's first call:
 torch keeps its compiled artifacts on disk (`TORCHINDUCTOR_CACHE_DIR`, by default under /tmp) between processes.
 Prints a table and, with `--out`, appends JSON lines.
@@ -26,6 +28,7 @@ from bench.generate import cache_bytes
 from bench.harness import GB, allocated, build_model, empty_cache, peak, reset_peak, set_attention, sync
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_argument_name
+from oscar_hf.compile_policy import ledger_of
 
 
 def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk: int | None, seed: int,
@@ -44,7 +47,8 @@ def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk:
     if kind == "static":
         options["cache_implementation"] = "static"
     else:
-        cache = DynamicCache(config=model.config) if kind == "dynamic" else OscarCache(model)
+        cache = (DynamicCache(config=model.config) if kind == "dynamic" else
+                 OscarCache(model, compile_decode=True if kind == "oscar-compiled" else None))
         options[cache_argument_name(model)] = cache
     if kind == "oscar-eager":
         options["disable_compile"] = True
@@ -60,21 +64,26 @@ def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk:
                seconds=seconds, peak_over_weights_GB=(peak() - base) / GB,
                cache_GB=cache_bytes(options[cache_argument_name(model)]) / GB if kind != "static" else float("nan"),
                generated=int(out.shape[1] - context))
+    if kind.startswith("oscar"):  # what the compile policy has counted so far, and whether it lets generate compile
+        ledger = ledger_of(model)
+        row.update(eager_decode_seconds=ledger.eager_seconds, policy_compiles=ledger.compiles)
     del out, options
     empty_cache()
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| cache | ctx | bs | new tokens | prefill chunk | call | seconds | peak over weights GB | cache GB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| cache | ctx | bs | new tokens | prefill chunk | call | seconds | peak over weights GB | cache GB | "
+             "eager decode s so far (policy) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r['new_tokens']} | {r['chunk']} | "
-                         f"{r['call']} | {r['error']} | | |")
+                         f"{r['call']} | {r['error']} | | | |")
             continue
         lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r['new_tokens']} | {r['chunk'] or '-'} | "
-                     f"{r['call']} | {r['seconds']:.1f} | {r['peak_over_weights_GB']:.1f} | {r['cache_GB']:.2f} |")
+                     f"{r['call']} | {r['seconds']:.1f} | {r['peak_over_weights_GB']:.1f} | {r['cache_GB']:.2f} | "
+                     + (f"{r['eager_decode_seconds']:.1f} ({'compiles' if r['policy_compiles'] else 'eager'}) |"
+                        if "eager_decode_seconds" in r else "- |"))
     return "\n".join(lines)
 
 

@@ -48,6 +48,7 @@ def left_padded(lengths, seed=0):
 
 
 def generate(model, ids, cache, mode, steps, **kwargs):
+    cache.compile_decode = mode == "compiled"
     return model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                           output_scores=True, return_dict_in_generate=True, **MODES[mode], **kwargs,
                           **{cache_argument_name(model): cache})

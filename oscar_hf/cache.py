@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
+from oscar_hf.compile_policy import StepClock, ledger_of
 from oscar_hf.config import CONFIG_NAME, OscarConfig, checked_bool, checked_int
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
@@ -57,6 +58,10 @@ class OscarCache(Cache):
             step of a compiled `generate` replay one graph. Default: room for `counted_decode.DECODE_RESERVE`
             more history tokens than the prompt left (eager steps grow it; compiled steps cannot). At most
             `config.MAX_TOKENS`.
+        compile_decode: whether transformers' `generate` may compile the decode step (on a GPU, or where its
+            `compile_config` allows): None (default) once this model's eager decode steps in this process have
+            taken as long as a compile is expected to (`compile_policy`: a one-off call answers without waiting
+            for a compile; a long session compiles once); True from the first call; False never.
         backend: the kernel backend of every layer (`kernels.interface.Backend`, e.g.
             `oscar_hf.kernels.reference.backend.ReferenceBackend()`); default: `kernels.select.backend_for` of each
             layer's device, on first use.
@@ -75,7 +80,8 @@ class OscarCache(Cache):
 
     def __init__(self, model, rotations: str | os.PathLike | Rotations | None = None, method: str | None = None, *,
                  config: OscarConfig | None = None, fold_value_rotation: bool = False,
-                 max_cache_len: int | None = None, backend: Backend | None = None,
+                 max_cache_len: int | None = None, compile_decode: bool | None = None,
+                 backend: Backend | None = None,
                  recorded_clip_ratios: bool | None = None, subfolder: str | None = None, revision: str | None = None,
                  token: str | bool | None = None, local_files_only: bool = False, **options):
         register()
@@ -98,6 +104,8 @@ class OscarCache(Cache):
         self._model_ref = None if model is model_config else weakref.ref(model)
         self._model_config = text_config_of(model_config)
         self._warned_fallback = False
+        self.compile_decode = compile_decode
+        self._step_clock = StepClock(ledger_of(self if model is model_config else model))
         if not plan.shape.oscar_layer_ids:
             logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
         if model is not model_config:
@@ -126,6 +134,7 @@ class OscarCache(Cache):
             return layer.update(key_states, value_states)
         if layer_idx == self.shape.oscar_layer_ids[0] and not torch.compiler.is_compiling():
             self._check_whole_forwards()
+            self._step_clock.tick(key_states.shape[-2])
         if torch.compiler.is_compiling() and self.uses_oscar_attention and not layer.counts_step(key_states):
             # a compiled prefill: the attention runs this update with itself, as one opaque op (`handoff`)
             publish_segment(key_states, kwargs, UpdateRequest(layer_idx, layer.handle))
@@ -198,10 +207,33 @@ class OscarCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Whether transformers' `generate` may compile the decode step: every layer must allow it. A layer not yet
-        filled answers for the device of the model's weights (`OscarLayer.compileable_on`), since `generate`
-        decides before the prefill. Never under another attention than "oscar": the dequantized K/V it is given
-        grow by a token a step."""
+        """Whether transformers' `generate` may compile the decode step: every layer must allow it, and so must
+        `compile_decode` (by default `compile_policy`'s rule). A layer not yet filled answers for the device of the
+        model's weights (`OscarLayer.compileable_on`), since `generate` decides before the prefill. Never under
+        another attention than "oscar": the dequantized K/V it is given grow by a token a step."""
+        if not self.can_compile:
+            return False
+        if torch.compiler.is_compiling():
+            return True  # read while tracing a step already compiled: no guard on the policy's host state
+        if self._compile_decode is not None:
+            return self._compile_decode
+        return self._step_clock.ledger.may_compile()
+
+    @property
+    def compile_decode(self) -> bool | None:
+        """Whether `generate` may compile the decode step: None by `compile_policy`'s rule, True, False (see
+        `__init__`); settable."""
+        return self._compile_decode
+
+    @compile_decode.setter
+    def compile_decode(self, value: bool | None) -> None:
+        if value is not None:
+            checked_bool("compile_decode", value)
+        self._compile_decode = value
+
+    @property
+    def can_compile(self) -> bool:
+        """Whether the decode step could be compiled at all, whatever `compile_decode` says (see `is_compileable`)."""
         if not self.uses_oscar_attention:
             return False
         model = self._model_ref() if self._model_ref is not None else None
@@ -218,6 +250,7 @@ class OscarCache(Cache):
     def __deepcopy__(self, memo):
         # Share the immutable model config, master rotations and kernel backends; copy every tier.
         memo[id(self._model_config)] = self._model_config
+        memo[id(self._step_clock.ledger)] = self._step_clock.ledger  # the model's: copies count its steps too
         if self.rotations is not None:
             memo[id(self.rotations)] = self.rotations
         for layer in self.layers:

@@ -43,5 +43,7 @@ def graphed_generate(model, input_ids: torch.LongTensor, cache, max_new_tokens: 
         options["pad_token_id"] = pad_token_id
     if use_graphs is False:
         options["disable_compile"] = True
+    elif use_graphs and hasattr(cache, "compile_decode"):
+        cache.compile_decode = True  # graphs were asked for: from this call, not once eager steps would pay for them
     return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
                           num_beams=1, **options, **{cache_argument_name(model): cache})

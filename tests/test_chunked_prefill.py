@@ -96,9 +96,11 @@ def test_compiled_chunked_prefill_stores_what_eager_stores(llama):
     of `test_paths_differential` show that the demotion itself is exact), so there a (scale, zero) pair may move by
     one float16 step: their rows agree within that."""
     torch._dynamo.reset()
-    eager, compiled = OscarCache(llama, method="hadamard"), OscarCache(llama, method="hadamard")
+    eager, compiled = OscarCache(llama, method="hadamard"), OscarCache(llama, method="hadamard", compile_decode=True)
     want = _generate(llama, eager, CHUNK)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = _generate(llama, compiled, CHUNK, compiled=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the decode step did compile
     assert torch.equal(got, want)
     for x, y in zip(_stored_codes(eager.layers[0]), _stored_codes(compiled.layers[0])):
         assert torch.equal(x, y), "layer 0: compiled chunked prefill stored other codes"

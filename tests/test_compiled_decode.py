@@ -243,7 +243,7 @@ def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
 
     def run(compile_config):
         torch.manual_seed(0)
-        cache = OscarCache(model, method="hadamard", **OPTIONS)
+        cache = OscarCache(model, method="hadamard", compile_decode=compile_config is not None, **OPTIONS)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
                              compile_config=compile_config, **{name: cache}, **options)
         return out, cache
@@ -302,7 +302,7 @@ def test_generate_compiles_on_cuda_by_itself_and_keeps_the_eager_tokens(context)
     name = cache_argument_name(model)
     runs = {}
     for label, options in (("eager", dict(disable_compile=True)), ("compiled", {})):
-        cache = OscarCache(model, method="hadamard")
+        cache = OscarCache(model, method="hadamard", compile_decode=label == "compiled")
         runs[label] = model.generate(ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
                                      do_sample=False, **options, **{name: cache})
     assert hasattr(model, "_compiled_call")
@@ -313,7 +313,7 @@ def _front_door(model, ids, options, compiled, counted=True, seed=0, **cache_opt
     """`generate` through an OscarCache, eager or compiled by transformers itself (`_compile_all_devices` lets
     it compile on CPU), optionally with counted decode turned off (the host-counted reference)."""
     torch.manual_seed(seed)
-    cache = OscarCache(model, method="hadamard", **(cache_options or OPTIONS))
+    cache = OscarCache(model, method="hadamard", compile_decode=compiled, **(cache_options or OPTIONS))
     for layer in cache.layers:
         layer.allow_counted_decode = counted
     config = None

@@ -113,7 +113,7 @@ def test_generate_paths_of_the_unquantized_cache_equal_dynamic_cache_with_paddin
     name = cache_argument_name(llama)
     dynamic = DynamicCache(config=llama.config)
     want = llama.generate(ids, **options, disable_compile=True, **{name: dynamic})
-    oscar = OscarCache(llama, method="none")
+    oscar = OscarCache(llama, method="none", compile_decode=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with threads():
         if path == "graphed_generate":  # deprecated: generate, which compiles on CUDA only
@@ -249,7 +249,7 @@ def test_greedy_tokens_of_a_quantized_cache_are_eager_ones_on_every_compiled_pat
     want = model.generate(ids, disable_compile=True, **run, **{name: OscarCache(model, method=method, **options)})
     with threads():
         got = model.generate(ids, compile_config=_generate_config(), **run,
-                             **{name: OscarCache(model, method=method, **options)})
+                             **{name: OscarCache(model, method=method, compile_decode=True, **options)})
         assert torch.equal(got, want), "generate's compile"
         compiled = torch.compile(model.forward, fullgraph=True)
         cache = OscarCache(model, method=method, **options)

@@ -36,7 +36,7 @@ def main() -> None:
     set_attention(model, args.cache)
     ids = torch.randint(10, 1000, (1, args.context), device=args.device)
     config = compile_config_anywhere(fullgraph=True)
-    cache = (OscarCache(model, method="hadamard") if args.cache == "oscar"
+    cache = (OscarCache(model, method="hadamard", compile_decode=True) if args.cache == "oscar"
              else StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens))
     sync()
     began = time.perf_counter()

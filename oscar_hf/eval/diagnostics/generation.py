@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from oscar_hf.cache import OscarCache
 from oscar_hf.compat import cache_argument_name, compile_config_anywhere, output_cache
 from oscar_hf.eval.diagnostics.layers import prefill_by_replay
 
@@ -51,6 +52,8 @@ def greedy_through_cache(model, cache, max_new_tokens: int, prefill: Prefill | N
     options = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id or 0)
     if compiled:
         options["compile_config"] = compile_config_anywhere(fullgraph=True)
+        if isinstance(cache, OscarCache):
+            cache.compile_decode = True  # from the first call, not once eager steps would have paid for it
     if prefill is None:
         out = model.generate(input_ids=prompt, max_new_tokens=max_new_tokens, **options, **{name: cache})
         return out[0, prompt.shape[1]:].tolist()

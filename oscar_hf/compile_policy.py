@@ -1,0 +1,64 @@
+"""When `generate` may compile the decode step of an OscarCache: a rent-or-buy rule over a model's calls.
+
+Compiling the decode step is a price paid once per process and model (about a minute for an 8B model on an H200,
+less once torch's on-disk caches hold the artifacts of an earlier process); every later step is then about three
+times faster than an eager one. `generate` decides before the prefill, and a cache never sees `max_new_tokens`, so a
+call's length is unknown when the choice is made. The rule: decode eagerly until the eager decode steps of this
+model have taken as long as a compile is expected to, then let `generate` compile, for good. A one-off question
+never waits for a compile, and a long session pays at most about twice what the better choice in hindsight costs.
+
+`OscarCache(compile_decode=True)` compiles from the first call (benchmarks of the steady state, tests of the
+compiled path); `False` never does (as `generate(disable_compile=True)` does for one call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+# generate's first compile of the decode step, Qwen3-8B (36 layers), H200, torch 2.11: 57-110 s (issue 45). A lower
+# bound of what a new model costs: compiling sooner than this could not have paid for itself on that model.
+EXPECTED_COMPILE_SECONDS = 60.0
+# a gap longer than this between two one-token steps of a cache is not a decode step (the user paused, or a
+# forward of another kind ran between them) and is not counted
+LONGEST_STEP_SECONDS = 5.0
+
+
+@dataclasses.dataclass
+class DecodeLedger:
+    """The eager decode seconds one model has spent in this process, and whether it may compile now."""
+
+    eager_seconds: float = 0.0
+    compiles: bool = False
+
+    def may_compile(self, expected_compile_seconds: float = EXPECTED_COMPILE_SECONDS) -> bool:
+        if not self.compiles and self.eager_seconds >= expected_compile_seconds:
+            self.compiles = True  # for good: the compiled step stays with the model, so later calls reuse it
+        return self.compiles
+
+    def add_step(self, seconds: float) -> None:
+        if 0.0 <= seconds <= LONGEST_STEP_SECONDS:
+            self.eager_seconds += seconds
+
+
+def ledger_of(owner) -> DecodeLedger:
+    """The ledger of `owner` (the model, shared by every cache built on it; or a cache built from a config)."""
+    ledger = owner.__dict__.get("_oscar_decode_ledger")
+    if ledger is None:
+        ledger = owner.__dict__["_oscar_decode_ledger"] = DecodeLedger()
+    return ledger
+
+
+class StepClock:
+    """Times a cache's eager one-token steps into a ledger: the gap between two consecutive ones is a step."""
+
+    def __init__(self, ledger: DecodeLedger):
+        self.ledger = ledger
+        self.last: float | None = None
+
+    def tick(self, tokens: int) -> None:
+        """Called once per eager forward, with the tokens it appends per row."""
+        now = time.perf_counter()
+        if tokens == 1 and self.last is not None:
+            self.ledger.add_step(now - self.last)
+        self.last = now if tokens == 1 else None
