@@ -211,7 +211,8 @@ class CountedDecode:
             raise RuntimeError(
                 f"layer {layer.layer_idx}: this compiled forward needs the cache's length on the host (a forward of "
                 "several tokens builds its mask from it), and after compiled decode steps only the device holds it. "
-                "Run this forward eagerly; generate does (it builds the mask outside the forward).")
+                "Run this forward eagerly, or through generate with OscarCache(..., compile_decode=True): generate "
+                "builds the mask outside the forward for a cache that says it is compileable.")
         rows, tokens, dropped = self._mirrored()
         if dropped and not self.warned_dropped:
             self.warned_dropped = True

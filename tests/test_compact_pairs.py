@@ -55,7 +55,7 @@ def test_compact_pairs_through_the_cache_store_fewer_bytes_and_stay_close():
     assert layer.history.key_scale_zero.dtype == torch.uint8
     assert wide.nbytes() - compact.nbytes() == 2 * 2 * 2 * 2 * 48  # layers x K/V x KV heads x 2 bytes x tokens
     assert (b - dense).abs().max() < 2 * (a - dense).abs().max() + 1e-3
-    assert compact.is_compileable and wide.is_compileable
+    assert compact.can_compile and wide.can_compile
 
 
 def test_compact_pairs_refuse_the_lloyd_encoder():

@@ -162,7 +162,8 @@ def test_a_fullgraph_compiled_forward_holds_the_prefill_in_generate(device):
 
 def test_a_second_turn_through_a_fullgraph_compiled_forward_continues_the_cache():
     """A chat's second `generate` on the same cache (its new tokens a multi-token forward on a cache that was
-    decoding) under `fullgraph=True`: eager generate's tokens, one more graph."""
+    decoding) under `fullgraph=True`: eager generate's tokens, one more graph. `compile_decode=True`: generate
+    then builds the mask outside the compiled forward, which needs it (a cache that lets generate compile says so)."""
     torch._dynamo.reset()
     model = tiny_model("llama", seed=1)
     name = cache_argument_name(model)
@@ -170,7 +171,7 @@ def test_a_second_turn_through_a_fullgraph_compiled_forward_continues_the_cache(
     options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, disable_compile=True)
 
     def two_turns():
-        cache = OscarCache(model, method="hadamard", **OPTIONS)
+        cache = OscarCache(model, method="hadamard", compile_decode=True, **OPTIONS)
         first = model.generate(ids, **options, **{name: cache})
         return model.generate(torch.cat([first, more], dim=1), **options, **{name: cache})
 
@@ -453,20 +454,20 @@ def test_generate_compiles_only_decode_steps_a_cuda_graph_can_hold(monkeypatch):
     reference = OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS)
     kernels = OscarCache(model, method="hadamard", backend=TritonBackend(), **OPTIONS)
     lloyd = OscarCache(model, method="hadamard", backend=TritonBackend(), encoder="lloyd", **OPTIONS)
-    assert reference.is_compileable and kernels.is_compileable and lloyd.is_compileable  # the model is on the CPU
+    assert reference.can_compile and kernels.can_compile and lloyd.can_compile  # the model is on the CPU
     forward(model, torch.randint(3, 256, (1, 40)), reference)
-    assert reference.is_compileable
+    assert reference.can_compile
 
     cuda = torch.device("cuda")
     assert not reference.layers[0].compileable_on(cuda, dim, dim)
     assert kernels.layers[0].compileable_on(cuda, dim, dim)
     assert not kernels.layers[0].compileable_on(cuda, 48, 48)  # a head size the kernels do not take
     monkeypatch.setattr(type(model), "device", property(lambda self: cuda))  # the model as if on a GPU
-    assert reference.is_compileable  # filled on the CPU: its layers answer for their own device
-    assert not OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS).is_compileable
+    assert reference.can_compile  # filled on the CPU: its layers answer for their own device
+    assert not OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS).can_compile
     assert not OscarCache(model, method="hadamard", backend=TritonBackend(), encoder="lloyd",
-                          **OPTIONS).is_compileable
-    assert OscarCache(model, method="hadamard", backend=TritonBackend(), **OPTIONS).is_compileable
+                          **OPTIONS).can_compile
+    assert OscarCache(model, method="hadamard", backend=TritonBackend(), **OPTIONS).can_compile
 
 
 def test_a_model_switched_to_oscar_attention_still_compiles_fullgraph_with_another_cache():

@@ -282,4 +282,4 @@ def test_graph_capture_and_compile_accept_compact_pairs():
         assert backend.graph_capture_problem(64, 64, encoder, COMPACT) is None
     assert backend.graph_capture_problem(64, 64, "lloyd", torch.float16) is not None
     model = kernel_qwen3()
-    assert OscarCache(model, method="hadamard", scale_dtype="compact", encoder="sigma").is_compileable
+    assert OscarCache(model, method="hadamard", scale_dtype="compact", encoder="sigma").can_compile
