@@ -3,8 +3,8 @@
 # machine's disk between them). Usage: bench/gpu_first_answer.sh OUT_DIR PART  (PART: a = the 32k/8 256-token
 # calls: oscar-compiled fresh twice and in a second process, dynamic, eager, the default policy, static;
 # b = oscar-compiled with the cudagraphs backend in a
-# CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
 # fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill)
+# CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
 set -o pipefail
 out=${1:?usage: bench/gpu_first_answer.sh OUT_DIR PART}
 part=${2:?PART: a or b}
