@@ -100,3 +100,22 @@ def test_a_cache_that_cannot_compile_says_so_whatever_compile_decode_says():
     model.set_attn_implementation("sdpa")  # dequantized K/V grow by a token a step: never compileable
     cache = OscarCache(model.config, method="hadamard", compile_decode=True, **OPTIONS)
     assert not cache.can_compile and not cache.is_compileable
+
+
+@torch.no_grad()
+def test_a_forward_compiled_by_the_user_names_compile_decode_when_generate_did_not_build_its_mask():
+    """A second chat turn through a user's own fullgraph compile needs the mask built outside the forward, which
+    generate does only for a cache that lets it compile: the error says how."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=5)
+    name = cache_argument_name(model)
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, disable_compile=True)
+    cache = OscarCache(model, method="hadamard", **OPTIONS)
+    eager_forward = model.forward
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    try:
+        first = model.generate(torch.randint(1, 96, (1, 40)), **options, **{name: cache})
+        with pytest.raises(Exception, match=r"compile_decode=True"):
+            model.generate(torch.cat([first, torch.randint(1, 96, (1, 10))], dim=1), **options, **{name: cache})
+    finally:
+        model.forward = eager_forward
