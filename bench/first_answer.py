@@ -27,7 +27,7 @@ from bench import harness
 from bench.generate import cache_bytes
 from bench.harness import GB, allocated, build_model, empty_cache, peak, reset_peak, set_attention, sync
 from oscar_hf import OscarCache
-from oscar_hf.compat import cache_argument_name
+from oscar_hf.compat import cache_argument_name, compile_config_anywhere
 from oscar_hf.compile_policy import ledger_of
 
 
@@ -109,6 +109,8 @@ def main() -> None:
         from transformers import CompileConfig
 
         compile_config = CompileConfig(fullgraph=True, backend=args.compile_backend, mode=None)
+    elif args.smoke:  # generate compiles on the CPU too, where a cache lets it: the policy's choice shows there
+        compile_config = compile_config_anywhere(fullgraph=True)
     rows = []
     for kind in args.caches.split(","):
         for call in range(1, args.calls + 1):
