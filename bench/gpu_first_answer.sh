@@ -3,7 +3,8 @@
 # machine's disk between them). Usage: bench/gpu_first_answer.sh OUT_DIR PART  (PART: a = the 32k/8 256-token
 # calls: oscar-compiled fresh twice and in a second process, dynamic, eager, the default policy, static;
 # b = oscar-compiled with the cudagraphs backend in a
-# fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill)
+# fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill; q = a's compiled and rule calls
+# and the 16-token one-offs, when device time is short)
 # CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
 set -o pipefail
 out=${1:?usage: bench/gpu_first_answer.sh OUT_DIR PART}
@@ -21,6 +22,12 @@ if [[ $part == a ]]; then
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled           # a second process
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic,oscar-eager,oscar --calls 2
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches static --calls 2
+fi
+if [[ $part == q ]]; then  # the rule's case alone, when device time is short
+  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled --calls 2
+  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled
+  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic,oscar
+  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches dynamic,oscar
 fi
 if [[ $part == b ]]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_cudagraphs fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled --calls 2 --compile-backend cudagraphs
