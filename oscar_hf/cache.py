@@ -217,7 +217,15 @@ class OscarCache(Cache):
             return True  # read while tracing a step already compiled: no guard on the policy's host state
         if self._compile_decode is not None:
             return self._compile_decode
-        return self._step_clock.ledger.may_compile()
+        ledger = self._step_clock.ledger
+        if ledger.may_compile():
+            return True
+        if not ledger.announced:
+            ledger.announced = True
+            logger.info("OscarCache: generate decodes this model eagerly until its eager steps have cost what a "
+                        "compile would (%.0f s so far; oscar_hf.compile_policy); OscarCache(..., "
+                        "compile_decode=True) compiles from the first call", ledger.eager_seconds)
+        return False
 
     @property
     def compile_decode(self) -> bool | None:

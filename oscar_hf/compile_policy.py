@@ -30,6 +30,7 @@ class DecodeLedger:
 
     eager_seconds: float = 0.0
     compiles: bool = False
+    announced: bool = False  # whether the cache has said, once, that it holds the compile back
 
     def may_compile(self, expected_compile_seconds: float = EXPECTED_COMPILE_SECONDS) -> bool:
         if not self.compiles and self.eager_seconds >= expected_compile_seconds:
