@@ -14,11 +14,12 @@ import os
 import weakref
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.compile_policy import StepClock, ledger_of
+from oscar_hf.compile_policy import StepClock, compiled_marker, expected_compile_seconds, leave_marker, ledger_of
 from oscar_hf.config import CONFIG_NAME, OscarConfig, checked_bool, checked_int
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
@@ -105,6 +106,8 @@ class OscarCache(Cache):
         self._model_config = text_config_of(model_config)
         self._warned_fallback = False
         self.compile_decode = compile_decode
+        self._marker: str | None = None  # `_compiled_marker`, once known ("" where there is none)
+        self._expected_compile: float | None = None
         self._step_clock = StepClock(ledger_of(self if model is model_config else model))
         if not plan.shape.oscar_layer_ids:
             logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
@@ -215,10 +218,11 @@ class OscarCache(Cache):
             return False
         if torch.compiler.is_compiling():
             return True  # read while tracing a step already compiled: no guard on the policy's host state
-        if self._compile_decode is not None:
-            return self._compile_decode
+        if self._compile_decode is False:
+            return False
         ledger = self._step_clock.ledger
-        if ledger.may_compile():
+        if self._compile_decode or ledger.compiles or ledger.may_compile(self._expected_compile_seconds()):
+            leave_marker(ledger, self._compiled_marker())
             return True
         if not ledger.announced:
             ledger.announced = True
@@ -226,6 +230,21 @@ class OscarCache(Cache):
                         "compile would (%.0f s so far; oscar_hf.compile_policy); OscarCache(..., "
                         "compile_decode=True) compiles from the first call", ledger.eager_seconds)
         return False
+
+    def _compiled_marker(self) -> str | None:
+        """`compile_policy.compiled_marker` of this cache's decode step (the versions, the model's config, the
+        cache's settings and the model's device type name it)."""
+        if self._marker is None:
+            model = self._model_ref() if self._model_ref is not None else None
+            device = getattr(getattr(model, "device", None), "type", None)
+            self._marker = compiled_marker(torch.__version__, transformers.__version__, self._model_config.to_dict(),
+                                           self.oscar_config.to_dict(), device) or ""
+        return self._marker or None
+
+    def _expected_compile_seconds(self) -> float:
+        if self._expected_compile is None:  # once per cache: `is_compileable` is read every step
+            self._expected_compile = expected_compile_seconds(self._compiled_marker())
+        return self._expected_compile
 
     @property
     def compile_decode(self) -> bool | None:

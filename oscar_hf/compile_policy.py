@@ -1,11 +1,13 @@
 """When `generate` may compile the decode step of an OscarCache: a rent-or-buy rule over a model's calls.
 
-Compiling the decode step is a price paid once per process and model (about a minute for an 8B model on an H200,
-less once torch's on-disk caches hold the artifacts of an earlier process); every later step is then about three
-times faster than an eager one. `generate` decides before the prefill, and a cache never sees `max_new_tokens`, so a
+Compiling the decode step is a price paid once per process and model (about a minute for an 8B model the first
+time on a machine, about 13 s in a later process, whose compile finds torch's on-disk caches filled); every later
+step is then about three times faster than an eager one. `generate` decides before the prefill, and a cache never sees `max_new_tokens`, so a
 call's length is unknown when the choice is made. The rule: decode eagerly until the eager decode steps of this
 model have taken as long as a compile is expected to, then let `generate` compile, for good. A one-off question
 never waits for a compile, and a long session pays at most about twice what the better choice in hindsight costs.
+What a compile is expected to cost depends on whether a process on this machine has compiled the same step before:
+a marker file beside torch's compiled artifacts says so (`compiled_marker`), and goes when they go.
 
 `OscarCache(compile_decode=True)` compiles from the first call (benchmarks of the steady state, tests of the
 compiled path); `False` never does (as `generate(disable_compile=True)` does for one call).
@@ -14,11 +16,17 @@ compiled path); `False` never does (as `generate(disable_compile=True)` does for
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import time
 
 # generate's first compile of the decode step, Qwen3-8B (36 layers), H200, torch 2.11: 57-110 s (issue 45). A lower
 # bound of what a new model costs: compiling sooner than this could not have paid for itself on that model.
 EXPECTED_COMPILE_SECONDS = 60.0
+# the same in a later process on the machine, torch's disk caches hit: 23.4 s for a whole 256-token call at 32k/4 that
+# takes 10.1 s compiled (H100, 2026-12-06, docs/performance.md)
+WARM_COMPILE_SECONDS = 15.0
 # a gap longer than this between two one-token steps of a cache is not a decode step (the user paused, or a
 # forward of another kind ran between them) and is not counted
 LONGEST_STEP_SECONDS = 5.0
@@ -31,6 +39,7 @@ class DecodeLedger:
     eager_seconds: float = 0.0
     compiles: bool = False
     announced: bool = False  # whether the cache has said, once, that it holds the compile back
+    marked: bool = False  # whether this process has left the marker that it compiles (`compiled_marker`)
 
     def may_compile(self, expected_compile_seconds: float = EXPECTED_COMPILE_SECONDS) -> bool:
         if not self.compiles and self.eager_seconds >= expected_compile_seconds:
@@ -40,6 +49,38 @@ class DecodeLedger:
     def add_step(self, seconds: float) -> None:
         if 0.0 <= seconds <= LONGEST_STEP_SECONDS:
             self.eager_seconds += seconds
+
+
+def compiled_marker(*parts) -> str | None:
+    """The file that says a process on this machine compiled the decode step that `parts` (anything JSON can write:
+    versions, the model's config, the cache's settings, the device type) identify; it lives in torch inductor's cache
+    folder, so that clearing those artifacts clears it too. None where that folder cannot be found."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        folder = os.path.join(cache_dir(), "oscar_hf")
+    except (ImportError, OSError):  # a torch without that (private) module, or a folder it cannot make
+        return None
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()[:24]
+    return os.path.join(folder, f"decode-step-{key}")
+
+
+def expected_compile_seconds(marker: str | None) -> float:
+    return WARM_COMPILE_SECONDS if marker is not None and os.path.exists(marker) else EXPECTED_COMPILE_SECONDS
+
+
+def leave_marker(ledger: DecodeLedger, marker: str | None) -> None:
+    """Record, once per process and model, that this step is being compiled here (a failed write changes nothing but
+    the next process's estimate)."""
+    if ledger.marked or marker is None:
+        return
+    ledger.marked = True
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w", encoding="utf-8"):
+            pass
+    except OSError:
+        pass
 
 
 def ledger_of(owner) -> DecodeLedger:

@@ -11,7 +11,8 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import compile_config_anywhere
-from oscar_hf.compile_policy import EXPECTED_COMPILE_SECONDS, LONGEST_STEP_SECONDS, DecodeLedger, ledger_of
+from oscar_hf.compile_policy import (EXPECTED_COMPILE_SECONDS, LONGEST_STEP_SECONDS, WARM_COMPILE_SECONDS, DecodeLedger,
+                                     ledger_of)
 
 from conftest import cache_argument_name, tiny_model
 
@@ -119,3 +120,19 @@ def test_a_forward_compiled_by_the_user_names_compile_decode_when_generate_did_n
             model.generate(torch.cat([first, torch.randint(1, 96, (1, 10))], dim=1), **options, **{name: cache})
     finally:
         model.forward = eager_forward
+
+
+def test_a_machine_that_compiled_the_step_before_expects_a_cheaper_compile(tmp_path, monkeypatch):
+    """The first process that lets generate compile leaves a marker beside torch's compiled artifacts; a later
+    process's cache, finding it, lets generate compile after the warm price of eager steps, not the cold one."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    first = tiny_model("llama", seed=6)
+    ledger_of(first).eager_seconds = EXPECTED_COMPILE_SECONDS
+    assert OscarCache(first, method="hadamard", **OPTIONS).is_compileable
+    assert len(list((tmp_path / "oscar_hf").iterdir())) == 1
+    later = tiny_model("llama", seed=6)  # as in a new process: its own ledger
+    ledger_of(later).eager_seconds = (WARM_COMPILE_SECONDS + EXPECTED_COMPILE_SECONDS) / 2
+    assert OscarCache(later, method="hadamard", **OPTIONS).is_compileable
+    other = tiny_model("llama", seed=6)  # another setting is another step: the cold price
+    ledger_of(other).eager_seconds = (WARM_COMPILE_SECONDS + EXPECTED_COMPILE_SECONDS) / 2
+    assert not OscarCache(other, method="hadamard", recent_tokens=16, sink_tokens=4, demote_block=8).is_compileable
