@@ -2,12 +2,13 @@
 
 Compiling the decode step is a price paid once per process and model (about a minute for an 8B model the first
 time on a machine, about 13 s in a later process, whose compile finds torch's on-disk caches filled); every later
-step is then about three times faster than an eager one. `generate` decides before the prefill, and a cache never sees `max_new_tokens`, so a
-call's length is unknown when the choice is made. The rule: decode eagerly until the eager decode steps of this
-model have taken as long as a compile is expected to, then let `generate` compile, for good. A one-off question
-never waits for a compile, and a long session pays at most about twice what the better choice in hindsight costs.
-What a compile is expected to cost depends on whether a process on this machine has compiled the same step before:
-a marker file beside torch's compiled artifacts says so (`compiled_marker`), and goes when they go.
+step is then about three times faster than an eager one. `generate` decides before the prefill, and a cache never
+sees `max_new_tokens`, so a call's length is unknown when the choice is made. The rule: decode eagerly until the
+eager decode steps of this model have taken as long as a compile is expected to, then let `generate` compile, for
+good. A one-off question never waits for a compile, and a long session pays at most about twice what the better
+choice in hindsight costs. What a compile is expected to cost depends on whether a process on this machine has
+compiled the same step before: a marker file beside torch's compiled artifacts says so (`compiled_marker`), and
+goes when they go.
 
 `OscarCache(compile_decode=True)` compiles from the first call (benchmarks of the steady state, tests of the
 compiled path); `False` never does (as `generate(disable_compile=True)` does for one call).

@@ -11,8 +11,13 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import compile_config_anywhere
-from oscar_hf.compile_policy import (EXPECTED_COMPILE_SECONDS, LONGEST_STEP_SECONDS, WARM_COMPILE_SECONDS, DecodeLedger,
-                                     ledger_of)
+from oscar_hf.compile_policy import (
+    EXPECTED_COMPILE_SECONDS,
+    LONGEST_STEP_SECONDS,
+    WARM_COMPILE_SECONDS,
+    DecodeLedger,
+    ledger_of,
+)
 
 from conftest import cache_argument_name, tiny_model
 
