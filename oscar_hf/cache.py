@@ -327,6 +327,7 @@ class OscarCache(Cache):
         pretrained_model_name_or_path: str | os.PathLike,
         *,
         backend: Backend | None = None,
+        compile_decode: bool | None = None,
         subfolder: str | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
@@ -336,7 +337,8 @@ class OscarCache(Cache):
     ) -> "OscarCache":
         """The cache `save_pretrained` wrote, for `model` (its attention switched, its value rotations folded if
         the saved cache folded them), from a local folder or a Hub repo (JSON and safetensors only). Raises
-        ValueError when `model`'s attention shape differs from the one the setup was saved for."""
+        ValueError when `model`'s attention shape differs from the one the setup was saved for. `backend` and
+        `compile_decode`, which change how the cache runs and not what it stores, are not saved: pass them here."""
         folder = resolve_rotation_folder(
             pretrained_model_name_or_path, subfolder, revision=revision,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir), token=token,
@@ -363,7 +365,7 @@ class OscarCache(Cache):
         return cls(model, rotations, config=config,
                    recorded_clip_ratios=setup["recorded_clip_ratios"],
                    fold_value_rotation=setup["fold_value_rotation"], max_cache_len=setup["max_cache_len"],
-                   backend=backend)
+                   backend=backend, compile_decode=compile_decode)
 
     # ------------------------------------------------------------------------------------------ memory
     def nbytes(self) -> int:

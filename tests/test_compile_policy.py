@@ -141,3 +141,10 @@ def test_a_machine_that_compiled_the_step_before_expects_a_cheaper_compile(tmp_p
     other = tiny_model("llama", seed=6)  # another setting is another step: the cold price
     ledger_of(other).eager_seconds = (WARM_COMPILE_SECONDS + EXPECTED_COMPILE_SECONDS) / 2
     assert not OscarCache(other, method="hadamard", recent_tokens=16, sink_tokens=4, demote_block=8).is_compileable
+
+
+def test_compile_decode_is_a_runtime_choice_that_from_pretrained_takes(tmp_path):
+    model = tiny_model("llama", seed=7)
+    OscarCache(model, method="hadamard", compile_decode=True, **OPTIONS).save_pretrained(tmp_path)
+    assert OscarCache.from_pretrained(model, tmp_path).compile_decode is None  # not part of the saved setup
+    assert OscarCache.from_pretrained(model, tmp_path, compile_decode=True).compile_decode is True
