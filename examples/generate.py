@@ -3,8 +3,8 @@
     python examples/generate.py [--rotations PATH_OR_REPO|hadamard] [--method ...] [--prompt-tokens 1500]
                                 [--device cuda]
 
-On a GPU, `generate` compiles OscarCache's decode step and replays it from CUDA graphs by itself (its first call
-includes the compile).
+On a GPU this one call decodes eagerly (each layer's attention replayed from CUDA graphs): `generate` compiles the
+decode step by itself only once a model's eager steps have cost what a compile does (`oscar_hf.compile_policy`).
 
 The prompt is a scene of King Lear followed by a question; most of it ends up in the INT2 history. The default
 rotations are the calibrated SmolLM2 ones with smoothed keys and a retrieval ranking, shipped in

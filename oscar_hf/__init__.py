@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 _REMOVED = {
     "generate_with_graphs": "generate_with_graphs was removed: model.generate(ids, past_key_values=OscarCache(model)) "
-                            "now compiles the decode step and replays it from CUDA graphs by itself, for every "
+                            "compiles the decode step and replays it from CUDA graphs by itself, for every "
                             "decoding strategy; drop the custom_generate= argument",
 }
 

@@ -2,9 +2,9 @@
 
 Earlier releases replayed the decode step from CUDA graphs of their own here, because `generate` could not. Now an
 `OscarCache` is compileable (`counted_decode`): on a GPU, `model.generate(ids, past_key_values=OscarCache(model))`
-compiles the decode step and replays it from CUDA graphs by itself, for every decoding strategy, at the speed this
-module used to reach (`docs/performance.md`). So there is one decode path, `generate`'s, and this function only calls
-it.
+compiles the decode step and replays it from CUDA graphs by itself (once compiling pays, `compile_policy`), for
+every decoding strategy, at the speed this module used to reach (`docs/performance.md`). So there is one decode
+path, `generate`'s, and this function only calls it.
 
 `generate_with_graphs` (a `custom_generate` for greedy search) is gone: drop the `custom_generate=` argument.
 """
