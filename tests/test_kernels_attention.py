@@ -259,10 +259,10 @@ def _left_padded_mask(q_len, kv_len, pads):
     return (causal[None] & padded[:, None, :])[:, None]
 
 
-def _run_tiered(query, keys, values, mask, history, rotations, softcap=None):
+def _run_tiered(query, keys, values, mask, history, rotations, softcap=None, launch=None):
     scaling = query.shape[-1] ** -0.5
     batch, q_heads, q_len, dim = query.shape
-    out = _kernel_backend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
+    out = _kernel_backend(launch).tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
     ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
     return out, ref
 
@@ -352,6 +352,23 @@ def test_chunked_prefill_matches_reference(explicit_mask):
     _assert_close(out, ref, TOLERANCE["dense"][0], "chunked prefill")
     if explicit_mask:
         assert (out[-1, :3] == 0).all()  # queries with no visible key give 0, not NaN
+
+
+@pytest.mark.parametrize("token_major,block_m,warps", [(True, 64, 4), (False, 64, 4), (False, 32, 1)])
+def test_chunked_prefill_in_larger_row_blocks_matches_reference(token_major, block_m, warps):
+    """`LaunchConfig.many_rows_block_m`: a chunk's rows in blocks larger than 16 (fewer reads of the history), with
+    the left-padded mask, in both history orientations."""
+    from oscar_hf.kernels.triton.launch_plan import LaunchConfig
+
+    rotations, history, query, keys, values = _tiered_case(128, 4, PREFILL, torch.bfloat16, "shared")
+    kv_len = HISTORY + keys.shape[2]
+    mask = _left_padded_mask(PREFILL, kv_len, [0] * (BATCH - 1) + [kv_len - PREFILL + 3])
+    launch = LaunchConfig(token_major=token_major, block_m=8 if token_major else 16, num_warps=warps,
+                          many_rows_block_m=block_m)
+    out, ref = _run_tiered(query, keys, values, mask, history, rotations, launch=launch)
+    _assert_close(out, ref, TOLERANCE["dense"][0], f"chunked prefill, {block_m}-row blocks")
+    plan = _kernel_backend(launch).plan(DEVICE, BATCH, KV_HEADS, 4 * PREFILL, keys.shape[2], HISTORY, launch)
+    assert plan.block_m == block_m and plan.row_blocks == -(-4 * PREFILL // block_m)
 
 
 def test_unquantized_history_matches_reference():

@@ -385,7 +385,7 @@ class TritonBackend(ReferenceBackend):
                            self.min_dense_tokens,
                            launch.min_history_tokens if self.min_history_tokens is None else self.min_history_tokens,
                            block_n_history=launch.block_n_history, block_n_dense=launch.block_n_dense,
-                           small_block_m=launch.block_m,
+                           small_block_m=launch.block_m, many_rows_block_m=launch.many_rows_block_m,
                            min_programs=SMALL_GRID_PROGRAMS_PER_SM * multiprocessors(device))
 
     def _target(self, device: torch.device, launch: LaunchConfig) -> int:

@@ -30,6 +30,10 @@ class LaunchConfig:
     block_n_dense: int = 64
     # Query rows per program (16: the MMA's M; 8 suits the token-major history path, whose N it becomes).
     block_m: int = 16
+    # Query rows per program when a call has more rows than `block_m` (a chunk of queries: chunked prefill). Each row
+    # block reads and dequantizes the whole history again, so larger blocks read it fewer times; prefill-shaped calls
+    # have not been swept on a GPU yet (`bench.prefill_attention`).
+    many_rows_block_m: int = 16
     # History dots with the tokens as M (`_quant_split_token_major`): decode rows pad N to 8, not M to 16.
     token_major: bool = False
     # Token-major, 2-bit, 16-bit queries: key codes keep the unpacking's magic numbers and the scores are corrected
@@ -94,7 +98,7 @@ def _cut(tokens: int, wanted: int, min_tokens: int, block: int, max_splits: int)
 def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_len: int, target_programs: int,
                 min_dense_tokens: int = 256, min_history_tokens: int = 512, max_splits: int = MAX_SPLITS,
                 block_n_history: int = BLOCK_N_HISTORY, block_n_dense: int = BLOCK_N_DENSE,
-                small_block_m: int = 16, min_programs: int = 0) -> SplitPlan:
+                small_block_m: int = 16, min_programs: int = 0, many_rows_block_m: int = 16) -> SplitPlan:
     """Split counts that give about `target_programs` programs (flash-decoding) without splits shorter than
     the minimums; `rows` = query heads per KV head x query length. Every layer of a decode step asks the same
     question, hence the cache.
@@ -103,8 +107,9 @@ def plan_splits(batch: int, kv_heads: int, rows: int, dense_len: int, history_le
     latency-bound), they drop to two dense tiles and one history tile; grids that fill the GPU anyway keep the
     minimums.
 
-    Rows come in blocks of 16 (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's GQA group)."""
-    block_m = small_block_m if rows <= small_block_m else 16
+    Rows come in blocks of `many_rows_block_m` (`small_block_m` when all rows fit in it, e.g. 8 for a decode step's
+    GQA group)."""
+    block_m = small_block_m if rows <= small_block_m else many_rows_block_m
     row_blocks = triton.cdiv(rows, block_m)
     wanted = triton.cdiv(target_programs, batch * kv_heads * row_blocks)
 

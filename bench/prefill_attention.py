@@ -1,0 +1,136 @@
+"""One layer's attention for a chunk of queries (chunked prefill) over a 2-bit history: OSCAR's kernels at several
+launch configurations against PyTorch SDPA over the same K/V in BF16.
+
+    python -m bench.prefill_attention [--contexts 32768,100000] [--batch 4] [--chunk 8192] [--out prefill.json]
+    python -m bench.prefill_attention --smoke      # tiny shapes on the CPU, through Triton's interpreter
+
+A chunk's rows (query position x head of the GQA group) come in row blocks, and every block reads and dequantizes
+the whole history again (`LaunchConfig.many_rows_block_m`, 16 by default), which is why `generate(...,
+prefill_chunk_size=N)` spends most of its time here (docs/performance.md, "The first call"). Shape: Qwen3-8B's
+32 query / 8 KV heads, head_dim 128; the layer holds 64 sink + 256 recent tokens in BF16, the rest of `context` as
+history, and the chunk's own `chunk` tokens, causal among themselves. Times: medians of `triton.testing.do_bench`
+(GPU time). `--smoke` checks each configuration's output against the reference backend instead of timing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+if "--smoke" in sys.argv:  # before triton is imported: its interpreter runs the kernels on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench import harness  # noqa: E402
+from bench.harness import KV_HEADS, Q_HEADS, SINK, Case  # noqa: E402
+from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
+from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
+from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
+
+DIM = 128
+
+
+def candidates() -> dict[str, tuple[LaunchConfig, bool]]:
+    """name -> (launch configuration, whether the CUDA history kernel may serve the call)."""
+    base = default_launch(DIM)
+    out = {"default": (base, True), "default, Triton history": (base, False)}
+    for block in (32, 64, 128):
+        for warps in (4, 8):
+            for token_major in (False, True):
+                name = f"rows {block}, {warps} warps, {'token' if token_major else 'row'}-major"
+                out[name] = (LaunchConfig(block_n_history=64, num_warps=warps, block_m=8 if token_major else 16,
+                                          token_major=token_major, many_rows_block_m=block), False)
+    return out
+
+
+class Chunk:
+    """A `chunk`-query forward of one layer whose history holds `context` tokens (`bench.harness.Case`)."""
+
+    def __init__(self, batch: int, context: int, chunk: int, backend: TritonBackend):
+        self.case = Case(batch, context, DIM, backend)
+        dev, bf16 = self.case.keys.device, torch.bfloat16
+        self.query = torch.randn(batch, Q_HEADS, chunk, DIM, device=dev, dtype=bf16)
+        new_k = torch.randn(batch, KV_HEADS, chunk, DIM, device=dev, dtype=bf16)
+        new_v = torch.randn(batch, KV_HEADS, chunk, DIM, device=dev, dtype=bf16)
+        # the dense tiers: sink + recent (Case's, less its one new token) + the chunk's own tokens
+        self.keys = torch.cat([self.case.dense_keys[:, :, :-1], new_k], 2).contiguous()
+        self.values = torch.cat([self.case.dense_values[:, :, :-1], new_v], 2).contiguous()
+        self.all_keys = torch.cat([self.case.keys[:, :, :-1], new_k], 2)  # SDPA's: the history in BF16
+        self.all_values = torch.cat([self.case.values[:, :, :-1], new_v], 2)
+
+    def oscar(self, backend):
+        c = self.case
+        return backend.tiered_attention(self.query, self.keys, self.values, None, c.tensors, SINK, c.rotation,
+                                        c.rotation, DIM**-0.5)
+
+    def reference(self):
+        c = self.case
+        return ReferenceBackend().tiered_attention(self.query, self.keys, self.values, None, c.tensors, SINK,
+                                                   c.rotation, c.rotation, DIM**-0.5)
+
+    def sdpa(self):
+        from torch.nn.attention.bias import causal_lower_right
+
+        groups = Q_HEADS // KV_HEADS
+        k = self.all_keys.repeat_interleave(groups, 1)
+        v = self.all_values.repeat_interleave(groups, 1)
+        mask = causal_lower_right(self.query.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(self.query, k, v, attn_mask=mask, scale=DIM**-0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="32768,100000")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: outputs checked, nothing timed")
+    args = p.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.smoke:
+        from oscar_hf.kernels.triton.interpreter import kernel_device
+
+        harness.DEVICE = str(kernel_device())  # "cpu", with the interpreter's loop-bound workaround in place
+        contexts, args.batch, args.chunk = [SINK + 256 + 64], 1, 16
+    rows = []
+    print("| context | batch | chunk | configuration | ms | vs SDPA |" if not args.smoke else
+          "| context | batch | chunk | configuration | max abs error vs reference |")
+    print("|---:|---:|---:|---|---:|---:|" if not args.smoke else "|---:|---:|---:|---|---:|")
+    for context in contexts:
+        chunk = Chunk(args.batch, context, args.chunk, TritonBackend())
+        if args.smoke:
+            want = chunk.reference().float()
+        else:
+            from triton.testing import do_bench
+
+            sdpa_ms = do_bench(chunk.sdpa, warmup=5, rep=50, return_mode="median")
+            rows.append(dict(context=context, batch=args.batch, chunk=args.chunk, config="SDPA (BF16 K/V)",
+                             ms=sdpa_ms))
+            print(f"| {context} | {args.batch} | {args.chunk} | SDPA over BF16 K/V | {sdpa_ms:.2f} | 1.00 |",
+                  flush=True)
+        for name, (launch, cuda_history) in candidates().items():
+            backend = TritonBackend(launch=launch, cuda_history=cuda_history)
+            row = dict(context=context, batch=args.batch, chunk=args.chunk, config=name)
+            try:
+                if args.smoke:
+                    row["max_abs_error"] = (chunk.oscar(backend).float() - want).abs().max().item()
+                    print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['max_abs_error']:.2e} |")
+                else:
+                    row["ms"] = do_bench(lambda: chunk.oscar(backend), warmup=5, rep=50, return_mode="median")
+                    print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['ms']:.2f} | "
+                          f"{row['ms'] / sdpa_ms:.2f} |", flush=True)
+            except Exception as error:  # a configuration the GPU cannot hold (shared memory, registers)
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['error']} | |", flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
