@@ -262,7 +262,8 @@ def _left_padded_mask(q_len, kv_len, pads):
 def _run_tiered(query, keys, values, mask, history, rotations, softcap=None, launch=None):
     scaling = query.shape[-1] ** -0.5
     batch, q_heads, q_len, dim = query.shape
-    out = _kernel_backend(launch).tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
+    out = _kernel_backend(launch).tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling,
+                                                   softcap)
     ref = ReferenceBackend().tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
     return out, ref
 
