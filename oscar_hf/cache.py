@@ -9,6 +9,7 @@ out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import weakref
@@ -106,8 +107,6 @@ class OscarCache(Cache):
         self._model_config = text_config_of(model_config)
         self._warned_fallback = False
         self.compile_decode = compile_decode
-        self._marker: str | None = None  # `_compiled_marker`, once known ("" where there is none)
-        self._expected_compile: float | None = None
         self._step_clock = StepClock(ledger_of(self if model is model_config else model))
         if not plan.shape.oscar_layer_ids:
             logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
@@ -221,8 +220,8 @@ class OscarCache(Cache):
         if self._compile_decode is False:
             return False
         ledger = self._step_clock.ledger
-        if self._compile_decode or ledger.compiles or ledger.may_compile(self._expected_compile_seconds()):
-            leave_marker(ledger, self._compiled_marker())
+        if self._compile_decode or ledger.may_compile(self._expected_compile_seconds):
+            leave_marker(ledger, self._compiled_marker)
             return True
         if not ledger.announced:
             ledger.announced = True
@@ -231,20 +230,19 @@ class OscarCache(Cache):
                         "compile_decode=True) compiles from the first call", ledger.eager_seconds)
         return False
 
+    # computed once per cache, at generate's first question: `is_compileable` is read every step
+    @functools.cached_property
     def _compiled_marker(self) -> str | None:
         """`compile_policy.compiled_marker` of this cache's decode step (the versions, the model's config, the
         cache's settings and the model's device type name it)."""
-        if self._marker is None:
-            model = self._model_ref() if self._model_ref is not None else None
-            device = getattr(getattr(model, "device", None), "type", None)
-            self._marker = compiled_marker(torch.__version__, transformers.__version__, self._model_config.to_dict(),
-                                           self.oscar_config.to_dict(), device) or ""
-        return self._marker or None
+        model = self._model_ref() if self._model_ref is not None else None
+        device = getattr(getattr(model, "device", None), "type", None)
+        return compiled_marker(torch.__version__, transformers.__version__, self._model_config.to_dict(),
+                               self.oscar_config.to_dict(), device)
 
+    @functools.cached_property
     def _expected_compile_seconds(self) -> float:
-        if self._expected_compile is None:  # once per cache: `is_compileable` is read every step
-            self._expected_compile = expected_compile_seconds(self._compiled_marker())
-        return self._expected_compile
+        return expected_compile_seconds(self._compiled_marker)
 
     @property
     def compile_decode(self) -> bool | None:

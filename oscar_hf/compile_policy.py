@@ -40,7 +40,8 @@ class DecodeLedger:
     eager_seconds: float = 0.0
     compiles: bool = False
     announced: bool = False  # whether the cache has said, once, that it holds the compile back
-    marked: bool = False  # whether this process has left the marker that it compiles (`compiled_marker`)
+    # the markers this process has left for the model's compiled steps (`compiled_marker`; one per cache setting)
+    marked: set[str] = dataclasses.field(default_factory=set)
 
     def may_compile(self, expected_compile_seconds: float = EXPECTED_COMPILE_SECONDS) -> bool:
         if not self.compiles and self.eager_seconds >= expected_compile_seconds:
@@ -71,11 +72,11 @@ def expected_compile_seconds(marker: str | None) -> float:
 
 
 def leave_marker(ledger: DecodeLedger, marker: str | None) -> None:
-    """Record, once per process and model, that this step is being compiled here (a failed write changes nothing but
+    """Record, once per process and step, that this step is being compiled here (a failed write changes nothing but
     the next process's estimate)."""
-    if ledger.marked or marker is None:
+    if marker is None or marker in ledger.marked:
         return
-    ledger.marked = True
+    ledger.marked.add(marker)
     try:
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         with open(marker, "w", encoding="utf-8"):

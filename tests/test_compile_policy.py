@@ -135,6 +135,9 @@ def test_a_machine_that_compiled_the_step_before_expects_a_cheaper_compile(tmp_p
     ledger_of(first).eager_seconds = EXPECTED_COMPILE_SECONDS
     assert OscarCache(first, method="hadamard", **OPTIONS).is_compileable
     assert len(list((tmp_path / "oscar_hf").iterdir())) == 1
+    # another setting on the same model is another step, with a marker of its own
+    assert OscarCache(first, method="hadamard", recent_tokens=32, sink_tokens=4, demote_block=8).is_compileable
+    assert len(list((tmp_path / "oscar_hf").iterdir())) == 2
     later = tiny_model("llama", seed=6)  # as in a new process: its own ledger
     ledger_of(later).eager_seconds = (WARM_COMPILE_SECONDS + EXPECTED_COMPILE_SECONDS) / 2
     assert OscarCache(later, method="hadamard", **OPTIONS).is_compileable

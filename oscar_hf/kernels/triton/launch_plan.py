@@ -31,8 +31,8 @@ class LaunchConfig:
     # Query rows per program (16: the MMA's M; 8 suits the token-major history path, whose N it becomes).
     block_m: int = 16
     # Query rows per program when a call has more rows than `block_m` (a chunk of queries: chunked prefill). Each row
-    # block reads and dequantizes the whole history again, so larger blocks read it fewer times; prefill-shaped calls
-    # have not been swept on a GPU yet (`bench.prefill_attention`).
+    # block reads and dequantizes the whole history again, so larger blocks read it fewer times; 16 is the decode
+    # block, and `bench.prefill_attention` times the others.
     many_rows_block_m: int = 16
     # History dots with the tokens as M (`_quant_split_token_major`): decode rows pad N to 8, not M to 16.
     token_major: bool = False
