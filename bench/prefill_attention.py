@@ -5,8 +5,8 @@ launch configurations against PyTorch SDPA over the same K/V in BF16.
     python -m bench.prefill_attention --smoke      # tiny shapes on the CPU, through Triton's interpreter
 
 A chunk's rows (query position x head of the GQA group) come in row blocks, and every block reads and dequantizes
-the whole history again (`LaunchConfig.many_rows_block_m`, 16 by default), which is why `generate(...,
-prefill_chunk_size=N)` spends most of its time here (docs/performance.md, "The first call"). Shape: Qwen3-8B's
+the whole history again (`LaunchConfig.many_rows_block_m`), so the block size sets how often a chunked prefill
+(`generate(..., prefill_chunk_size=N)`) reads the history; the winner is `launch_plan.MANY_ROWS_LAUNCH`. Shape: Qwen3-8B's
 32 query / 8 KV heads, head_dim 128; the layer holds 64 sink + 256 recent tokens in BF16, the rest of `context` as
 history, and the chunk's own `chunk` tokens, causal among themselves. Times: medians of `triton.testing.do_bench`
 (GPU time). `--smoke` checks each configuration's output against the reference backend instead of timing it.
@@ -34,10 +34,10 @@ from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # 
 DIM = 128
 
 
-def candidates() -> dict[str, tuple[LaunchConfig, bool]]:
-    """name -> (launch configuration, whether the CUDA history kernel may serve the call)."""
-    base = default_launch(DIM)
-    out = {"default": (base, True), "default, Triton history": (base, False)}
+def candidates() -> dict[str, tuple[LaunchConfig | None, bool]]:
+    """name -> (launch configuration, None for the backend's own choice; whether the CUDA history kernel may serve
+    the call)."""
+    out = {"default (MANY_ROWS_LAUNCH)": (None, True), "decode launch (16-row blocks)": (default_launch(DIM), False)}
     for block in (32, 64, 128):
         for warps in (4, 8):
             for token_major in (False, True):

@@ -6,13 +6,17 @@ runs between chunks, so the cache, not the prompt, bounds what a long prefill ho
   chunks stores what one prefill stores.
 - Chunk after chunk, the cache holds sink + history + at most recent + chunk - 1 BF16 tokens.
 - Eager and `generate`'s compile (which compiles the chunks too) store the same cache and pick the same tokens.
+- An unpadded chunk gets no mask tensor (`attention.oscar_mask`), and stores what the materialized mask stores.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AttentionMaskInterface, DynamicCache
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import compile_config_anywhere
@@ -108,3 +112,88 @@ def test_compiled_chunked_prefill_stores_what_eager_stores(llama):
         assert a.history_length == b.history_length, i
         for x, y in zip(a.dense_kv(), b.dense_kv()):
             torch.testing.assert_close(y, x, rtol=0, atol=1e-3 * x.abs().max().item(), msg=f"layer {i}: compiled and eager rows differ")
+
+
+@contextlib.contextmanager
+def _mask_function(function):
+    """The "oscar" attention's mask function replaced by `function` within the block."""
+    from oscar_hf.attention import OSCAR_ATTENTION, register
+
+    AttentionMaskInterface.register(OSCAR_ATTENTION, function)
+    try:
+        yield
+    finally:
+        register()
+
+
+@torch.no_grad()
+def test_unpadded_chunks_get_no_mask_tensor_and_store_what_the_mask_stores(llama):
+    """`oscar_mask` gives a chunk of an unpadded prompt None (bottom-right causal) instead of a `[B, 1, q, kv]`
+    tensor; the tokens and every stored row must be what transformers' materialized mask gives."""
+    from oscar_hf.attention import oscar_mask
+
+    given = []
+
+    def recording(**kwargs):
+        mask = oscar_mask(**kwargs)
+        given.append((kwargs["q_length"], kwargs["kv_length"], mask))
+        return mask
+
+    masked, unmasked = OscarCache(llama, method="hadamard"), OscarCache(llama, method="hadamard")  # (registers)
+    with _mask_function(sdpa_mask):
+        want = _generate(llama, masked, CHUNK)
+    with _mask_function(recording):
+        got = _generate(llama, unmasked, CHUNK)
+    chunks = [(q, kv, m) for q, kv, m in given if 1 < q < kv]
+    assert len(chunks) == -(-PROMPT // CHUNK) - 1 and all(m is None for _, _, m in chunks)
+    assert torch.equal(got, want)
+    for i, (a, b) in enumerate(zip(masked.layers, unmasked.layers)):
+        assert a.history_length == b.history_length > 0, i
+        for x, y in zip(_stored_codes(a), _stored_codes(b)):
+            assert torch.equal(x, y), f"layer {i}: other codes without the mask tensor"
+        for x, y in zip(a.dense_kv(), b.dense_kv()):
+            assert torch.equal(x, y), f"layer {i}"
+
+
+@torch.no_grad()
+def test_dynamic_cache_chunks_under_oscar_attention_equal_sdpa(llama):
+    """Without an OscarCache (and so without a history), the "oscar" attention reads a chunk's None mask as
+    bottom-right causal, not as SDPA's top-left `is_causal`."""
+    from oscar_hf import use_oscar_attention
+
+    outputs, caches = [], []
+    for implementation in ("sdpa", "oscar"):
+        if implementation == "oscar":
+            use_oscar_attention(llama)
+        else:
+            llama.set_attn_implementation("sdpa")
+        caches.append(DynamicCache(config=llama.config))
+        outputs.append(_generate(llama, caches[-1], CHUNK))
+    assert torch.equal(outputs[0], outputs[1])
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=1e-6)
+
+
+def test_oscar_mask_is_none_only_for_unpadded_causal_chunks():
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from oscar_hf.attention import oscar_mask
+
+    def mask(q=4, kv=12, attention_mask=None, **kw):
+        options = dict(batch_size=2, q_length=q, kv_length=kv, q_offset=kv - q, kv_offset=0,
+                       mask_function=causal_mask_function, attention_mask=attention_mask, device="cpu")
+        options.update(kw)
+        return oscar_mask(**options)
+
+    assert mask() is None
+    assert mask(attention_mask=torch.ones(2, 12, dtype=torch.bool)) is None
+    padded = torch.ones(2, 12, dtype=torch.bool)
+    padded[1, :3] = False
+    want = sdpa_mask(batch_size=2, q_length=4, kv_length=12, q_offset=8, kv_offset=0,
+                     mask_function=causal_mask_function, attention_mask=padded, device="cpu")
+    assert torch.equal(mask(attention_mask=padded), want)
+    assert mask(q_offset=5) is not None  # queries that are not the last positions: not bottom-right
+    assert mask(allow_is_causal_skip=False) is not None
+    assert mask(mask_function=sliding_window_causal_mask_function(4), local_size=4) is not None
+    causal = mask(q=12, kv=12)  # sdpa_mask's own skip (is_causal) stays
+    assert causal is None

@@ -154,7 +154,7 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
     _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, launch, "token-major history partial")
 
 
-def test_default_launch_follows_the_head_dim_unless_one_is_given():
+def test_default_launch_follows_the_head_dim_and_rows_unless_one_is_given():
     from oscar_hf.kernels.triton.backend import TritonBackend
     from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
@@ -163,8 +163,17 @@ def test_default_launch_follows_the_head_dim_unless_one_is_given():
     d128 = TritonBackend().launch_for(128)
     assert d128.token_major and (d128.num_warps, d128.block_n_history, d128.block_n_dense) == (1, 64, 16)
     assert TritonBackend().launch_for(256) == LaunchConfig()
+    # a decode step's GQA group keeps the decode launch; a chunk's rows get 64-row row-major blocks (d=128, measured)
+    assert TritonBackend().launch_for(128, rows=8) == d128
+    chunk = TritonBackend().launch_for(128, rows=4 * 8192)
+    assert not chunk.token_major and (chunk.num_warps, chunk.many_rows_block_m) == (4, 64)
+    plan = TritonBackend().plan(DEVICE, 4, 8, 4 * 8192, 8192 + 320, 32768, chunk)
+    assert plan.block_m == 64 and plan.row_blocks == 4 * 8192 // 64
+    assert TritonBackend().launch_for(128, rows=4 * 8192, masked=True) == d128  # padded rows: not measured
+    assert TritonBackend().launch_for(64, rows=4 * 8192) == TritonBackend().launch_for(64)  # d=64: not measured
     given = LaunchConfig(block_n_history=64)
     assert TritonBackend(launch=given).launch_for(64) is given
+    assert TritonBackend(launch=given).launch_for(128, rows=4 * 8192) is given
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

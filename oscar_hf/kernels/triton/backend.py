@@ -240,8 +240,9 @@ class TritonBackend(ReferenceBackend):
         batch, q_heads, q_len, dim = query.shape
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.plan_length if tensors is not None else 0
-        launch = self.launch_for(dim)
-        plan = self.plan(query.device, batch, kv_heads, (q_heads // kv_heads) * q_len, dense_len, hist_len, launch)
+        group_rows = (q_heads // kv_heads) * q_len
+        launch = self.launch_for(dim, group_rows, masked=mask is not None)
+        plan = self.plan(query.device, batch, kv_heads, group_rows, dense_len, hist_len, launch)
         # the CUDA history kernel reads every history row of a batch row: padded rows go through Triton's
         cuda = history_start is None and self._use_cuda_history(query, tensors, mask, softcap, kv_heads, hist_len)
         if cuda:  # the history cut for the CUDA kernel: whole tiles filling a wave of its resident programs
@@ -307,7 +308,7 @@ class TritonBackend(ReferenceBackend):
         kv_heads = keys.shape[1]
         groups = q_heads // kv_heads
         hist_len = split.plan_length
-        launch = self.launch_for(dim)
+        launch = self.launch_for(dim, groups * q_len)
         plan = self.plan(query.device, batch, kv_heads, groups * q_len, keys.shape[2], hist_len, launch)
         cuda = [history_start is None and self._use_cuda_history(query[:, r.start * groups : r.stop * groups],
                                                                  r.history, None, softcap, r.stop - r.start,
@@ -376,9 +377,10 @@ class TritonBackend(ReferenceBackend):
         """Resident programs of the CUDA history kernel on the whole device (what its splits fill)."""
         return cuda_history.resident_slots(cuda_history.device_index(device), dim, self.cuda_history_config)
 
-    def launch_for(self, head_dim: int) -> LaunchConfig:
-        """The stage-1 launch configuration: the one given to the constructor, else the head_dim's default."""
-        return self.launch if self.launch is not None else default_launch(head_dim)
+    def launch_for(self, head_dim: int, rows: int = 1, masked: bool = False) -> LaunchConfig:
+        """The stage-1 launch configuration: the one given to the constructor, else the default for the head_dim,
+        the call's query rows per KV head and whether it reads a mask tensor."""
+        return self.launch if self.launch is not None else default_launch(head_dim, rows, masked)
 
     def plan(self, device, batch, kv_heads, rows, dense_len, hist_len, launch: LaunchConfig) -> SplitPlan:
         return plan_splits(batch, kv_heads, rows, dense_len, hist_len, self._target(device, launch),
