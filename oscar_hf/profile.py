@@ -11,10 +11,9 @@ gives the same answer) yields the two things the calibrated recipe takes from te
   token that followed its earlier occurrence (`InductionScores`). Copying a fact out of the context is what these
   heads do (retrieval heads are induction heads), and it is what a 2-bit history loses first.
 
-`data_free_rotations(model)` records the rankings on Hadamard `Rotations`, where the ranked presets (`oscar-mixed`,
-`oscar-next`) find them, and applies the smoothing only when asked (`smooth_keys=True`: a few hundred random
-positions do not measure the slow RoPE channels well enough for long prompts). The result is kept on the model, so
-caches built on it after the first reuse it.
+`data_free_rotations(model)` records the rankings and the smoothing on Hadamard `Rotations`, where the ranked
+presets (`oscar-mixed`, `oscar-next`) find them. The result is kept on the model, so caches built on it after the
+first reuse it.
 """
 
 from __future__ import annotations
@@ -27,7 +26,10 @@ from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
 from oscar_hf.model_support import attention_shape
 from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, RETRIEVAL_RANKING_KEY, Rotations
 
-PROFILE_TOKENS = 256  # the random sequence's length (it is fed twice)
+# The random sequence's length (it is fed twice). The slow RoPE channels' scales need thousands of positions: scales
+# from 256 tokens (512 positions) broke SmolLM2's retrieval at 4k tokens (0 of 18 needles, degenerate text), from
+# 2,048 (4,096 positions) they keep it (4 of 18, as BF16) and lower perplexity (docs/retrieval.md).
+PROFILE_TOKENS = 2048
 PROFILE_SEED = 0
 FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
 
@@ -68,10 +70,12 @@ class ChannelPower:
 class InductionScores:
     """Observer of one forward over a block of `period` tokens fed twice: per layer, `[Hkv]` the mean attention
     probability a query at position t of the second copy gives position t - period + 1 (the token that followed
-    the same token in the first copy), over the queries of each KV head's group."""
+    the same token in the first copy), over the queries of each KV head's group at about `queries` evenly spaced
+    positions t (every one of a long period would cost more than the forward itself)."""
 
-    def __init__(self, period: int):
+    def __init__(self, period: int, queries: int = 256):
         self.period = period
+        self.queries = queries
         self.scores: dict[int, torch.Tensor] = {}
 
     def __call__(self, module, query, key, value, scaling, softcap) -> None:
@@ -79,16 +83,19 @@ class InductionScores:
         kv_heads, n = key.shape[1], self.period
         if q_len != 2 * n or key.shape[2] != 2 * n:
             raise ValueError(f"induction scores read one forward of 2 x {n} tokens, got {q_len} queries")
-        rows = torch.arange(n, 2 * n - 1, device=query.device)
-        q = query[:, :, n : 2 * n - 1].float().reshape(batch, kv_heads, -1, dim)  # [B, Hkv, G * (n - 1), d]
-        logits = (q @ key.float().transpose(-1, -2)) * scaling
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.view(batch, kv_heads, q_heads // kv_heads, n - 1, 2 * n)
+        rows = torch.arange(n, 2 * n - 1, max(1, (n - 1) // self.queries), device=query.device)
         future = torch.arange(2 * n, device=query.device)[None, :] > rows[:, None]
-        probs = logits.masked_fill(future, float("-inf")).softmax(-1)
-        copied = probs.gather(-1, (rows - n + 1)[:, None].expand(probs.shape[:-1] + (1,))).squeeze(-1)
-        self.scores[module.layer_idx] = copied.mean(dim=(0, 2, 3)).cpu()
+        grouped = query[:, :, rows].reshape(batch, kv_heads, -1, dim)  # [B, Hkv, G * rows, d]
+        scores = []
+        for head in range(kv_heads):  # one KV head's [G * rows, 2n] probabilities at a time: memory
+            logits = (grouped[:, head].float() @ key[:, head].float().transpose(-1, -2)) * scaling
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            logits = logits.view(batch, q_heads // kv_heads, len(rows), 2 * n)
+            probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+            copied = probs.gather(-1, (rows - n + 1)[:, None].expand(probs.shape[:-1] + (1,))).squeeze(-1)
+            scores.append(copied.mean())
+        self.scores[module.layer_idx] = torch.stack(scores).cpu()
 
 
 def random_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
@@ -99,11 +106,20 @@ def random_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(low, max(int(vocab_size * 0.9), low + 1), (1, length), generator=generator)
 
 
+def profile_length(model, tokens: int = PROFILE_TOKENS) -> int:
+    """The random sequence's length for `model`: `tokens`, or half the model's position range if that is shorter
+    (the sequence is fed twice)."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return min(tokens, positions // 2) if positions else tokens
+
+
 @torch.no_grad()
 def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED, smoothing: bool = True
                   ) -> tuple[dict[int, torch.Tensor] | None, dict[int, torch.Tensor]]:
     """(key smoothing scales `{layer: [Hkv, d]}`, or None unless `smoothing`; induction scores `{layer: [Hkv]}`) of
-    `model`, from one forward over `tokens` random tokens fed twice (module docstring)."""
+    `model`, from one forward over `tokens` random tokens fed twice (module docstring), fewer where the model's
+    position range is shorter."""
+    tokens = profile_length(model, tokens)
     block = random_tokens(model.config.get_text_config().vocab_size, tokens, seed)
     ids = block.repeat(1, 2).to(model.get_input_embeddings().weight.device)
     induction = InductionScores(tokens)
@@ -119,13 +135,10 @@ def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
 
 
 def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
-                        smooth_keys: bool = False) -> Rotations:
+                        smooth_keys: bool = True) -> Rotations:
     """Hadamard rotations for `model`'s full-attention layers with the induction rankings of `profile_model`
-    (module docstring) and, where `smooth_keys`, its key smoothing; kept on the model for the next cache.
-
-    Smoothing is off by default: scales measured over a few hundred random positions broke SmolLM2's retrieval at
-    4k tokens (0 of 18 needles where BF16 finds 4, and degenerate text), while the ranking alone keeps it
-    (docs/retrieval.md): the slow RoPE channels' scales need longer text than a profile reads."""
+    (module docstring) and, unless `smooth_keys` is False, its key smoothing; kept on the model for the next
+    cache."""
     kept = model.__dict__.setdefault("_oscar_data_free_rotations", {})
     if (tokens, seed, smooth_keys) in kept:
         return kept[(tokens, seed, smooth_keys)]
@@ -135,7 +148,7 @@ def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE
     rotations = Rotations.hadamard(layers, shape.head_dim)
     if smooth_keys:
         recipe = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel", "text": "random tokens, fed "
-                             "twice", "tokens": tokens, "seed": seed})
+                             "twice", "tokens": profile_length(model, tokens), "seed": seed})
         rotations = rotations.with_key_smoothing({i: scales[i] for i in layers if i in scales}, recipe)
     record_induction_ranking(rotations, induction, layers)
     rotations.metadata["objective"] = "hadamard"

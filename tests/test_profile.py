@@ -52,9 +52,30 @@ def test_data_free_rotations_are_deterministic_and_rank_every_layer_and_head():
     assert set(scales) == set(range(layers)) and all(s.shape == (heads, model.config.head_dim)
                                                      for s in scales.values())
     rebuilt = data_free_rotations(again)
-    assert rebuilt.retrieval_layers() == first.retrieval_layers() and first.key_smoothing == {}
-    smoothed = data_free_rotations(again, smooth_keys=True)  # asked for: the profile's scales
-    assert all(torch.equal(smoothed.key_smoothing[i], scales[i]) for i in range(layers))
+    assert rebuilt.retrieval_layers() == first.retrieval_layers()
+    assert all(torch.equal(rebuilt.key_smoothing[i], scales[i]) for i in range(layers))  # the profile's scales
+    assert data_free_rotations(again, smooth_keys=False).key_smoothing == {}  # the ranking alone, where asked
+
+
+def test_the_profile_fits_the_models_position_range_and_samples_its_induction_queries():
+    from oscar_hf.profile import PROFILE_TOKENS, profile_length
+
+    model = tiny_model("llama", seed=0)
+    model.config.max_position_embeddings = 64
+    assert profile_length(model) == 32
+    model.config.max_position_embeddings = 1 << 20
+    assert profile_length(model) == PROFILE_TOKENS
+    n = 40
+    key, query = torch.randn(1, 1, 2 * n, 8), torch.randn(1, 2, 2 * n, 8)
+    every, sampled = InductionScores(n, queries=n), InductionScores(n, queries=8)
+    for observer in (every, sampled):
+        observer(types.SimpleNamespace(layer_idx=0), query, key, key, 1.0, None)
+    # the sampled rows' mean, computed directly: every 4th second-copy query from position n
+    rows = torch.arange(n, 2 * n - 1, (n - 1) // 8)
+    logits = (query[0, :, rows] @ key[0, 0].T).masked_fill(torch.arange(2 * n)[None, :] > rows[:, None], -1e30)
+    want = logits.softmax(-1)[:, torch.arange(len(rows)), rows - n + 1].mean()
+    torch.testing.assert_close(sampled.scores[0][0], want)
+    assert not torch.equal(every.scores[0], sampled.scores[0])
 
 
 def test_a_cache_given_no_rotations_stores_the_ranked_default_on_the_models_profile():

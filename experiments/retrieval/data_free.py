@@ -1,10 +1,10 @@
 """Issue #44's data-free question: rotations a model needs no text for, that still retrieve.
 
-    python -m experiments.retrieval.data_free --out <folder> [--tokens 256] [--seed 0] [--no-smoothing]
+    python -m experiments.retrieval.data_free --out <folder> [--tokens 256] [--seed 0] [--smooth-keys]
         [--no-ranking]
 
-Writes `oscar_hf.profile.data_free_rotations(model)` (Hadamard rotations, key smoothing and induction rankings
-from random tokens), or an ablation of it without the smoothing or without the rankings, then prints how the
+Writes `oscar_hf.profile.data_free_rotations(model)` (Hadamard rotations and induction rankings from random tokens;
+with `--smooth-keys`, key smoothing from the same forward), or an ablation without the rankings, then prints how the
 rankings overlap the needle-probe rankings of the calibrated files. Measure a folder with
 `oscar-needles --rotations <folder> --methods oscar-mixed,oscar-next ...` (docs/retrieval.md).
 """
@@ -31,15 +31,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-smoothing", action="store_true")
+    parser.add_argument("--smooth-keys", action="store_true", help="key smoothing scales from the profile's forward")
     parser.add_argument("--no-ranking", action="store_true")
     parser.add_argument("--compare", nargs="*", default=["rotations/smollm2-135m-hadamard-smoothed",
                                                         "rotations/smollm2-135m-smoothed"])
     args = parser.parse_args()
     model, _ = load_model(args.model)
-    rotations = data_free_rotations(model, args.tokens, args.seed)
-    if args.no_smoothing:
-        rotations = Rotations(rotations.key, rotations.value, metadata=dict(rotations.metadata))
+    rotations = data_free_rotations(model, args.tokens, args.seed, smooth_keys=args.smooth_keys)
     if args.no_ranking:
         for key in (RETRIEVAL_LAYERS_KEY, RETRIEVAL_HEADS_KEY):
             rotations.metadata.pop(key, None)
