@@ -9,7 +9,8 @@ the whole history again (`LaunchConfig.many_rows_block_m`), so the block size se
 (`generate(..., prefill_chunk_size=N)`) reads the history; the winner is `launch_plan.MANY_ROWS_LAUNCH`. Shape:
 Qwen3-8B's 32 query / 8 KV heads, head_dim 128; the layer holds 64 sink + 256 recent tokens in BF16, the rest of
 `context` as history, and the chunk's own `chunk` tokens, causal among themselves. Times: medians of
-`triton.testing.do_bench` (GPU time). `--smoke` checks each configuration's output against the reference backend instead of timing it.
+`triton.testing.do_bench` (GPU time). `--smoke` checks each configuration's output against the reference backend
+instead of timing it.
 """
 
 from __future__ import annotations
