@@ -73,8 +73,8 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
     if weights and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
         # a ranked preset on Hadamard rotations: the model's own profile ranks it
         resolved, source = resolve_rotations(data_free_rotations(model), shape, hub_options), "hadamard"
-        logger.info("OscarCache: method=%r on data-free rotations: Hadamard, with layers and KV heads ranked by "
-                    "induction from one forward over random tokens (oscar_hf.profile)", config.method)
+        logger.info("OscarCache: method=%r on data-free rotations: Hadamard, keys smoothed and layers and KV heads "
+                    "ranked by induction from one forward over random tokens (oscar_hf.profile)", config.method)
     else:
         resolved = resolve_rotations(source, shape, hub_options)
     if inferred and config.method == "oscar" and _takes_ranked_default(resolved, options):

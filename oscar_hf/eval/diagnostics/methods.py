@@ -123,7 +123,7 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
     """
     given = _rotations_label(rotations)
     # a ranked preset given no rotations runs on the model's data-free profile (`oscar_hf.profile`)
-    ranked = given if rotations is not None else "data-free profile: Hadamard, ranked by induction"
+    ranked = given if rotations is not None else "data-free profile: Hadamard, keys smoothed, ranked by induction"
     kivi = dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=32, residual_length=128)
     methods = [
         Method("bf16", "BF16 (DynamicCache)", lambda m: DynamicCache(config=getattr(m, "config", m))),
