@@ -4,11 +4,12 @@
 # calls: oscar-compiled fresh twice and in a second process, dynamic, eager, the default policy, static;
 # b = oscar-compiled with the cudagraphs backend in a
 # fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill; q = a's compiled and rule calls
-# and the 16-token one-offs, when device time is short)
+# and the 16-token one-offs, when device time is short; c = chunked prefill: where one chunked call spends its
+# time, one layer's chunk with and without a mask tensor, then 32k and 100k chunked calls)
 # CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
 set -o pipefail
 out=${1:?usage: bench/gpu_first_answer.sh OUT_DIR PART}
-part=${2:?PART: a or b}
+part=${2:?PART: a, b, c or q}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
@@ -28,6 +29,16 @@ if [[ $part == q ]]; then  # the rule's case alone, when device time is short
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic,oscar
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches dynamic,oscar
+fi
+if [[ $part == c ]]; then
+  python3 -m experiments.prefill.profile_chunked --context 16384 --batch 4 --chunk 4096 --new-tokens 4 \
+    2>&1 | tee -a "$out/profile_chunked.log"
+  for mask in "" --mask; do
+    python3 -m bench.prefill_attention --contexts 32768 --batch 4 --chunk 8192 $mask --out "$out/prefill$mask.json" \
+      2>&1 | tee -a "$out/prefill_attention.log"
+  done
+  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches oscar,dynamic --chunk 8192
+  fa --context 100000 --batch 4 --new-tokens 16 --caches oscar,dynamic --chunk 8192
 fi
 if [[ $part == b ]]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_cudagraphs fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled --calls 2 --compile-backend cudagraphs

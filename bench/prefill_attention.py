@@ -1,7 +1,7 @@
 """One layer's attention for a chunk of queries (chunked prefill) over a 2-bit history: OSCAR's kernels at several
 launch configurations against PyTorch SDPA over the same K/V in BF16.
 
-    python -m bench.prefill_attention [--contexts 32768,100000] [--batch 4] [--chunk 8192] [--out prefill.json]
+    python -m bench.prefill_attention [--contexts 32768,100000] [--batch 4] [--chunk 8192] [--mask] [--out prefill.json]
     python -m bench.prefill_attention --smoke      # tiny shapes on the CPU, through Triton's interpreter
 
 A chunk's rows (query position x head of the GQA group) come in row blocks, and every block reads and dequantizes
@@ -10,7 +10,8 @@ the whole history again (`LaunchConfig.many_rows_block_m`), so the block size se
 Qwen3-8B's 32 query / 8 KV heads, head_dim 128; the layer holds 64 sink + 256 recent tokens in BF16, the rest of
 `context` as history, and the chunk's own `chunk` tokens, causal among themselves. Times: medians of
 `triton.testing.do_bench` (GPU time). `--smoke` checks each configuration's output against the reference backend
-instead of timing it.
+instead of timing it. `--mask` passes the causal mask as a `[B, 1, q, kv]` bool tensor, as transformers builds it for
+a padded batch (an unpadded chunk gets none: `oscar_hf.attention.oscar_mask`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ DIM = 128
 def candidates() -> dict[str, tuple[LaunchConfig | None, bool]]:
     """name -> (launch configuration, None for the backend's own choice; whether the CUDA history kernel may serve
     the call)."""
-    out = {"default (MANY_ROWS_LAUNCH)": (None, True), "decode launch (16-row blocks)": (default_launch(DIM), False)}
+    out = {"default (the backend's choice)": (None, True),
+           "decode launch (16-row blocks)": (default_launch(DIM), False)}
     for block in (32, 64, 128):
         for warps in (4, 8):
             for token_major in (False, True):
@@ -51,7 +53,7 @@ def candidates() -> dict[str, tuple[LaunchConfig | None, bool]]:
 class Chunk:
     """A `chunk`-query forward of one layer whose history holds `context` tokens (`bench.harness.Case`)."""
 
-    def __init__(self, batch: int, context: int, chunk: int, backend: TritonBackend):
+    def __init__(self, batch: int, context: int, chunk: int, backend: TritonBackend, mask: bool = False):
         self.case = Case(batch, context, DIM, backend)
         dev, bf16 = self.case.keys.device, torch.bfloat16
         self.query = torch.randn(batch, Q_HEADS, chunk, DIM, device=dev, dtype=bf16)
@@ -62,15 +64,21 @@ class Chunk:
         self.values = torch.cat([self.case.dense_values[:, :, :-1], new_v], 2).contiguous()
         self.all_keys = torch.cat([self.case.keys[:, :, :-1], new_k], 2)  # SDPA's: the history in BF16
         self.all_values = torch.cat([self.case.values[:, :, :-1], new_v], 2)
+        self.mask = None
+        if mask:
+            from oscar_hf.kernels.reference.attention import causal_mask
+
+            kv = self.all_keys.shape[2]
+            self.mask = causal_mask(chunk, kv, dev).expand(batch, 1, chunk, kv)
 
     def oscar(self, backend):
         c = self.case
-        return backend.tiered_attention(self.query, self.keys, self.values, None, c.tensors, SINK, c.rotation,
+        return backend.tiered_attention(self.query, self.keys, self.values, self.mask, c.tensors, SINK, c.rotation,
                                         c.rotation, DIM**-0.5)
 
     def reference(self):
         c = self.case
-        return ReferenceBackend().tiered_attention(self.query, self.keys, self.values, None, c.tensors, SINK,
+        return ReferenceBackend().tiered_attention(self.query, self.keys, self.values, self.mask, c.tensors, SINK,
                                                    c.rotation, c.rotation, DIM**-0.5)
 
     def sdpa(self):
@@ -88,6 +96,7 @@ def main() -> None:
     p.add_argument("--contexts", default="32768,100000")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--mask", action="store_true", help="the causal mask as a tensor (a padded batch's path)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: outputs checked, nothing timed")
     args = p.parse_args()
@@ -102,7 +111,7 @@ def main() -> None:
           "| context | batch | chunk | configuration | max abs error vs reference |")
     print("|---:|---:|---:|---|---:|---:|" if not args.smoke else "|---:|---:|---:|---|---:|")
     for context in contexts:
-        chunk = Chunk(args.batch, context, args.chunk, TritonBackend())
+        chunk = Chunk(args.batch, context, args.chunk, TritonBackend(), mask=args.mask)
         if args.smoke:
             want = chunk.reference().float()
         else:
@@ -110,12 +119,12 @@ def main() -> None:
 
             sdpa_ms = do_bench(chunk.sdpa, warmup=5, rep=50, return_mode="median")
             rows.append(dict(context=context, batch=args.batch, chunk=args.chunk, config="SDPA (BF16 K/V)",
-                             ms=sdpa_ms))
+                             ms=sdpa_ms, mask=args.mask))
             print(f"| {context} | {args.batch} | {args.chunk} | SDPA over BF16 K/V | {sdpa_ms:.2f} | 1.00 |",
                   flush=True)
         for name, (launch, cuda_history) in candidates().items():
             backend = TritonBackend(launch=launch, cuda_history=cuda_history)
-            row = dict(context=context, batch=args.batch, chunk=args.chunk, config=name)
+            row = dict(context=context, batch=args.batch, chunk=args.chunk, config=name, mask=args.mask)
             try:
                 if args.smoke:
                     row["max_abs_error"] = (chunk.oscar(backend).float() - want).abs().max().item()
