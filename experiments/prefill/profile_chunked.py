@@ -62,8 +62,9 @@ def main():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     layer = cache.layers[0]
-    print({k: getattr(layer, k) for k in dir(layer) if k.endswith("length") and not k.startswith("_")
-           and isinstance(getattr(layer, k, None), int)}, file=sys.stderr)
+    history = layer.history_length  # first: under counted decode, reading it brings the host's counts up to date
+    print(f"layer 0 after the profiled call: {layer.length} tokens, {history} in the history, "
+          f"{layer.bf16_length} in BF16", file=sys.stderr)
     key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))

@@ -62,8 +62,8 @@ DEFAULT_LAUNCH: dict[int, LaunchConfig] = {
 # dequantizing the history once per row block, not by the split count: the measured best on an H200 at d=128
 # (`bench.prefill_attention`, 8192-query causal chunks without a mask tensor over 32k and 100k tokens, batch 4) is
 # 64-row blocks, row-major history dots, 4 warps: 1.55x faster than the decode launch's 16-row token-major blocks,
-# and 2-4x faster than 32- or 128-row blocks at the same warps. Calls with a mask tensor (padded rows) were not
-# measured and keep the decode launch.
+# 1.5-2.8x faster than 32- or 128-row blocks at 4 warps, and 1-2% faster than 128-row blocks at 8 warps. Calls with
+# a mask tensor (padded rows) were not measured and keep the decode launch.
 MANY_ROWS_LAUNCH: dict[int, LaunchConfig] = {
     128: LaunchConfig(block_n_history=64, num_warps=4, block_m=16, many_rows_block_m=64),
 }
