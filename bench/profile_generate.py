@@ -9,6 +9,9 @@ then profiles a 9-token call and prints the CUDA kernels by total time (`--cprof
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,6 +26,8 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="generate without its compile (disable_compile=True)")
+    p.add_argument("--timeline", action="store_true", help="also print each kernel's share of the GPU's busy time "
+                   "(overlapping kernels share it) and the idle time between kernels, from the profiler's trace")
     p.add_argument("--cprofile", action="store_true", help="profile the host (Python) side instead: cProfile, "
                    "functions by own time")
     args = p.parse_args()
@@ -52,6 +57,52 @@ def main():
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run(9)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.timeline:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                print_timeline(json.load(f)["traceEvents"], rows=args.rows)
+
+
+def print_timeline(events, rows: int) -> None:
+    """Over the replayed CUDA graphs' kernels (the compiled steps; generate's first forward runs eagerly), per step:
+    per kernel name, calls, summed durations, and its share of the time the GPU was busy (a span where k kernels run
+    at once counts 1/k to each); then the idle time between kernels. Kernel durations alone overstate a kernel
+    launched as a programmatic dependent: it starts while its predecessor still runs."""
+    launches = [e for e in events if e.get("ph") == "X" and e.get("name") == "cudaGraphLaunch"]
+    replayed = {e.get("args", {}).get("correlation") for e in launches}
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") == "kernel" and e.get("ph") == "X"
+                     and e.get("args", {}).get("correlation") in replayed)
+    steps = len(launches)
+    if not kernels:
+        print("no replayed kernels in the trace (an eager run: --timeline reads compiled steps)")
+        return
+    cuts = sorted({t for start, end, _ in kernels for t in (start, end)})
+    share, summed, calls = {}, {}, {}
+    for start, end, name in kernels:
+        summed[name] = summed.get(name, 0.0) + end - start
+        calls[name] = calls.get(name, 0) + 1
+    active, busy, idle, i = [], 0.0, 0.0, 0
+    for left, right in zip(cuts, cuts[1:]):
+        while i < len(kernels) and kernels[i][0] <= left:
+            active.append(kernels[i])
+            i += 1
+        active = [k for k in active if k[1] > left]
+        if not active:
+            idle += right - left
+            continue
+        busy += right - left
+        for _, _, name in active:
+            share[name] = share.get(name, 0.0) + (right - left) / len(active)
+    span = kernels[-1][1] - kernels[0][0]
+    print(f"\nGPU timeline over {steps} steps: span {span / 1e3 / steps:.2f} ms/step, busy {busy / 1e3 / steps:.2f}, "
+          f"idle between kernels {idle / 1e3 / steps:.2f}")
+    print("| kernel | calls/step | summed ms/step | share of busy ms/step |\n|---|---:|---:|---:|")
+    for name in sorted(share, key=share.get, reverse=True)[:rows]:
+        print(f"| {name[:70]} | {calls[name] / steps:.0f} | {summed[name] / 1e3 / steps:.3f} | "
+              f"{share[name] / 1e3 / steps:.3f} |")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,19 @@ def test_the_window_shift_moves_each_row_down_once(dtype, advance):
         assert not torch.equal(got[0], _buffers(2, dtype)[0])
 
 
+@pytest.mark.parametrize("block_rows", [1, 4, 16])
+def test_tiles_shorter_than_the_move_give_the_same_rows(block_rows):
+    """Sink and window in tiles that split both (and a last tile that is part empty): each tile's sources are read
+    before its stores, and no source is an earlier tile's destination."""
+    moved = torch.tensor([[1], [3]], device=DEVICE)
+    sink = torch.arange(SINK, device=DEVICE)[None] + moved
+    index = torch.cat([sink, _window(BLOCK).expand(2, -1)], dim=1).contiguous()
+    got, want = _buffers(2, torch.bfloat16), _buffers(2, torch.bfloat16)
+    move_rows(got, index, 0, block_rows=block_rows)
+    _gather_rows_reference(want, index, 0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_padded_rows_sink_and_window_move_together_and_one_buffer_alone():
     """Per row: a sink that takes real tokens from the block (row 1 hands 2 pads to the history), then the
     window, in one index `[B, S + R]`; a single buffer takes the same move."""

@@ -1,5 +1,6 @@
 """Where a chunked-prefill `generate` with an OscarCache spends its time: torch.profiler over one call (random-weight
-Qwen3-8B), CUDA kernels by total time and host ops by self time.
+Qwen3-8B), CUDA kernels by total time and host ops by self time. Per-step times of the decode after a chunked
+prefill: `experiments.prefill.decode_after_chunks`.
 
     python -m experiments.prefill.profile_chunked [--context 16384] [--batch 2] [--chunk 4096] [--new-tokens 4]
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,21 +41,7 @@ def main():
                        **{cache_argument_name(model): cache})
         return cache
 
-    def timed(**kw):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        call(**kw)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - began
-
     call()  # Triton's compiles
-    call(chunk=None)
-    for chunk in (args.chunk, None):
-        one, many = timed(chunk=chunk, new_tokens=1), timed(chunk=chunk, new_tokens=17)
-        print(f"chunk {chunk}: prefill + 1 token {one:.2f} s, per decode step {(many - one) / 16 * 1e3:.1f} ms",
-              flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         cache = call()
