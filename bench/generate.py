@@ -17,8 +17,10 @@ throughput = batch / step time at that batch.
 Kinds (`--caches`): `oscar` (greedy, uniform 2-bit rows: `method="hadamard"`), `oscar-default` (greedy, what
 `OscarCache(model)` stores: `oscar-next` on the model's data-free profile), `oscar-topp` (top-p sampling), `oscar-eager` (greedy, `disable_compile`),
 `oscar-noguards` (an experiment: the compiled step without dynamo's guards), `oscar-compact` (oscar-next's row
-format), `dynamic`, `static` (StaticCache, compiled by `generate`), `quanto`. Today's numbers, with their
-commands, dates and GPUs: `docs/performance.md`.
+format), `dynamic`, `static` (StaticCache, compiled by `generate`), `quanto`, and `oscar-prefill` / `dynamic-prefill`
+(the prompt goes through `generate` in chunks of 8,192 instead of `update()`: their peak includes the prefill's, as
+a job's sequences need it, so `--max-batch` gives the sequences per GPU of a job that serves real prompts).
+Today's numbers, with their commands, dates and GPUs: `docs/performance.md`.
 
 `--host-profile` also times the eager decode path's host side (`host_profile`): microseconds per attention call
 (cache update + attention) and a whole eager forward's host and wall time, OscarCache against DynamicCache + SDPA.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: kernel tests at real shapes, then the benchmarks. Usage: bench/gpu_run.sh OUT_DIR [parts]
 # parts (comma-separated, run in this order): tests (the kernel and compiled-decode test files) or attntests (the attention one),
+# steps (the issue-45 step targets: OscarCache and StaticCache + compile at 4k/1 and 32k/1, OscarCache at 100k/8),
+# jobs (sequences per GPU at 100k when prompts are prefilled through generate in chunks; BUDGET GB, default 140),
 # generate, attention (add "sweep" to time launch configurations first, "splits" for the split minimums, "breakdown" for kernel times per call), ncu. Logs and JSON land in OUT_DIR.
 set -o pipefail
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}
@@ -14,6 +16,16 @@ files=""
 for f in $files; do
   python3 -m pytest -q -rs --tb=short "$f" 2>&1 | tee -a "$out/tests.log"
 done
+if [[ ,$parts, == *,steps,* ]]; then
+  python3 -m bench.generate --contexts 4096,32768 --batches 1 --oscar-batches 1 --caches oscar,static \
+    --out "$out/steps-batch1.json" 2>&1 | tee "$out/steps.log"
+  python3 -m bench.generate --contexts 100000 --batches 8 --oscar-batches 8 --caches oscar \
+    --out "$out/steps-100k8.json" 2>&1 | tee -a "$out/steps.log"
+fi
+if [[ ,$parts, == *,jobs,* ]]; then
+  python3 -m bench.generate --contexts 100000 --batches 1,2 --oscar-batches 4,8 --caches oscar-prefill,dynamic-prefill \
+    --max-batch --budget-gb ${BUDGET:-140} --out "$out/jobs.json" 2>&1 | tee "$out/jobs.log"
+fi
 if [[ ,$parts, == *,generate,* ]]; then
   python3 -m bench.generate --max-batch --host-profile --out "$out/generate.json" 2>&1 | tee "$out/generate.log"
 fi

@@ -161,10 +161,32 @@ def fill_static(model, batch, context):
     return _fill_every_layer(StaticCache(config=model.config, max_cache_len=context + 64), model, batch, context)
 
 
+PREFILL_CHUNK = 8192  # the job-throughput rows that prefill through `generate` feed prompts in chunks of this
+
+
+def fill_by_prefill(model, cache, batch, context):
+    """`cache` holding `context` random prompt tokens per sequence, put there by a `generate` call's chunked prefill
+    (`prefill_chunk_size=PREFILL_CHUNK`, one new token), as a job that serves real prompts fills it."""
+    ids = torch.randint(10, 1000, (batch, context), device=DEVICE)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                   prefill_chunk_size=PREFILL_CHUNK, **{cache_argument_name(model): cache})
+    return cache
+
+
+def fill_oscar_by_prefill(model, batch, context):
+    options = {"method": "hadamard", "compile_decode": True} | OSCAR_OPTIONS
+    return fill_by_prefill(model, OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **options), batch,
+                           context)
+
+
 FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar,
            # what OscarCache(model) stores: oscar-next on the model's data-free profile (`oscar_hf.profile`)
            "oscar-default": lambda model, batch, context: fill_oscar(model, batch, context, method=None),
-           "oscar-noguards": fill_oscar, "dynamic": fill_dynamic, "quanto": fill_quanto, "static": fill_static,
+           "oscar-noguards": fill_oscar, "dynamic": fill_dynamic,
+           # the prompt prefilled through `generate` in chunks (`fill_by_prefill`): peaks include the prefill's
+           "oscar-prefill": fill_oscar_by_prefill,
+           "dynamic-prefill": lambda model, batch, context: fill_by_prefill(model, DynamicCache(), batch, context),
+           "quanto": fill_quanto, "static": fill_static,
            # oscar-next's row format (sigma rows, compact pairs) with Hadamard rotations, all layers at 2 bits
            "oscar-compact": lambda model, batch, context: fill_oscar(model, batch, context, scale_dtype="compact",
                                                                      encoder="sigma", key_clip_ratio=None,
@@ -248,16 +270,20 @@ def measure(model, kind, batch, context):
     model.__dict__.pop("_compiled_call", None)
     empty_cache()
     base = allocated()
+    reset_peak()
     t0 = time.perf_counter()
     cache = FILLERS[kind](model, batch, context)
     sync()
     fill_s = time.perf_counter() - t0
+    fill_peak = peak()
     held = allocated() - base
     (step_ms, mean_ms), peak_bytes, first_s, blocks = decode_step(model, cache, batch, context,
                                                                   options=GENERATE_OPTIONS.get(kind))
     row = dict(cache=kind, context=context, batch=batch, step_ms=step_ms, mean_step_ms=mean_ms,
                tokens_per_s=batch / step_ms * 1e3, peak_GB=peak_bytes / GB, cache_GB=held / GB, fill_s=fill_s,
-               first_call_s=first_s, allocations_per_step=blocks, weights_GB=base / GB)
+               first_call_s=first_s, allocations_per_step=blocks, weights_GB=base / GB, fill_peak_GB=fill_peak / GB)
+    if kind.endswith("-prefill"):  # a job's sequences must get through their prompt too
+        row["peak_GB"] = max(row["peak_GB"], row["fill_peak_GB"])
     del cache
     empty_cache()
     return row
