@@ -31,7 +31,7 @@ if [[ $part == q ]]; then  # the rule's case alone, when device time is short
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches dynamic,oscar
 fi
 if [[ $part == c ]]; then
-  python3 -m experiments.prefill.profile_chunked --context 16384 --batch 4 --chunk 4096 --new-tokens 4 \
+  python3 -m experiments.prefill.profile_chunked --context 16384 --batch 4 --chunk 4096 --steps 12 \
     2>&1 | tee -a "$out/profile_chunked.log"
   for mask in "" --mask; do
     python3 -m bench.prefill_attention --contexts 32768 --batch 4 --chunk 8192 $mask --out "$out/prefill$mask.json" \
