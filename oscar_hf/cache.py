@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
 from oscar_hf.compile_policy import StepClock, compiled_marker, expected_compile_seconds, leave_marker, ledger_of
-from oscar_hf.config import CONFIG_NAME, OscarConfig, checked_bool, checked_int
+from oscar_hf.config import OscarConfig, checked_bool, checked_int
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
@@ -29,7 +29,7 @@ from oscar_hf.model_support import attention_shape, text_config_of
 from oscar_hf.plan import NAMED_ROTATIONS, live_caches, plan_cache
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.hub import resolve_rotation_folder
-from oscar_hf.rotations.io import SAFETENSORS_NAME
+from oscar_hf.rotations.io import CONFIG_NAME, SAFETENSORS_NAME
 
 logger = logging.get_logger(__name__)
 

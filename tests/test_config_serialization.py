@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, RotationFileError, Rotations
-from oscar_hf.config import CONFIG_NAME, PRESETS, SCALE_DTYPES
+from oscar_hf.config import PRESETS, SCALE_DTYPES
+from oscar_hf.rotations.io import CONFIG_NAME
 
 from conftest import VOCAB, forward, tiny_model
 

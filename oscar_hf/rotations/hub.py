@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from oscar_hf.config import CONFIG_NAME
-from oscar_hf.rotations.io import SAFETENSORS_NAME, ZOO_KEY_PATTERN, ZOO_VALUE_PATTERN
+from oscar_hf.rotations.io import CONFIG_NAME, SAFETENSORS_NAME, ZOO_KEY_PATTERN, ZOO_VALUE_PATTERN
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 

@@ -37,6 +37,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 SAFETENSORS_NAME = "oscar_rotations.safetensors"
+CONFIG_NAME = "oscar_config.json"  # what `OscarCache.save_pretrained` writes beside the rotations
 FORMAT_TAG = "oscar-hf-rotations"
 ZOO_KEY_PATTERN = "k_rotation*.pt"
 ZOO_VALUE_PATTERN = "v_rotation*.pt"
