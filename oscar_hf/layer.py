@@ -80,6 +80,7 @@ class OscarLayer(CacheLayerMixin):
         # a compiled step names its backend by its settings, which only the package's own backends state; known
         # now because `compileable_on` also runs inside traced code, where the class lookup cannot be traced
         self._backend_compiles = backend is None or has_spec(backend)
+        self._compileable_answers: dict[tuple, bool] = {}  # `compileable_on`'s, per (device, head sizes, backend)
         # after a prefill consumed by the "oscar" attention, single-token forwards run device-counted
         # (`counted_decode`); False keeps every step host-counted, the rule counted decode is tested against
         self.allow_counted_decode = True
@@ -133,7 +134,17 @@ class OscarLayer(CacheLayerMixin):
         simply run inside the compiled step. A backend of the user's own class decodes eagerly only."""
         if not self._backend_compiles:
             return False
-        return device.type != "cuda" or self.graph_problem(device, key_dim, value_dim) is None
+        if device.type != "cuda":
+            return True
+        if torch.compiler.is_compiling():  # traced code reads no host memo
+            return self.graph_problem(device, key_dim, value_dim) is None
+        # `generate` asks every step, for every layer: the answer is fixed by the device, the head sizes and the
+        # backend, and working it out again (the high-precision config included) cost 250 us a step for 36 layers
+        key = (device, key_dim, value_dim, id(self.backend))
+        answer = self._compileable_answers.get(key)
+        if answer is None:
+            answer = self._compileable_answers[key] = self.graph_problem(device, key_dim, value_dim) is None
+        return answer
 
     @property
     def is_compileable(self) -> bool:

@@ -462,6 +462,9 @@ def test_generate_compiles_only_decode_steps_a_cuda_graph_can_hold(monkeypatch):
     assert not reference.layers[0].compileable_on(cuda, dim, dim)
     assert kernels.layers[0].compileable_on(cuda, dim, dim)
     assert not kernels.layers[0].compileable_on(cuda, 48, 48)  # a head size the kernels do not take
+    # asked again, as `generate` does every step (the layer keeps its answers), each stands
+    assert kernels.layers[0].compileable_on(cuda, dim, dim) and not reference.layers[0].compileable_on(cuda, dim, dim)
+    assert not kernels.layers[0].compileable_on(cuda, 48, 48)
     monkeypatch.setattr(type(model), "device", property(lambda self: cuda))  # the model as if on a GPU
     assert reference.can_compile  # filled on the CPU: its layers answer for their own device
     assert not OscarCache(model, method="hadamard", backend=ReferenceBackend(), **OPTIONS).can_compile
