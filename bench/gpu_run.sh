@@ -2,6 +2,7 @@
 # One device call: kernel tests at real shapes, then the benchmarks. Usage: bench/gpu_run.sh OUT_DIR [parts]
 # parts (comma-separated, run in this order): tests (the kernel and compiled-decode test files) or attntests (the attention one),
 # steps (the issue-45 step targets: OscarCache and StaticCache + compile at 4k/1 and 32k/1, OscarCache at 100k/8),
+# prefill (one layer's 8k chunk: the kernel over 2-bit rows and over BF16 K/V against SDPA, 32k and 100k),
 # jobs (sequences per GPU at 100k when prompts are prefilled through generate in chunks; BUDGET GB, default 140),
 # generate, attention (add "sweep" to time launch configurations first, "splits" for the split minimums, "breakdown" for kernel times per call), ncu. Logs and JSON land in OUT_DIR.
 set -o pipefail
@@ -21,6 +22,10 @@ if [[ ,$parts, == *,steps,* ]]; then
     --out "$out/steps-batch1.json" 2>&1 | tee "$out/steps.log"
   python3 -m bench.generate --contexts 100000 --batches 8 --oscar-batches 8 --caches oscar \
     --out "$out/steps-100k8.json" 2>&1 | tee -a "$out/steps.log"
+fi
+if [[ ,$parts, == *,prefill,* ]]; then
+  python3 -m bench.prefill_attention --contexts 32768,100000 --batch 4 --chunk 8192 --quick \
+    --out "$out/prefill.json" 2>&1 | tee "$out/prefill.log"
 fi
 if [[ ,$parts, == *,jobs,* ]]; then
   python3 -m bench.generate --contexts 100000 --batches 1,2 --oscar-batches 4,8 --caches oscar-prefill,dynamic-prefill \

@@ -11,7 +11,10 @@ Qwen3-8B's 32 query / 8 KV heads, head_dim 128; the layer holds 64 sink + 256 re
 `context` as history, and the chunk's own `chunk` tokens, causal among themselves. Times: medians of
 `triton.testing.do_bench` (GPU time). `--smoke` checks each configuration's output against the reference backend
 instead of timing it. `--mask` passes the causal mask as a `[B, 1, q, kv]` bool tensor, as transformers builds it for
-a padded batch (an unpadded chunk gets none: `oscar_hf.attention.oscar_mask`).
+a padded batch (an unpadded chunk gets none: `oscar_hf.attention.oscar_mask`). The row "the kernel over BF16 K/V"
+runs the backend's own choice over the whole context in BF16 (no history to dequantize): against SDPA it is what the
+Triton attention itself costs, and against the 2-bit rows what dequantizing them costs. `--quick` times that row and
+the backend's choice only.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ class Chunk:
         return ReferenceBackend().tiered_attention(self.query, self.keys, self.values, self.mask, c.tensors, SINK,
                                                    c.rotation, c.rotation, DIM**-0.5)
 
+    def dense(self, backend):
+        """The same attention with every key and value in BF16, as the BF16 tiers (no history)."""
+        keys, values = self.all_keys.contiguous(), self.all_values.contiguous()
+        return backend.tiered_attention(self.query, keys, values, self.mask, None, 0, None, None, DIM**-0.5)
+
     def sdpa(self):
         from torch.nn.attention.bias import causal_lower_right
 
@@ -97,6 +105,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--mask", action="store_true", help="the causal mask as a tensor (a padded batch's path)")
+    p.add_argument("--quick", action="store_true", help="the backend's choice and the kernel over BF16 K/V only")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: outputs checked, nothing timed")
     args = p.parse_args()
@@ -122,15 +131,21 @@ def main() -> None:
                              ms=sdpa_ms, mask=args.mask))
             print(f"| {context} | {args.batch} | {args.chunk} | SDPA over BF16 K/V | {sdpa_ms:.2f} | 1.00 |",
                   flush=True)
-        for name, (launch, cuda_history) in candidates().items():
+        configurations = candidates()
+        if args.quick:
+            configurations = {name: configurations[name] for name in list(configurations)[:1]}
+        configurations["the kernel over BF16 K/V (backend's choice)"] = (None, True)
+        for name, (launch, cuda_history) in configurations.items():
             backend = TritonBackend(launch=launch, cuda_history=cuda_history)
+            run = (lambda b=backend: chunk.dense(b)) if "BF16" in name else (lambda b=backend: chunk.oscar(b))
             row = dict(context=context, batch=args.batch, chunk=args.chunk, config=name, mask=args.mask)
             try:
                 if args.smoke:
-                    row["max_abs_error"] = (chunk.oscar(backend).float() - want).abs().max().item()
+                    expected = (chunk.dense(ReferenceBackend()).float() if "BF16" in name else want)
+                    row["max_abs_error"] = (run().float() - expected).abs().max().item()
                     print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['max_abs_error']:.2e} |")
                 else:
-                    row["ms"] = do_bench(lambda: chunk.oscar(backend), warmup=5, rep=50, return_mode="median")
+                    row["ms"] = do_bench(run, warmup=5, rep=50, return_mode="median")
                     print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['ms']:.2f} | "
                           f"{row['ms'] / sdpa_ms:.2f} |", flush=True)
             except Exception as error:  # a configuration the GPU cannot hold (shared memory, registers)
