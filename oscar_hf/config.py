@@ -31,7 +31,6 @@ SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
                 "compact": torch.uint8}
 SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
-
 # the largest size in tokens a config or cache takes: a buffer sized beyond it overflows torch's size arithmetic or
 # cannot be allocated, deep inside the first forward
 MAX_TOKENS = 2**31
