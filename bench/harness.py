@@ -109,11 +109,16 @@ def fill_oscar(model, batch, context, chunk=8192, **options):
     (the demotion kernel on CUDA), not a prefill forward: uniform 2-bit rows on Hadamard rotations
     (`method="hadamard"`) unless `options` (more OscarCache options) say otherwise; `method=None`: the default a
     user gets (`oscar-next` on the model's data-free profile)."""
-    # compile_decode: these benchmarks time the steady state, so generate compiles from the first call
-    options = {"method": "hadamard", "compile_decode": True} | OSCAR_OPTIONS | options
-    cache = OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **options)
+    cache = benchmark_oscar_cache(model, **options)
     heads = model.config.num_key_value_heads // tensor_parallel_position(model)[1]  # this rank's KV heads under TP
     return fill_layers(cache, batch, heads, model.config.head_dim, context, chunk)
+
+
+def benchmark_oscar_cache(model, **options) -> OscarCache:
+    """The benchmarks' empty OscarCache (`fill_oscar`'s defaults, then `OSCAR_OPTIONS`, then `options`)."""
+    # compile_decode: these benchmarks time the steady state, so generate compiles from the first call
+    options = {"method": "hadamard", "compile_decode": True} | OSCAR_OPTIONS | options
+    return OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **options)
 
 
 def fill_layers(cache, batch, heads, head_dim, context, chunk=8192):
@@ -174,9 +179,7 @@ def fill_by_prefill(model, cache, batch, context):
 
 
 def fill_oscar_by_prefill(model, batch, context):
-    options = {"method": "hadamard", "compile_decode": True} | OSCAR_OPTIONS
-    return fill_by_prefill(model, OscarCache(model, rotations="hadamard", backend=OSCAR_BACKEND, **options), batch,
-                           context)
+    return fill_by_prefill(model, benchmark_oscar_cache(model), batch, context)
 
 
 FILLERS = {"oscar": fill_oscar, "oscar-topp": fill_oscar, "oscar-eager": fill_oscar,

@@ -37,12 +37,14 @@ from oscar_hf.kernels.triton.backend import TritonBackend  # noqa: E402
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # noqa: E402
 
 DIM = 128
+DEFAULT_ROW = "default (the backend's choice)"
+DENSE_ROW = "the kernel over BF16 K/V (backend's choice)"  # `Chunk.dense`: no history to dequantize
 
 
 def candidates() -> dict[str, tuple[LaunchConfig | None, bool]]:
     """name -> (launch configuration, None for the backend's own choice; whether the CUDA history kernel may serve
     the call)."""
-    out = {"default (the backend's choice)": (None, True),
+    out = {DEFAULT_ROW: (None, True),
            "decode launch (16-row blocks)": (default_launch(DIM), False)}
     for block in (32, 64, 128):
         for warps in (4, 8):
@@ -133,15 +135,15 @@ def main() -> None:
                   flush=True)
         configurations = candidates()
         if args.quick:
-            configurations = {name: configurations[name] for name in list(configurations)[:1]}
-        configurations["the kernel over BF16 K/V (backend's choice)"] = (None, True)
+            configurations = {DEFAULT_ROW: configurations[DEFAULT_ROW]}
+        configurations[DENSE_ROW] = (None, True)
         for name, (launch, cuda_history) in configurations.items():
             backend = TritonBackend(launch=launch, cuda_history=cuda_history)
-            run = (lambda b=backend: chunk.dense(b)) if "BF16" in name else (lambda b=backend: chunk.oscar(b))
+            run = (lambda b=backend: chunk.dense(b)) if name == DENSE_ROW else (lambda b=backend: chunk.oscar(b))
             row = dict(context=context, batch=args.batch, chunk=args.chunk, config=name, mask=args.mask)
             try:
                 if args.smoke:
-                    expected = (chunk.dense(ReferenceBackend()).float() if "BF16" in name else want)
+                    expected = chunk.dense(ReferenceBackend()).float() if name == DENSE_ROW else want
                     row["max_abs_error"] = (run().float() - expected).abs().max().item()
                     print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['max_abs_error']:.2e} |")
                 else:

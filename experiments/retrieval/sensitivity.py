@@ -1,15 +1,17 @@
-"""Issue #44: rank KV heads by what the 2-bit history costs them on random tokens, instead of by induction.
+"""Issue #44: rank KV heads by what the 2-bit history costs them, instead of by induction.
 
     python -m experiments.retrieval.sensitivity --out <folder> [--score error|kl|product] [--tokens 2048]
+        [--text random|generated] [--generated 2048]
 
 The data-free profile (`oscar_hf.profile`) feeds a random block twice and ranks KV heads by induction. This
-ranks them by the damage itself: over the second copy's sampled queries, each KV head's attention output (and its
+ranks them by the damage itself, on that block (`--text random`) or on tokens the model samples from its BOS token
+(`--text generated`): over sampled queries of the second half, each KV head's attention output (and its
 attention distribution) with the history tier stored as `oscar-next`'s 2-bit rows (keys smoothed by the profile's
 scales, Hadamard-rotated, sigma rows with one-byte pairs; sink and recent window exact) against the exact one.
 `--score error`: mean relative squared error of the output; `kl`: mean KL(exact || 2-bit) of the attention;
-`product`: induction score times error. Writes the data-free rotations with that ranking (the smoothing
-unchanged), prints its overlap with the induction ranking; measure it with `oscar-needles --rotations <folder>
---methods oscar-next ...`.
+`product`: error divided by 1 + the head's induction rank. Writes the data-free rotations with that ranking (the
+smoothing unchanged), prints its overlap with the induction ranking; measure it with `oscar-needles --rotations
+<folder> --methods oscar-next ...`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class HistoryDamage:
 
     def __call__(self, call) -> None:
         query, key, value = call.query.float(), call.key.float(), call.value.float()
-        batch, q_heads, q_len, dim = query.shape
+        _, q_heads, _, dim = query.shape
         kv_heads, n, layer = key.shape[1], self.period, call.module.layer_idx
         group = q_heads // kv_heads
         h = hadamard_matrix(dim, torch.float32).to(query.device)
@@ -52,7 +54,8 @@ class HistoryDamage:
         history = (cols[None, :] >= self.sink) & (cols[None, :] < rows[:, None] + 1 - self.recent)
         errors, kls = [], []
         for head in range(kv_heads):
-            s = self.scales[layer][head].to(query.device) if layer in self.scales else torch.ones(dim)
+            s = (self.scales[layer][head].to(query.device) if layer in self.scales
+                 else torch.ones(dim, device=query.device))
             k = key[:, head] / s
             q = query[:, head * group:(head + 1) * group][:, :, rows] * s  # [B, G, rows, d]
             kq = self.quantize(k @ h) @ h.T
@@ -83,8 +86,6 @@ def main() -> None:
     model, _ = load_model(args.model)
     rotations = data_free_rotations(model, args.tokens)
     scales = {i: rotations.key_smoothing[i] for i in rotations.key_smoothing}
-    tokens = profile_length(model, args.tokens)
-    ids = random_tokens(model.config.get_text_config().vocab_size, tokens, PROFILE_SEED).repeat(1, 2)
     if args.text == "generated":
         tokens = args.generated // 2
         bos = model.generation_config.bos_token_id
@@ -92,12 +93,15 @@ def main() -> None:
         with torch.no_grad():
             ids = model.generate(torch.tensor([[bos]], device=model.device), do_sample=True, temperature=1.0,
                                  top_p=1.0, top_k=0, max_new_tokens=2 * tokens - 1, min_new_tokens=2 * tokens - 1)
+    else:
+        tokens = profile_length(model, args.tokens)
+        ids = random_tokens(model.config.get_text_config().vocab_size, tokens, PROFILE_SEED).repeat(1, 2)
     cfg = PRESETS["oscar-next"]
     damage = HistoryDamage(tokens, scales, cfg.sink_tokens, cfg.recent_tokens)  # queries from the second half
     with torch.no_grad(), oscar_attention(model):
         model(input_ids=ids.to(model.device), use_cache=False, **{HOOK_ARGUMENT: damage})
-    induction = {i: h for i, h in enumerate(json.loads(rotations.metadata[RETRIEVAL_HEADS_KEY]))}
-    rank_of = {tuple(pair): r for r, pair in induction.items()}
+    by_induction = [tuple(pair) for pair in json.loads(rotations.metadata[RETRIEVAL_HEADS_KEY])]
+    rank_of = {pair: r for r, pair in enumerate(by_induction)}
     score = {}
     for layer in damage.error:
         for head in range(len(damage.error[layer])):
@@ -110,11 +114,10 @@ def main() -> None:
     for r, (i, h) in enumerate(heads[:12]):
         print(f"| {r} | {i}, {h} | {float(damage.error[i][h]):.4f} | {float(damage.kl[i][h]):.4f} | "
               f"{rank_of.get((i, h))} |")
-    by_induction = [tuple(x) for x in json.loads(rotations.metadata[RETRIEVAL_HEADS_KEY])]
     print(f"top-9 KV heads shared with the induction ranking: {overlap(heads, by_induction, 9)}")
     rotations.metadata.update({RETRIEVAL_LAYERS_KEY: json.dumps([int(i) for i in layers]),
                                RETRIEVAL_HEADS_KEY: json.dumps([[int(i), int(h)] for i, h in heads]),
-                               RETRIEVAL_RANKING_KEY: f"2-bit history damage ({args.score}) on random tokens"})
+                               RETRIEVAL_RANKING_KEY: f"2-bit history damage ({args.score}) on {args.text} tokens"})
     rotations.save_pretrained(args.out)
 
 
