@@ -24,7 +24,7 @@ if [[ ,$parts, == *,steps,* ]]; then
     --out "$out/steps-100k8.json" 2>&1 | tee -a "$out/steps.log"
 fi
 if [[ ,$parts, == *,prefill,* ]]; then
-  python3 -m bench.prefill_attention --contexts 32768,100000 --batch 4 --chunk 8192 --quick \
+  python3 -m bench.prefill_attention --contexts 32768,100000 --batch 4 --chunks 8192 --quick \
     --out "$out/prefill.json" 2>&1 | tee "$out/prefill.log"
 fi
 if [[ ,$parts, == *,jobs,* ]]; then

@@ -1,7 +1,7 @@
 """One layer's attention for a chunk of queries (chunked prefill) over a 2-bit history: OSCAR's kernels at several
 launch configurations against PyTorch SDPA over the same K/V in BF16.
 
-    python -m bench.prefill_attention [--contexts 32768,100000] [--batch 4] [--chunk 8192] [--mask] [--out prefill.json]
+    python -m bench.prefill_attention [--contexts 32768,100000] [--batch 4] [--chunks 8192] [--mask] [--out F.json]
     python -m bench.prefill_attention --smoke      # tiny shapes on the CPU, through Triton's interpreter
 
 A chunk's rows (query position x head of the GQA group) come in row blocks, and every block reads and dequantizes
@@ -39,19 +39,24 @@ from oscar_hf.kernels.triton.launch_plan import LaunchConfig, default_launch  # 
 DIM = 128
 DEFAULT_ROW = "default (the backend's choice)"
 DENSE_ROW = "the kernel over BF16 K/V (backend's choice)"  # `Chunk.dense`: no history to dequantize
+UNPACKED_ROW = "history unpacked in every row block"  # the backend's launch, without dequantizing pieces first
+DEQUANTIZED_ROW = "history dequantized in pieces first"  # whatever the chunk's length (`dequantize_from_rows=1`)
 
 
-def candidates() -> dict[str, tuple[LaunchConfig | None, bool]]:
-    """name -> (launch configuration, None for the backend's own choice; whether the CUDA history kernel may serve
-    the call)."""
-    out = {DEFAULT_ROW: (None, True),
-           "decode launch (16-row blocks)": (default_launch(DIM), False)}
+def candidates() -> dict[str, dict]:
+    """name -> the `TritonBackend` options it runs with (none: the backend's own choice). Every row but the
+    default's unpacks the history in each row block (`dequantize_from_rows=None`), at its launch configuration."""
+    unpacked = dict(cuda_history=False, dequantize_from_rows=None)
+    out = {DEFAULT_ROW: {}, UNPACKED_ROW: dict(dequantize_from_rows=None),
+           DEQUANTIZED_ROW: dict(dequantize_from_rows=1),
+           "decode launch (16-row blocks)": dict(unpacked, launch=default_launch(DIM))}
     for block in (32, 64, 128):
         for warps in (4, 8):
             for token_major in (False, True):
                 name = f"rows {block}, {warps} warps, {'token' if token_major else 'row'}-major"
-                out[name] = (LaunchConfig(block_n_history=64, num_warps=warps, block_m=8 if token_major else 16,
-                                          token_major=token_major, many_rows_block_m=block), False)
+                out[name] = dict(unpacked, launch=LaunchConfig(
+                    block_n_history=64, num_warps=warps, block_m=8 if token_major else 16, token_major=token_major,
+                    many_rows_block_m=block))
     return out
 
 
@@ -105,7 +110,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="32768,100000")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--chunks", default="8192", help="query chunk lengths, comma-separated")
     p.add_argument("--mask", action="store_true", help="the causal mask as a tensor (a padded batch's path)")
     p.add_argument("--quick", action="store_true", help="the backend's choice and the kernel over BF16 K/V only")
     p.add_argument("--out", default=None)
@@ -116,43 +121,43 @@ def main() -> None:
         from oscar_hf.kernels.triton.interpreter import kernel_device
 
         harness.DEVICE = str(kernel_device())  # "cpu", with the interpreter's loop-bound workaround in place
-        contexts, args.batch, args.chunk = [SINK + 256 + 64], 1, 16
+        contexts, args.batch, args.chunks = [SINK + 256 + 64], 1, "16"
     rows = []
     print("| context | batch | chunk | configuration | ms | vs SDPA |" if not args.smoke else
           "| context | batch | chunk | configuration | max abs error vs reference |")
     print("|---:|---:|---:|---|---:|---:|" if not args.smoke else "|---:|---:|---:|---|---:|")
-    for context in contexts:
-        chunk = Chunk(args.batch, context, args.chunk, TritonBackend(), mask=args.mask)
+    for context, length in [(c, int(n)) for c in contexts for n in args.chunks.split(",")]:
+        chunk = Chunk(args.batch, context, length, TritonBackend(), mask=args.mask)
         if args.smoke:
             want = chunk.reference().float()
         else:
             from triton.testing import do_bench
 
             sdpa_ms = do_bench(chunk.sdpa, warmup=5, rep=50, return_mode="median")
-            rows.append(dict(context=context, batch=args.batch, chunk=args.chunk, config="SDPA (BF16 K/V)",
+            rows.append(dict(context=context, batch=args.batch, chunk=length, config="SDPA (BF16 K/V)",
                              ms=sdpa_ms, mask=args.mask))
-            print(f"| {context} | {args.batch} | {args.chunk} | SDPA over BF16 K/V | {sdpa_ms:.2f} | 1.00 |",
+            print(f"| {context} | {args.batch} | {length} | SDPA over BF16 K/V | {sdpa_ms:.2f} | 1.00 |",
                   flush=True)
         configurations = candidates()
         if args.quick:
-            configurations = {DEFAULT_ROW: configurations[DEFAULT_ROW]}
-        configurations[DENSE_ROW] = (None, True)
-        for name, (launch, cuda_history) in configurations.items():
-            backend = TritonBackend(launch=launch, cuda_history=cuda_history)
+            configurations = {name: configurations[name] for name in (DEFAULT_ROW, UNPACKED_ROW, DEQUANTIZED_ROW)}
+        configurations[DENSE_ROW] = {}
+        for name, options in configurations.items():
+            backend = TritonBackend(**options)
             run = (lambda b=backend: chunk.dense(b)) if name == DENSE_ROW else (lambda b=backend: chunk.oscar(b))
-            row = dict(context=context, batch=args.batch, chunk=args.chunk, config=name, mask=args.mask)
+            row = dict(context=context, batch=args.batch, chunk=length, config=name, mask=args.mask)
             try:
                 if args.smoke:
                     expected = chunk.dense(ReferenceBackend()).float() if name == DENSE_ROW else want
                     row["max_abs_error"] = (run().float() - expected).abs().max().item()
-                    print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['max_abs_error']:.2e} |")
+                    print(f"| {context} | {args.batch} | {length} | {name} | {row['max_abs_error']:.2e} |")
                 else:
                     row["ms"] = do_bench(run, warmup=5, rep=50, return_mode="median")
-                    print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['ms']:.2f} | "
+                    print(f"| {context} | {args.batch} | {length} | {name} | {row['ms']:.2f} | "
                           f"{row['ms'] / sdpa_ms:.2f} |", flush=True)
             except Exception as error:  # a configuration the GPU cannot hold (shared memory, registers)
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                print(f"| {context} | {args.batch} | {args.chunk} | {name} | {row['error']} | |", flush=True)
+                print(f"| {context} | {args.batch} | {length} | {name} | {row['error']} | |", flush=True)
             rows.append(row)
     if args.out:
         with open(args.out, "w") as f:

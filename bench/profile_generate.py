@@ -1,9 +1,10 @@
 """Where a compiled `generate` decode step with an OscarCache spends its GPU time (random-weight Qwen3-8B).
 
-    python -m bench.profile_generate [--context 32768] [--batch 8] [--rows 20]
+    python -m bench.profile_generate [--context 32768] [--batch 8] [--rows 20] [--cache static]
 
-Fills an OscarCache (bench.harness.fill_oscar), runs a 6-token `generate` (compilation, CUDA-graph recording),
-then profiles a 9-token call and prints the CUDA kernels by total time (`--cprofile`: the host's Python functions).
+Fills an OscarCache (bench.harness.fill_oscar; `--cache static`: a StaticCache, the speed anchor, to compare with),
+runs a 6-token `generate` (compilation, CUDA-graph recording), then profiles a 9-token call and prints the CUDA
+kernels by total time (`--cprofile`: the host's Python functions).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.harness import build_model, fill_oscar, set_attention
+from bench.harness import FILLERS, build_model, set_attention
 from oscar_hf.compat import cache_argument_name
 
 
@@ -25,6 +26,7 @@ def main():
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rows", type=int, default=20)
+    p.add_argument("--cache", default="oscar", choices=["oscar", "static"])
     p.add_argument("--eager", action="store_true", help="generate without its compile (disable_compile=True)")
     p.add_argument("--timeline", action="store_true", help="also print each kernel's share of the GPU's busy time "
                    "(overlapping kernels share it) and the idle time between kernels, from the profiler's trace")
@@ -32,8 +34,8 @@ def main():
                    "functions by own time")
     args = p.parse_args()
     model = build_model()
-    set_attention(model, "oscar")
-    cache = fill_oscar(model, args.batch, args.context)
+    set_attention(model, args.cache)
+    cache = FILLERS[args.cache](model, args.batch, args.context)
     name = cache_argument_name(model)
 
     def run(n):

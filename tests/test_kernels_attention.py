@@ -381,6 +381,42 @@ def test_chunked_prefill_in_larger_row_blocks_matches_reference(token_major, blo
     assert plan.block_m == block_m and plan.row_blocks == -(-4 * PREFILL // block_m)
 
 
+@pytest.mark.parametrize("dim,groups,dtype,rotation,bits,scale_dtype,softcap", [
+    (128, 4, torch.bfloat16, "shared", 2, torch.float16, None),
+    (64, 2, torch.bfloat16, "per_head", 4, torch.uint8, None),
+    (128, 4, torch.float32, "per_head", 2, torch.float32, 30.0),
+])
+def test_chunked_prefill_over_a_history_dequantized_in_pieces_matches_reference(monkeypatch, dim, groups, dtype,
+                                                                                  rotation, bits, scale_dtype,
+                                                                                  softcap):
+    """`TritonBackend(dequantize_from_rows=...)`: a chunk's history dequantized piece by piece (several pieces here)
+    and attended to by the BF16 kernel, merged with the BF16 tiers' partial and un-rotated by R_Vᵀ."""
+    from oscar_hf.kernels.triton import backend as triton_backend
+
+    pieces = []
+    dequantize = triton_backend.dequantize_history
+    monkeypatch.setattr(triton_backend, "DEQUANTIZE_PIECE_TOKENS", 64)
+    monkeypatch.setattr(triton_backend, "dequantize_history",
+                        lambda history, start, keys, values: pieces.append(start) or dequantize(history, start, keys,
+                                                                                               values))
+    rotations, history, query, keys, values = _tiered_case(dim, groups, PREFILL, dtype, rotation, bits, scale_dtype)
+    scaling = dim**-0.5
+    backend = poisoned_output_backend(target_programs=256, min_dense_tokens=16, min_history_tokens=32,
+                                      dequantize_from_rows=groups * PREFILL)
+    out = backend.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, softcap)
+    ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, softcap)
+    piece = -(-max(groups * PREFILL, 64) // 64) * 64
+    assert pieces == list(range(0, HISTORY, piece)) and len(pieces) > 1
+    _assert_close(out, ref, TOLERANCE[dtype][0] if dtype == torch.float32 else TOLERANCE["dense"][0],
+                  "chunked prefill, dequantized history")
+    # a mask tensor, or one row fewer than the threshold, keeps the in-kernel unpacking
+    mask = _left_padded_mask(PREFILL, HISTORY + keys.shape[2], [0] * BATCH)
+    backend.tiered_attention(query, keys, values, mask, history, SINK, *rotations, scaling, softcap)
+    backend.dequantize_from_rows = groups * PREFILL + 1
+    backend.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling, softcap)
+    assert len(pieces) == -(-HISTORY // piece)
+
+
 def test_unquantized_history_matches_reference():
     rotations, history, query, keys, values = _tiered_case(64, 2, 1, torch.float32, "shared", quantize=False)
     out, ref = _run_tiered(query, keys, values, None, history, rotations)

@@ -28,6 +28,7 @@ from oscar_hf.kernels.reference.quantize import COMPACT, row_bytes
 from oscar_hf.kernels.replay import GraphReplay, layout
 from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
 from oscar_hf.kernels.triton.demote import KERNEL_ENCODERS, demote_rows
+from oscar_hf.kernels.triton.dequantize import dequantize_history
 from oscar_hf.kernels.triton.launch_plan import (
     MAX_SPLITS,
     LaunchConfig,
@@ -46,6 +47,13 @@ from oscar_hf.kernels.triton.stage1 import attention_partials
 SMALL_GRID_PROGRAMS_PER_SM = 4
 # (scale, zero) dtypes the kernels write and read: float pairs and compact (uint8) codes
 KERNEL_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, COMPACT)
+# A call with at least this many query rows per KV head (query heads of a GQA group x query positions: a chunk of a
+# chunked prefill) dequantizes its history once, piece by piece, and attends to the pieces with the BF16 kernel
+# (`_tiered_dequantized`), instead of unpacking every history tile once per row block.
+DEQUANTIZE_FROM_ROWS = 1024
+# The least history tokens per dequantized piece; a piece holds at least as many tokens as the call has rows per KV
+# head, so that its scratch (keys and values in 16 bits) is at most one split of the call's float32 partials.
+DEQUANTIZE_PIECE_TOKENS = 8192
 
 
 class TritonBackend(ReferenceBackend):
@@ -65,6 +73,9 @@ class TritonBackend(ReferenceBackend):
         split_waves: a layer split by KV heads cuts its history for this many waves of the CUDA kernel's programs
             (`_run_split`): its runs' launches share one plan, and more, shorter splits let the wider runs' longer
             programs start first and finish among the others instead of after them.
+        dequantize_from_rows: unmasked calls with at least this many query rows per KV head dequantize their
+            quantized history piece by piece into a scratch in the model dtype and attend to it with the BF16
+            kernel (`_tiered_dequantized`); None: never (every row block unpacks the history itself).
     """
 
     name = "triton"
@@ -74,8 +85,10 @@ class TritonBackend(ReferenceBackend):
                  min_dense_tokens: int = 256, min_history_tokens: int | None = None, launch: LaunchConfig | None = None,
                  cuda_history: bool = True,
                  cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig(),
-                 eager_graphs: bool = True, split_waves: int = 4):
+                 eager_graphs: bool = True, split_waves: int = 4,
+                 dequantize_from_rows: int | None = DEQUANTIZE_FROM_ROWS):
         super().__init__(history_chunk=history_chunk)
+        self.dequantize_from_rows = dequantize_from_rows
         self.launch = launch
         self.target_programs = target_programs
         self.min_dense_tokens = min_dense_tokens
@@ -162,11 +175,46 @@ class TritonBackend(ReferenceBackend):
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
         out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
+        if (hist_len and tensors.quantized and mask is None and dense_start is None and history_start is None
+                and self.dequantize_from_rows is not None
+                and q_heads // kv_heads * q_len >= self.dequantize_from_rows):
+            self._tiered_dequantized(query, key, value, tensors, sink_length, key_rotation, value_rotation, scaling,
+                                     softcap, out)
+            return out
         self._run(query, key, value, tensors, key_rotation, value_rotation if hist_len else None, mask, scaling, softcap,
                   causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
                   kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start,
                   history_start=history_start)
         return out
+
+    def _tiered_dequantized(self, query, key, value, history: HistoryTensors, sink_length, key_rotation,
+                            value_rotation, scaling, softcap, out) -> None:
+        """`tiered_attention` of an unmasked chunk of queries, the history dequantized once: the BF16 tiers (causal
+        among the chunk's own tokens) as one partial, then each piece of the history, dequantized into a scratch
+        in the model dtype (rotated basis), attended to by the rotated query (`query @ R_K`, rounded to the model
+        dtype as the BF16 tiers' query is) as one partial each; one merge applies `R_Vᵀ` to the history's."""
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        rows = q_heads // kv_heads * q_len
+        piece = -(-max(rows, DEQUANTIZE_PIECE_TOKENS) // 64) * 64
+        starts = range(0, history.length, piece)
+        splits = 1 + len(starts)
+        parts = torch.empty((batch, q_heads, q_len, splits, dim), dtype=torch.float32, device=query.device)
+        lses = torch.empty((batch, q_heads, q_len, splits), dtype=torch.float32, device=query.device)
+        self._run(query, key, value, None, None, None, None, scaling, softcap, causal=q_len > 1,
+                  gap_start=sink_length, hist_col0=sink_length, kv_heads=kv_heads, out=parts[:, :, :, 0],
+                  out_layout="bhld", lse_out=lses[..., 0])
+        rotated = query if key_rotation is None else rotate_query(query, key_rotation)
+        scratch = torch.empty((2, batch, kv_heads, min(piece, history.length), dim), dtype=query.dtype,
+                              device=query.device)
+        for i, start in enumerate(starts, 1):
+            n = min(piece, history.length - start)
+            keys, values = scratch[0, :, :, :n], scratch[1, :, :, :n]
+            dequantize_history(history, start, keys, values)
+            self._run(rotated, keys, values, None, None, None, None, scaling, softcap, causal=False, gap_start=n,
+                      hist_col0=0, kv_heads=kv_heads, out=parts[:, :, :, i], out_layout="bhld",
+                      lse_out=lses[..., i])
+        merge_splits(parts, lses, splits, out, "blhd", value_rotation, 1, kv_heads)
 
     def decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
@@ -202,7 +250,7 @@ class TritonBackend(ReferenceBackend):
     def _settings(self) -> tuple:
         """The constructor settings a launch depends on (part of a replayed call's key)."""
         return (self.launch, self.target_programs, self.min_dense_tokens, self.min_history_tokens,
-                self.cuda_history, self.cuda_history_config, self.split_waves)
+                self.cuda_history, self.cuda_history_config, self.split_waves, self.dequantize_from_rows)
 
     def settings(self) -> dict:
         """The constructor's arguments, as data (`kernels.select.backend_spec`)."""
@@ -210,7 +258,7 @@ class TritonBackend(ReferenceBackend):
                 "min_dense_tokens": self.min_dense_tokens, "min_history_tokens": self.min_history_tokens,
                 "launch": None if self.launch is None else asdict(self.launch), "cuda_history": self.cuda_history,
                 "cuda_history_config": asdict(self.cuda_history_config), "eager_graphs": self.graphs is not None,
-                "split_waves": self.split_waves}
+                "split_waves": self.split_waves, "dequantize_from_rows": self.dequantize_from_rows}
 
     @classmethod
     def from_settings(cls, settings: dict) -> TritonBackend:

@@ -8,6 +8,7 @@ Layout (`oscar_hf.quantize.pack_codes`): a row of D codes is packed as quarters,
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -15,6 +16,13 @@ from oscar_hf.kernels.reference.quantize import COMPACT_SCALE_BIAS, COMPACT_SCAL
 
 _COMPACT_SCALE_BIAS = tl.constexpr(COMPACT_SCALE_BIAS)
 _COMPACT_SCALE_STEPS = tl.constexpr(COMPACT_SCALE_STEPS)
+
+# the kernels' element type of each (scale, zero) pair dtype (uint8: compact codes)
+SCALE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                torch.uint8: tl.uint8}
+# a token's (scale, zero) pair read as one integer (`scale_zero`)
+PAIR_WORDS = {torch.float16: torch.int32, torch.bfloat16: torch.int32, torch.float32: torch.int64,
+              torch.uint8: torch.int16}
 
 
 @triton.jit

@@ -48,7 +48,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.kernels.interface import HistoryTensors
-from oscar_hf.kernels.triton.codes import code_planes, folded_key_offset, key_planes, scale_zero
+from oscar_hf.kernels.triton.codes import (
+    PAIR_WORDS,
+    SCALE_DTYPES,
+    code_planes,
+    folded_key_offset,
+    key_planes,
+    scale_zero,
+)
 from oscar_hf.kernels.triton.common import launch_device
 from oscar_hf.kernels.triton.interpreter import interpreting
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan
@@ -479,11 +486,6 @@ def _attention_partials_kernel(
 _UPCAST_DOTS = interpreting()
 
 
-_SCALE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-                 torch.uint8: tl.uint8}
-# a token's (scale, zero) pair read as one integer (`codes.scale_zero`)
-_PAIR_WORDS = {torch.float16: torch.int32, torch.bfloat16: torch.int32, torch.float32: torch.int64,
-               torch.uint8: torch.int16}
 
 
 def _check_layouts(query: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
@@ -527,7 +529,7 @@ class _HistoryOperands:
 
 
 def _history_operands(history: HistoryTensors | None, partial_lse: torch.Tensor) -> _HistoryOperands:
-    """The history's kernel operands, its (scale, zero) pairs viewed as integer words (`_PAIR_WORDS`). Typed views
+    """The history's kernel operands, its (scale, zero) pairs viewed as integer words (`codes.PAIR_WORDS`). Typed views
     of `partial_lse` stand in for what the kernel does not read, so that the history branch still compiles: 2-bit
     codes and their words without history rows, the words of an unquantized history."""
     hist_len = history.length if history is not None else 0
@@ -539,8 +541,8 @@ def _history_operands(history: HistoryTensors | None, partial_lse: torch.Tensor)
         words = partial_lse.view(torch.int32)
         return _HistoryOperands(hist_len, length_ptr, history.keys, words, history.values, words, False,
                                 history.bits, tl.float16)
-    scale_dtype = _SCALE_DTYPES[history.key_scale_zero.dtype]
-    word = _PAIR_WORDS[history.key_scale_zero.dtype]
+    scale_dtype = SCALE_DTYPES[history.key_scale_zero.dtype]
+    word = PAIR_WORDS[history.key_scale_zero.dtype]
     return _HistoryOperands(hist_len, length_ptr, history.keys, history.key_scale_zero.view(word), history.values,
                             history.value_scale_zero.view(word), True, history.bits, scale_dtype)
 
