@@ -13,6 +13,11 @@ launch and prologue overlap the previous kernel's tail. On CUDA, where the call 
 history splits come from the hand-written kernel instead and the Triton stage 1 covers the BF16 tiers alone, queued
 behind it as a dependent that runs beside its tail. The scratch (split partials, rotated query) is reused across calls (no
 allocation that grows with the history), and nothing synchronizes the host.
+
+A chunk of queries (chunked prefill) of at least `dequantize_from_rows` query rows per KV head, without a mask,
+dequantizes its history once, piece by piece, into a scratch in the model dtype (`dequantize.py`) and attends to
+the pieces with the BF16 tiers' kernel (`_tiered_dequantized`): its thousands of rows per KV head would otherwise
+unpack every history tile once per row block.
 """
 
 from __future__ import annotations
