@@ -73,15 +73,17 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
     if weights and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
         # a ranked preset on Hadamard rotations: the model's own profile ranks it
         resolved, source = resolve_rotations(data_free_rotations(model), shape, hub_options), "hadamard"
-        logger.info("OscarCache: method=%r on data-free rotations: Hadamard, keys smoothed and layers and KV heads "
-                    "ranked by induction from one forward over random tokens (oscar_hf.profile)", config.method)
+        # once per process and method: an evaluation builds a cache per prompt
+        logger.info_once("OscarCache: method=%r on data-free rotations: Hadamard, keys smoothed and layers and KV "
+                         "heads ranked by induction from one forward over random tokens (oscar_hf.profile)",
+                         config.method)
     else:
         resolved = resolve_rotations(source, shape, hub_options)
     if inferred and config.method == "oscar" and _takes_ranked_default(resolved, options):
         default = RANKED_DEFAULT_METHOD if resolved.retrieval_heads() else LAYER_RANKED_DEFAULT_METHOD
         config = OscarConfig.from_method(default, **options)
-        logger.info("OscarCache: method=%r, the 2-bit default of rotations that rank retrieval (method='oscar' "
-                    "stores uniform 2-bit rows)", default)
+        logger.info_once("OscarCache: method=%r, the 2-bit default of rotations that rank retrieval "
+                         "(method='oscar' stores uniform 2-bit rows)", default)
     config = _with_ranked_precision(config, resolved, shape)
     _check_config(config, shape)
     folded = folded_layers(model, model_config, resolved, shape, fold_value_rotation)

@@ -61,9 +61,10 @@ def test_triton_settings_round_trip_through_a_spec():
     from oscar_hf.kernels.triton.launch_plan import LaunchConfig
 
     backend = TritonBackend(launch=LaunchConfig(num_warps=2, block_m=8), min_history_tokens=32, split_waves=2,
-                            eager_graphs=False)
+                            eager_graphs=False, dequantize_from_rows=None)
     rebuilt = backend_from_spec(backend_spec(backend))
     assert rebuilt.settings() == backend.settings() and rebuilt.launch == backend.launch
+    assert rebuilt.dequantize_from_rows is None
     assert rebuilt.graphs is None and rebuilt.cuda_history_config == backend.cuda_history_config
 
 
