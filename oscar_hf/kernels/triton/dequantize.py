@@ -1,11 +1,11 @@
-"""Packed history rows back to dense rotated rows: `(code - zero) * scale` (`reference.quantize.dequantize_rows`),
-written in the model dtype.
+"""Packed history rows back to dense rotated rows, `(code - zero) * scale` as `reference.quantize.dequantize_rows`
+computes it, written in the output's dtype.
 
 Why a chunk of queries wants this: stage 1 dequantizes each history tile inside the attention loop, which a decode
 step's few rows per KV head pay once. A chunk of a chunked prefill has thousands of rows per KV head in row blocks,
-and every block dequantizes the whole history again: at 8k queries that is 512 times per layer, and the unpacking,
-not the tensor cores, sets the time. Dequantizing a piece of the history once into a bounded scratch and running the
-BF16 attention over it does the unpacking once (`TritonBackend.dequantize_rows` sets when a call takes that route).
+and every block dequantizes the whole history again: at 8k queries, 512 times per KV head and layer, and the
+unpacking, not the tensor cores, sets the time. Dequantizing a piece of the history once into a bounded scratch and
+running the BF16 attention over it unpacks it once (`TritonBackend.dequantize_from_rows` says from how many rows).
 """
 
 from __future__ import annotations
