@@ -3,8 +3,9 @@
 With an `OscarCache` the key/value it receives are the BF16 tiers (sink + recent + this forward's tokens), and a
 `HistorySegment` (`handoff.py`) describes the quantized history between them. The segment's backend attends to the
 BF16 tiers and to the history separately, each giving (output, log-sum-exp), and merges them exactly in float32;
-the history is never materialized as a dense BF16 tensor. Without a segment (any other cache, or no history yet)
-it is transformers' SDPA path (with a softcap, the reference attention).
+the whole history is never materialized as a dense tensor (on a GPU a decode step unpacks it inside the kernel;
+a chunk of queries, and the PyTorch reference, dequantize a bounded piece at a time). Without a segment (any other
+cache, or no history yet) it is transformers' SDPA path (with a softcap, the reference attention).
 
 Hooks: code that needs to see or replace the attention of a forward without a cache of its own (the calibration
 statistics, the diagnostics' capture, the decode-equivalent evaluation) passes `oscar_hook=hook` to the model's
