@@ -37,11 +37,11 @@ if [[ $part == c ]]; then
     python3 -m bench.prefill_attention --contexts 32768 --batch 4 --chunks 8192 $mask --out "$out/prefill$mask.json" \
       2>&1 | tee -a "$out/prefill_attention.log"
   done
-  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches oscar,dynamic --chunks 8192
-  fa --context 100000 --batch 4 --new-tokens 16 --caches oscar,dynamic --chunks 8192
+  fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches oscar,dynamic --chunk 8192
+  fa --context 100000 --batch 4 --new-tokens 16 --caches oscar,dynamic --chunk 8192
 fi
 if [[ $part == b ]]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_cudagraphs fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled --calls 2 --compile-backend cudagraphs
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches dynamic,oscar-eager,oscar
-  fa --context 100000 --batch 4 --new-tokens 16 --caches dynamic,oscar --chunks 8192
+  fa --context 100000 --batch 4 --new-tokens 16 --caches dynamic,oscar --chunk 8192
 fi

@@ -112,7 +112,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--chunks", default="8192", help="query chunk lengths, comma-separated")
     p.add_argument("--mask", action="store_true", help="the causal mask as a tensor (a padded batch's path)")
-    p.add_argument("--quick", action="store_true", help="the backend's choice and the kernel over BF16 K/V only")
+    p.add_argument("--quick", action="store_true", help="the backend's choice, the two history routes "
+                   "forced, and the kernel over BF16 K/V only")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: outputs checked, nothing timed")
     args = p.parse_args()

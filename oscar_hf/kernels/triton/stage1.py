@@ -486,8 +486,6 @@ def _attention_partials_kernel(
 _UPCAST_DOTS = interpreting()
 
 
-
-
 def _check_layouts(query: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
                    rotated_query: torch.Tensor | None, dense_start: torch.Tensor | None,
                    history_start: torch.Tensor | None) -> None:
