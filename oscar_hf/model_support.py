@@ -27,6 +27,19 @@ class AttentionShape:
         return [i for i, kind in enumerate(self.layer_kinds) if kind == OSCAR_LAYER]
 
 
+def rotary_dim(config, head_dim: int) -> int:
+    """How many leading channels of a head RoPE turns: 0 for a model without RoPE, fewer than `head_dim` under a
+    `partial_rotary_factor`. transformers' `rotate_half` turns channel i with channel i + r/2 (r this number)."""
+    cfg = text_config_of(config)
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "full_attention" in params:  # one set per layer type (e.g. Gemma 3)
+        params = params["full_attention"]
+    if not params and getattr(cfg, "rope_theta", None) is None:
+        return 0
+    factor = (params or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * factor) // 2 * 2
+
+
 def text_config_of(config):
     """The decoder text config of a (possibly multimodal) model config."""
     getter = getattr(config, "get_text_config", None)

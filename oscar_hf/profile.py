@@ -4,9 +4,9 @@ One forward over a random token sequence repeated twice (no text, no tokenizer; 
 gives the same answer) yields the two things the calibrated recipe takes from text:
 
 - **key smoothing** scales per (layer, KV head, channel): `sqrt(rms(k) / rms(q))` of the post-RoPE keys and
-  queries, normalized to a geometric mean of 1 per head (`ChannelPower`, the rule `oscar_hf.calibrate.smoothing`
-  applies to calibration text). Outlier key channels come from the projection weights, not from the text, so
-  random tokens find them too;
+  queries, each root mean square taken over a RoPE channel pair, normalized to a geometric mean of 1 per head
+  (`ChannelPower`, the rule `oscar_hf.calibrate.smoothing` applies to calibration text). Outlier key channels
+  come from the projection weights, not from the text, so random tokens find them too;
 - a **ranking of layers and KV heads by induction**: over the second copy, the attention a query pays to the
   token that followed its earlier occurrence (`InductionScores`). Copying a fact out of the context is what these
   heads do (retrieval heads are induction heads), and it is what a 2-bit history loses first.
@@ -23,7 +23,7 @@ import json
 import torch
 
 from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
-from oscar_hf.model_support import attention_shape
+from oscar_hf.model_support import attention_shape, rotary_dim
 from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, RETRIEVAL_RANKING_KEY, Rotations
 
 # The random sequence's length (it is fed twice). The slow RoPE channels' scales need thousands of positions: scales
@@ -32,13 +32,20 @@ from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_K
 PROFILE_TOKENS = 2048
 PROFILE_SEED = 0
 FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
+SMOOTHING_RULE = "sqrt(rms(k) / rms(q)) per KV head and RoPE channel pair"
 
 
 class ChannelPower:
     """Observer of attention calls: running sums of squares per (layer, KV head, channel) of the keys and the
-    queries (a GQA group's queries pooled), and `scales()`, the key smoothing rule."""
+    queries (a GQA group's queries pooled), and `scales()`, the key smoothing rule.
 
-    def __init__(self):
+    `rotary_dim` (`model_support.rotary_dim`) ties the two channels of each RoPE pair (i, i + rotary_dim / 2) to one
+    scale. RoPE turns a pair through an angle that grows with the position, so how a slow pair's energy divides
+    between its channels depends on which positions were measured, while the pair's total does not: scales of
+    single channels fitted on 2,048-token text broke SmolLM2 at 6k tokens (docs/retrieval.md)."""
+
+    def __init__(self, rotary_dim: int = 0):
+        self.rotary_dim = rotary_dim
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, dict[str, int]] = {}
 
@@ -60,11 +67,19 @@ class ChannelPower:
         (the overall size changes nothing: keys are divided by it, queries multiplied)."""
         out = {}
         for layer, sums in self.sums.items():
-            key_rms = (sums["key"] / self.counts[layer]["key"]).sqrt().clamp_min(FLOOR)
-            query_rms = (sums["query"] / self.counts[layer]["query"]).sqrt().clamp_min(FLOOR)
+            key_rms = self.paired(sums["key"] / self.counts[layer]["key"]).sqrt().clamp_min(FLOOR)
+            query_rms = self.paired(sums["query"] / self.counts[layer]["query"]).sqrt().clamp_min(FLOOR)
             s = (key_rms / query_rms).sqrt()
             out[layer] = s / s.log().mean(dim=-1, keepdim=True).exp()
         return out
+
+    def paired(self, power: torch.Tensor) -> torch.Tensor:
+        """`power` `[..., d]` with each RoPE pair's two channels replaced by their mean."""
+        half = self.rotary_dim // 2
+        if half == 0:
+            return power
+        mean = (power[..., :half] + power[..., half:2 * half]) / 2
+        return torch.cat([mean, mean, power[..., 2 * half:]], dim=-1)
 
 
 class InductionScores:
@@ -123,7 +138,8 @@ def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
     block = random_tokens(model.config.get_text_config().vocab_size, tokens, seed)
     ids = block.repeat(1, 2).to(model.get_input_embeddings().weight.device)
     induction = InductionScores(tokens)
-    observers = [induction, ChannelPower()] if smoothing else [induction]
+    power = ChannelPower(rotary_dim(model.config, attention_shape(model.config).head_dim))
+    observers = [induction, power] if smoothing else [induction]
 
     def observe(call: AttentionCall) -> None:
         for observer in observers:
@@ -147,7 +163,7 @@ def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE
     scales, induction = profile_model(model, tokens, seed, smoothing=smooth_keys)
     rotations = Rotations.hadamard(layers, shape.head_dim)
     if smooth_keys:
-        recipe = json.dumps({"rule": "sqrt(rms(k) / rms(q)) per KV head and channel", "text": "random tokens, fed "
+        recipe = json.dumps({"rule": SMOOTHING_RULE, "text": "random tokens, fed "
                              "twice", "tokens": profile_length(model, tokens), "seed": seed})
         rotations = rotations.with_key_smoothing({i: scales[i] for i in layers if i in scales}, recipe)
     record_induction_ranking(rotations, induction, layers)

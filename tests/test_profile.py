@@ -7,6 +7,7 @@ import types
 
 import torch
 
+from oscar_hf.model_support import rotary_dim
 from oscar_hf.profile import ChannelPower, InductionScores, data_free_rotations, profile_model
 
 from conftest import tiny_model
@@ -38,6 +39,43 @@ def test_smoothing_scales_balance_key_and_query_channels_per_head():
     assert scales.shape == (2, 8)
     torch.testing.assert_close(scales.log().mean(-1), torch.zeros(2), atol=1e-5, rtol=0)  # geometric mean 1
     assert bool((scales.argmax(-1) == 3).all())  # the outlier channel is divided most
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """transformers' rotate_half RoPE of `x` `[B, H, L, d]` at `positions` `[L]`."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None].float() * theta ** (-torch.arange(half).float() / half)
+    cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _scales_at(positions: torch.Tensor, rotary: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    channel_size = torch.rand(8, generator=generator) * 8 + 0.5  # unequal channels, as projections make them
+    query = _rope(torch.randn(1, 4, len(positions), 8, generator=generator) * channel_size.flip(0), positions)
+    key = _rope(torch.randn(1, 2, len(positions), 8, generator=generator) * channel_size, positions)
+    power = ChannelPower(rotary)
+    power(types.SimpleNamespace(layer_idx=0), query, key, key, 1.0, None)
+    return power.scales()[0]
+
+
+def test_smoothing_scales_tied_per_rope_pair_do_not_depend_on_the_positions_measured():
+    """RoPE moves a slow pair's energy between its two channels with the position; the pair's total stays. Tied
+    scales from the first 256 positions match those from 4,096 positions later; per-channel ones do not."""
+    early, late = torch.arange(256), torch.arange(4096, 4352)
+    tied_early, tied_late = _scales_at(early, 8), _scales_at(late, 8)
+    torch.testing.assert_close(tied_early[:, :4], tied_early[:, 4:])  # channel i and i + d/2 share a scale
+    assert (tied_early / tied_late).log().abs().max() < 0.15
+    single = (_scales_at(early, 0) / _scales_at(late, 0)).log().abs().max()
+    assert single > 0.3  # the slowest pair's channels swapped roles between the two spans
+
+
+def test_the_rotary_dim_follows_the_models_rope():
+    from transformers import BloomConfig, LlamaConfig, PhiConfig
+
+    assert rotary_dim(LlamaConfig(head_dim=64), 64) == 64
+    assert rotary_dim(PhiConfig(), 64) == 32  # partial_rotary_factor 0.5: the rest keep a scale each
+    assert rotary_dim(BloomConfig(), 64) == 0  # ALiBi, no RoPE: nothing to tie
 
 
 def test_data_free_rotations_are_deterministic_and_rank_every_layer_and_head():
