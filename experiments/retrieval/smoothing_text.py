@@ -1,6 +1,7 @@
-"""How much text the key smoothing scales need (issue 21): `calibrate.smoothing.key_smoothing` on SmolLM2 from N tokens
-of the first calibration play, and from 2,048 tokens of each other calibration play, against the scales of 8,192
-tokens of the first play. The scales depend on the model's post-RoPE attention only, not on the rotations.
+"""How much text the key smoothing scales need: the smoothing rule (`oscar_hf.profile.ChannelPower`) on SmolLM2 from N
+tokens of the first calibration play, and from 2,048 tokens of each other calibration play, against the scales of
+8,192 tokens of the first play, both with a scale per channel and with the package's rule, one scale per RoPE pair.
+The scales depend on the model's post-RoPE attention only, not on the rotations.
 
     python -m experiments.retrieval.smoothing_text [--out docs/results/smoothing-text.md]
 
@@ -16,8 +17,10 @@ import time
 
 import torch
 
-from oscar_hf.calibrate.smoothing import key_smoothing
+from oscar_hf.calibrate.capture import feed
 from oscar_hf.eval.assets import CALIBRATION_PLAYS, load_model, play_tokens
+from oscar_hf.model_support import attention_shape, rotary_dim
+from oscar_hf.profile import ChannelPower
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 REFERENCE_TOKENS = 8192
@@ -27,15 +30,16 @@ def _flat(scales: dict[int, torch.Tensor]) -> torch.Tensor:
     return torch.cat([scales[layer].flatten() for layer in sorted(scales)])
 
 
-def _tied(scales: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """One scale per RoPE pair (c, c + d/2): the geometric mean of the two (RoPE moves a key's energy between the
-    two channels of a pair with the position, so that their sum of squares is what position does not change)."""
-    out = {}
-    for layer, x in scales.items():
-        half = x.shape[-1] // 2
-        tied = (x[:, :half] * x[:, half:]).sqrt()
-        out[layer] = torch.cat([tied, tied], dim=-1)
-    return out
+def scales_of(model, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """(a scale per channel, the package's scales: one per RoPE pair) from one pass over `ids`."""
+    single, tied = ChannelPower(), ChannelPower(rotary_dim(model.config, attention_shape(model.config).head_dim))
+
+    def both(*args) -> None:
+        single(*args)
+        tied(*args)
+
+    feed(model, [ids], observer=both)
+    return single.scales(), tied.scales()
 
 
 def main() -> int:
@@ -45,17 +49,17 @@ def main() -> int:
     start = time.time()
     model, tokenizer = load_model("smollm2", torch.float32, "cpu")
     first = CALIBRATION_PLAYS[0]
-    reference = key_smoothing(model, [play_tokens(tokenizer, first, REFERENCE_TOKENS)])
-    ref, ref_tied = _flat(reference).log2(), _flat(_tied(reference)).log2()
+    reference, reference_tied = scales_of(model, play_tokens(tokenizer, first, REFERENCE_TOKENS))
+    ref, ref_tied = _flat(reference).log2(), _flat(reference_tied).log2()
     spread = max(float(s.max() / s.min()) for s in reference.values())
     sources = [(f"{first}, {n} tokens", first, n) for n in LENGTHS]
     sources += [(f"{play}, 2048 tokens", play, 2048) for play in CALIBRATION_PLAYS[1:]]
-    lines = ["| scales from | median abs(log2 s / s_ref) | 99th percentile | largest | one per RoPE pair: median | "
-             "99th percentile | largest |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| scales from | per channel: median abs(log2 s / s_ref) | 99th percentile | largest | "
+             "per RoPE pair: median | 99th percentile | largest |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, play, tokens in sources:
-        scales = key_smoothing(model, [play_tokens(tokenizer, play, tokens)])
+        scales, tied = scales_of(model, play_tokens(tokenizer, play, tokens))
         cells = []
-        for got, want in ((_flat(scales).log2(), ref), (_flat(_tied(scales)).log2(), ref_tied)):
+        for got, want in ((_flat(scales).log2(), ref), (_flat(tied).log2(), ref_tied)):
             error = (got - want).abs()
             cells += [f"{error.median():.3f}", f"{error.quantile(0.99):.3f}", f"{error.max():.3f}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
