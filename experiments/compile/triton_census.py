@@ -61,7 +61,7 @@ class Census:
             self.stages[stage] += us / 1e6
         self.stages["make_ir"] += times.ir_initialization / 1e6
         self.records.append(dict(name=src.fn.__name__, module=src.fn.module, src=src, metadata=dict(metadata),
-                                 seconds=seconds, constexprs={str(k): _short(v) for k, v in src.constexprs.items()},
+                                 seconds=seconds, constexprs={str(k): _short(v) for k, v in src.constants.items()},
                                  attrs={str(k): v for k, v in src.attrs.items()}))
 
 

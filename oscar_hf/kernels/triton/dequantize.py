@@ -21,7 +21,7 @@ from oscar_hf.kernels.triton.common import launch_device
 BLOCK_TOKENS = 64  # history rows per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads"])  # a run of one KV head would be a variant of its own (stage1.py)
 def _dequantize_kernel(codes_ptr, scb, sch, sct, words_ptr, swb, swh, swt, out_ptr, sob, soh, sot, start, n,
                        heads, D: tl.constexpr, BITS: tl.constexpr, SZ_DT: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rows `[start, start + n)` of one (batch row, KV head) into `out`'s rows `[0, n)`; one program per

@@ -38,7 +38,7 @@ def _split_chunk(o_rows, lse_rows, top, row_ok, s0, lo, hi, offs, D_OFFS: tl.con
     return tl.sum(w[:, :, None] * o, axis=1)
 
 
-@triton.jit(do_not_specialize=["total_splits", "plain_splits"])
+@triton.jit(do_not_specialize=["total_splits", "plain_splits", "Hkv"])
 def _merge_kernel(
     o_ptr, lse_ptr, r_ptr, srh, srr,
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,

@@ -20,7 +20,7 @@ from oscar_hf.kernels.triton.common import launch_device
 from oscar_hf.kernels.triton.interpreter import interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hkv"])  # a run of one KV head would be a variant of its own (stage1.py)
 def _rotate_query_kernel(q_ptr, sqb, sqh, sql, r_ptr, srh, srr, o_ptr, Lq, G, Hkv,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, PRECISION: tl.constexpr,
                          LAUNCH_DEPENDENTS: tl.constexpr):

@@ -10,7 +10,9 @@ Splits `[0, dense_splits)` cover the dense keys `[B, Hkv, Ld, D]` (model dtype, 
 rotated basis: stage 2 (`merge.py`) applies `R_Vᵀ`.
 
 Lengths and split sizes are not specialized on (`do_not_specialize`): a decode step must never meet a new
-compilation because a length became a multiple of 16.
+compilation because a length became a multiple of 16. Nor is the KV head count: a layer split by KV heads
+(`oscar-next`) launches runs of one head, and a variant for `Hkv == 1` saves nothing (it only divides program ids)
+while compiling it cost a machine's first call about 3 s per variant (`experiments/compile/triton_census.py`).
 The history length can also be read from the device (`HistoryTensors.length_ptr`, a pinned history): the split
 count stays fixed and each program derives its split from the stored length, so one launch serves every later
 length (what a CUDA graph replays).
@@ -386,7 +388,7 @@ def _store_partial(o_rows, lse_rows, acc, l_i, m_i, row_ok, col0, WIDTH: tl.cons
 
 
 @triton.jit(do_not_specialize=["Ld", "N", "gap_start", "hist_col0", "dense_splits", "dense_split_len",
-                                "hist_split_len", "hist_splits", "total_splits", "head0", "Hq_all"])
+                                "hist_split_len", "hist_splits", "total_splits", "head0", "Hq_all", "Hkv"])
 def _attention_partials_kernel(
     q_ptr, sqb, sqh, sql,
     qr_ptr, srb, srh, srl,
