@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--chunk-tokens", type=int, default=2048,
                      help="feed longer sequences in chunks of this many tokens (bounded memory)")
     fit.add_argument("--smooth-keys", action=argparse.BooleanOptionalAction, default=None,
-                     help="store per-channel key smoothing, sqrt(rms(k) / rms(q)) per KV head and channel over "
+                     help="store key smoothing, sqrt(rms(k) / rms(q)) per KV head and RoPE channel pair over "
                           "the calibration text (oscar_hf.calibrate.smoothing): keys are divided by it before the "
                           "rotation, the query multiplied (default: on for safetensors output, which alone holds "
                           "it)")
