@@ -10,11 +10,10 @@ Runs `bench.first_answer`'s call twice with `OscarCache(model)` while Triton's c
   specialization attributes);
 - the same kernels compiled again into empty cache folders, one after another and on `--threads` threads
   (`triton.compile` on `ASTSource`s, what `JITFunction` calls), to see what parallel compilation would save;
-- the same kernels precompiled from their specialization data (`JITFunction.preload`, what a shipped manifest
-  would hold) in `--workers` processes into an empty Triton cache folder, which a process then only loads;
 - the NVRTC compile of the CUDA history kernel (compiled per process, no disk cache).
 
-`--manifest FILE` writes the specialization data as JSON lines (module, kernel name, data).
+`--manifest FILE` writes each variant's specialization data as JSON lines (module, kernel name, the data
+`JITFunction.preload` takes).
 
 Run it on a machine whose Triton cache is empty (a fresh one, or `TRITON_CACHE_DIR` pointed at an empty folder),
 else the first call compiles nothing and the census is empty.
@@ -23,11 +22,8 @@ else the first call compiles nothing and the census is empty.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -76,46 +72,6 @@ class Specializations:
         return None
 
 
-def preload_rows(rows: list[dict]) -> None:
-    """Compile `rows` (`Specializations.rows`) in this process, into Triton's cache folder."""
-    for row in rows:
-        getattr(importlib.import_module(row["module"]), row["name"]).preload(row["data"])
-
-
-def precompile_in_processes(rows: list[dict], workers: int) -> float:
-    """Seconds for `workers` fresh processes to compile `rows` into an empty cache folder (round-robin shares)."""
-    with tempfile.TemporaryDirectory() as folder:
-        began = time.perf_counter()
-        procs = []
-        for w in range(workers):
-            share = rows[w::workers]
-            if not share:
-                continue
-            path = os.path.join(folder, f"share{w}.json")
-            with open(path, "w") as f:
-                json.dump(share, f)
-            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(folder, "cache"))
-            code = ("import json, sys; from experiments.compile.triton_census import preload_rows; "
-                    "preload_rows(json.load(open(sys.argv[1])))")
-            procs.append(subprocess.Popen([sys.executable, "-c", code, path], env=env))
-        failed = sum(p.wait() != 0 for p in procs)
-        seconds = time.perf_counter() - began
-        if failed:
-            print(f"{failed} precompile processes failed")
-        previous = knobs.cache.dir
-        knobs.cache.dir = os.path.join(folder, "cache")
-        try:  # what the user's process then pays: loading every variant from the warm folder
-            for row in rows:
-                fn = getattr(importlib.import_module(row["module"]), row["name"])
-                fn.device_caches.clear()
-            loaded = time.perf_counter()
-            preload_rows(rows)
-            print(f"loading the {len(rows)} precompiled variants in this process: {time.perf_counter() - loaded:.1f} s")
-        finally:
-            knobs.cache.dir = previous
-        return seconds
-
-
 def _short(value):
     return value if isinstance(value, (int, float, bool, str)) else str(value)
 
@@ -154,7 +110,6 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--kind", default="oscar", help="bench.first_answer's cache kind")
     p.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
-    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--manifest", default=None, help="write the variants' specialization data here (JSON lines)")
     args = p.parse_args()
     census, specializations = Census(), Specializations()
@@ -194,10 +149,6 @@ def main() -> None:
         parallel = recompile(census.records, args.threads)
         print(f"recompiled into empty folders: one after another {serial:.1f} s, on {args.threads} threads "
               f"{parallel:.1f} s")
-    if specializations.rows:
-        seconds = precompile_in_processes(specializations.rows, args.workers)
-        print(f"precompiled {len(specializations.rows)} variants from their specialization data in {args.workers} "
-              f"processes: {seconds:.1f} s")
 
     from oscar_hf.kernels.cuda import history
 
