@@ -32,7 +32,7 @@ from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_K
 PROFILE_TOKENS = 2048
 PROFILE_SEED = 0
 FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finite scale
-SMOOTHING_RULE = "sqrt(rms(k) / rms(q)) per KV head and RoPE channel pair"
+SMOOTHING_RULE = "sqrt(rms(k) / rms(q)) per KV head and RoPE channel pair (per channel where RoPE turns none)"
 
 
 class ChannelPower:

@@ -87,7 +87,8 @@ def test_cli_smooths_keys_and_ranks_by_induction_unless_told_otherwise(model_fol
     assert set(default.key_smoothing) == {0, 1}
     assert default.metadata["retrieval_ranking"].startswith("induction")
     assert sorted(default.retrieval_layers()) == [0, 1] and len(default.retrieval_heads()) == 4
-    assert "## Recipe" in (tmp_path / "default" / "README.md").read_text()
+    card = (tmp_path / "default" / "README.md").read_text()
+    assert "## Recipe" in card and "Keys are smoothed: sqrt(rms(k) / rms(q)) per KV head and RoPE channel pair" in card
     model = transformers.AutoModelForCausalLM.from_pretrained(model_folder).eval()
     assert OscarCache(model, rotations=str(tmp_path / "default")).oscar_config.method == "oscar-next"
     assert run_cli(*common, "--out", tmp_path / "plain", "--no-smooth-keys", "--ranking", "none") == 0

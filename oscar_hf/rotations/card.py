@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -94,7 +95,7 @@ def model_card(metadata: Mapping[str, str], repo_id: str | None = None, subfolde
 
 def _recipe(metadata: Mapping[str, str]) -> str:
     """One sentence on what the cache gets from these rotations beyond the rotation itself."""
-    smoothed = "Keys are smoothed per channel" if metadata.get("key_smoothing") else "Keys are not smoothed"
+    smoothed = _smoothing(metadata.get("key_smoothing"))
     if metadata.get("retrieval_layers") or metadata.get("retrieval_heads"):
         how = metadata.get("retrieval_ranking", "needle probes")
         ranked = (f"layers and KV heads are ranked by retrieval ({how}), so `OscarCache` stores its ranked 2-bit "
@@ -108,3 +109,15 @@ def _recipe(metadata: Mapping[str, str]) -> str:
 def _cell(value: str) -> str:
     """A metadata value as a table cell: pipes escaped, newlines flattened."""
     return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _smoothing(described: str | None) -> str:
+    """How the keys are smoothed, from the rule the smoothing's metadata records (files made before the rule was
+    recorded say only that they are)."""
+    if not described:
+        return "Keys are not smoothed"
+    try:
+        rule = json.loads(described).get("rule")
+    except (ValueError, AttributeError):
+        rule = None
+    return f"Keys are smoothed: {rule}" if rule else "Keys are smoothed"
