@@ -19,7 +19,7 @@ from oscar_hf.calibrate.fit import fit_rotations
 from oscar_hf.calibrate.objectives import KEY_OBJECTIVES, VALUE_OBJECTIVES, check_objectives, passes_needed
 from oscar_hf.calibrate.smoothing import attach_key_smoothing
 from oscar_hf.calibrate.statistics import MomentCollector, Tiers
-from oscar_hf.model_support import UnsupportedModelError, attention_shape, rotary_dim
+from oscar_hf.model_support import UnsupportedModelError, attention_shape
 from oscar_hf.profile import ChannelPower
 from oscar_hf.rotations.rotations import Rotations
 
@@ -173,7 +173,7 @@ def calibrate(
     holds). `metadata["data"]` names the text in the smoothing's description."""
     layers, kv_heads, head_dim = calibration_layers(model)
     first, second = passes_needed([settings.key_objective], [settings.value_objective])
-    power = ChannelPower(rotary_dim(model.config, head_dim)) if settings.smooth_keys else None
+    power = ChannelPower.for_model(model) if settings.smooth_keys else None
     moments = collect_moments(model, sequences, first | second, settings.tiers, settings.chunk_tokens,
                               settings.max_elements, progress, also=power)
     scales = power.scales() if power is not None else None

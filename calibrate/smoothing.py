@@ -6,8 +6,8 @@ of a score goes as `(sum_c q_c^2 s_c^2) * (sum_c k_c^2 / s_c^2)`, which is small
 `s_c = sqrt(rms(k_c) / rms(q_c))`: the root mean squares of each post-RoPE key and query channel, per layer and KV
 head (a GQA group's queries pooled), over calibration text. Each root mean square is taken over the channel's RoPE
 pair, so both channels of a pair share a scale that does not depend on the positions measured (`ChannelPower`). The
-scales of a head are normalized to a geometric
-mean of 1 (their overall size changes nothing). Measured in `docs/retrieval.md` ("Per-channel key smoothing").
+scales of a head are normalized to a geometric mean of 1 (their overall size changes nothing). Measured in
+`docs/retrieval.md` ("Per-channel key smoothing").
 
     python -m oscar_hf.calibrate.smoothing --model smollm2 --rotations <folder | hadamard> --out <folder>
 
@@ -28,7 +28,6 @@ from transformers.utils import logging
 
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.eval.assets import CALIBRATION_PLAYS
-from oscar_hf.model_support import attention_shape, rotary_dim
 from oscar_hf.profile import SMOOTHING_RULE, ChannelPower
 from oscar_hf.rotations.io import SAFETENSORS_NAME
 from oscar_hf.rotations.rotations import Rotations
@@ -46,7 +45,7 @@ def key_smoothing(model, sequences: Iterable[torch.Tensor], chunk_tokens: int = 
     """`{layer: [Hkv, d]}` key smoothing scales (module docstring) from the model's attention over `sequences`
     (token id tensors `[1, L]` or `[B, L]`), for every layer whose attention goes through transformers'
     interface."""
-    power = ChannelPower(rotary_dim(model.config, attention_shape(model.config).head_dim))
+    power = ChannelPower.for_model(model)
     feed(model, sequences, chunk_tokens=chunk_tokens, progress=progress, observer=power)
     return power.scales()
 
@@ -70,6 +69,7 @@ def attach_key_smoothing(rotations: Rotations, scales: dict[int, torch.Tensor], 
 def main(argv: list[str] | None = None) -> int:
     from oscar_hf.eval.assets import load_model, play_tokens
     from oscar_hf.eval.cli_options import add_model_arguments, add_progress_argument, resolve_device, resolve_dtype
+    from oscar_hf.model_support import attention_shape
 
     p = argparse.ArgumentParser(prog="python -m oscar_hf.calibrate.smoothing",
                                 description="Add per-channel key smoothing to a model's rotations.")

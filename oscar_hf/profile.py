@@ -49,6 +49,11 @@ class ChannelPower:
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, dict[str, int]] = {}
 
+    @classmethod
+    def for_model(cls, model) -> ChannelPower:
+        """The observer for `model`'s attention, its RoPE pairs tied."""
+        return cls(rotary_dim(model.config, attention_shape(model.config).head_dim))
+
     def __call__(self, module, query, key, value, scaling, softcap) -> None:
         layer = module.layer_idx
         batch, q_heads, q_len, dim = query.shape
@@ -138,8 +143,7 @@ def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
     block = random_tokens(model.config.get_text_config().vocab_size, tokens, seed)
     ids = block.repeat(1, 2).to(model.get_input_embeddings().weight.device)
     induction = InductionScores(tokens)
-    power = ChannelPower(rotary_dim(model.config, attention_shape(model.config).head_dim))
-    observers = [induction, power] if smoothing else [induction]
+    observers = [induction, ChannelPower.for_model(model)] if smoothing else [induction]
 
     def observe(call: AttentionCall) -> None:
         for observer in observers:
@@ -163,8 +167,8 @@ def data_free_rotations(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE
     scales, induction = profile_model(model, tokens, seed, smoothing=smooth_keys)
     rotations = Rotations.hadamard(layers, shape.head_dim)
     if smooth_keys:
-        recipe = json.dumps({"rule": SMOOTHING_RULE, "text": "random tokens, fed "
-                             "twice", "tokens": profile_length(model, tokens), "seed": seed})
+        recipe = json.dumps({"rule": SMOOTHING_RULE, "text": "random tokens, fed twice",
+                             "tokens": profile_length(model, tokens), "seed": seed})
         rotations = rotations.with_key_smoothing({i: scales[i] for i in layers if i in scales}, recipe)
     record_induction_ranking(rotations, induction, layers)
     rotations.metadata["objective"] = "hadamard"

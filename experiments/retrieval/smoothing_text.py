@@ -19,7 +19,6 @@ import torch
 
 from oscar_hf.calibrate.capture import feed
 from oscar_hf.eval.assets import CALIBRATION_PLAYS, load_model, play_tokens
-from oscar_hf.model_support import attention_shape, rotary_dim
 from oscar_hf.profile import ChannelPower
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
@@ -32,7 +31,7 @@ def _flat(scales: dict[int, torch.Tensor]) -> torch.Tensor:
 
 def scales_of(model, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """(a scale per channel, the package's scales: one per RoPE pair) from one pass over `ids`."""
-    single, tied = ChannelPower(), ChannelPower(rotary_dim(model.config, attention_shape(model.config).head_dim))
+    single, tied = ChannelPower(), ChannelPower.for_model(model)
 
     def both(*args) -> None:
         single(*args)
