@@ -32,9 +32,9 @@ from oscar_hf.compile_policy import ledger_of
 
 
 def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk: int | None, seed: int,
-             compile_config=None) -> dict:
+             compile_config=None, cache_options: dict | None = None) -> dict:
     """One `generate` call with a fresh `kind` cache over a random `[batch, context]` prompt (`compile_config`:
-    `generate`'s, when it compiles)."""
+    `generate`'s, when it compiles; `cache_options`: more arguments of an `OscarCache`)."""
     set_attention(model, kind)
     empty_cache()
     base = allocated()
@@ -48,7 +48,7 @@ def one_call(model, kind: str, batch: int, context: int, new_tokens: int, chunk:
         options["cache_implementation"] = "static"
     else:
         cache = (DynamicCache(config=model.config) if kind == "dynamic" else
-                 OscarCache(model, compile_decode=True if kind == "oscar-compiled" else None))
+                 OscarCache(model, compile_decode=True if kind == "oscar-compiled" else None, **(cache_options or {})))
         options[cache_argument_name(model)] = cache
     if kind == "oscar-eager":
         options["disable_compile"] = True

@@ -5,11 +5,15 @@
 # b = oscar-compiled with the cudagraphs backend in a
 # fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill; q = a's compiled and rule calls
 # and the 16-token one-offs, when device time is short; c = chunked prefill: where one chunked call spends its
-# time, one layer's chunk with and without a mask tensor, then 32k and 100k chunked calls)
+# time, one layer's chunk with and without a mask tensor, then 32k and 100k chunked calls; f = a fresh machine's
+# very first calls, each kind in empty Triton and inductor cache folders: the default OscarCache (256 and 16 new
+# tokens), DynamicCache and StaticCache, then the Triton census with its manifest; p = a machine's first call with
+# each kernel compiled at its launch against kernels compiled on threads first, the Triton census in empty cache
+# folders, 16 new tokens, chunks of 8,192)
 # CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
 set -o pipefail
 out=${1:?usage: bench/gpu_first_answer.sh OUT_DIR PART}
-part=${2:?PART: a, b, c or q}
+part=${2:?PART: a, b, c, f, p or q}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
@@ -44,4 +48,20 @@ if [[ $part == b ]]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_cudagraphs fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled --calls 2 --compile-backend cudagraphs
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches dynamic,oscar-eager,oscar
   fa --context 100000 --batch 4 --new-tokens 16 --caches dynamic,oscar --chunk 8192
+fi
+if [[ $part == f ]]; then  # every kind compiles as on a new machine: Triton's and inductor's disk caches empty
+  fresh() { export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d); }
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar --calls 2
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches oscar
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches static --calls 2
+  fresh; python3 -m experiments.compile.triton_census --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 \
+    --chunk 8192 --manifest "$out/manifest.jsonl" 2>&1 | tee "$out/census.log"
+fi
+if [[ $part == p ]]; then
+  for threads in 0 16; do
+    export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+    python3 -m experiments.compile.triton_census --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --chunk 8192 \
+      --compile-threads $threads --no-recompile 2>&1 | tee "$out/census-threads$threads.log"
+  done
 fi

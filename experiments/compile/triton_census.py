@@ -12,7 +12,9 @@ Runs `bench.first_answer`'s call twice with `OscarCache(model)` while Triton's c
   (`triton.compile` on `ASTSource`s, what `JITFunction` calls), to see what parallel compilation would save;
 - the NVRTC compile of the CUDA history kernel (compiled per process, no disk cache).
 
-`--manifest FILE` writes each variant's specialization data as JSON lines (module, kernel name, the data
+`--compile-threads N` builds the caches with `TritonBackend(compile_threads=N)` (0: each kernel compiles at its
+launch, as before `kernels.triton.precompile`; default: the backend's default). `--no-recompile` skips the
+recompilation. `--manifest FILE` writes each variant's specialization data as JSON lines (module, kernel name, the data
 `JITFunction.preload` takes).
 
 Run it on a machine whose Triton cache is empty (a fresh one, or `TRITON_CACHE_DIR` pointed at an empty folder),
@@ -111,13 +113,21 @@ def main() -> None:
     p.add_argument("--kind", default="oscar", help="bench.first_answer's cache kind")
     p.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--manifest", default=None, help="write the variants' specialization data here (JSON lines)")
+    p.add_argument("--compile-threads", type=int, default=None, help="TritonBackend(compile_threads=...)")
+    p.add_argument("--no-recompile", action="store_true", help="skip compiling the variants again")
     args = p.parse_args()
     census, specializations = Census(), Specializations()
     knobs.compilation.listener = census
     knobs.runtime.jit_post_compile_hook = specializations
     model = build_model()
+    options = None
+    if args.compile_threads is not None:
+        from oscar_hf.kernels.triton.backend import TritonBackend
+
+        options = {"backend": TritonBackend(compile_threads=args.compile_threads)}
     for call in (1, 2):
-        row = one_call(model, args.kind, args.batch, args.context, args.new_tokens, args.chunk, seed=call)
+        row = one_call(model, args.kind, args.batch, args.context, args.new_tokens, args.chunk, seed=call,
+                       cache_options=options)
         print(f"call {call}: {row.get('seconds', row)} s; Triton kernels compiled so far: {len(census.records)}, "
               f"cache hits {census.hits}", flush=True)
     knobs.compilation.listener = None
@@ -144,7 +154,7 @@ def main() -> None:
     print(f"\n{len(census.records)} variants, {total:.1f} s of compilation in this process; by stage: "
           + ", ".join(f"{k} {v:.1f} s" for k, v in census.stages.items()))
 
-    if census.records:
+    if census.records and not args.no_recompile:
         serial = recompile(census.records, 1)
         parallel = recompile(census.records, args.threads)
         print(f"recompiled into empty folders: one after another {serial:.1f} s, on {args.threads} threads "

@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from oscar_hf.kernels.cuda import nvrtc
 from oscar_hf.kernels.reference.quantize import COMPACT, row_bytes
-from oscar_hf.kernels.triton.common import launch_device, multiprocessors
+from oscar_hf.kernels.triton.common import compiling_only, launch_device, multiprocessors
 from oscar_hf.kernels.triton.launch_plan import SplitPlan
 
 logger = logging.get_logger(__name__)
@@ -264,5 +264,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
         length_from_ptr=int(n_from_ptr), split_multiple=plan.block_n_history, q_scale=scaling * _LOG2E,
         head0=head_offset, partial_heads=q_heads if partial_heads is None else partial_heads,
         wait_at_end=int(beside))
+    if compiling_only():  # a compile-only pass (`kernels.triton.precompile`): the module is loaded, nothing runs
+        return
     with launch_device(rotated_query):
         kernel((partial_splits - plan.dense_splits, batch * kv_heads), args, dependent or beside)

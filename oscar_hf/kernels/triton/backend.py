@@ -43,6 +43,7 @@ from oscar_hf.kernels.triton.launch_plan import (
     plan_splits,
 )
 from oscar_hf.kernels.triton.merge import merge_splits
+from oscar_hf.kernels.triton.precompile import ParallelCompile, default_threads
 from oscar_hf.kernels.triton.query_rotation import rotate_query
 from oscar_hf.kernels.triton.stage1 import attention_partials
 
@@ -81,6 +82,9 @@ class TritonBackend(ReferenceBackend):
         dequantize_from_rows: unmasked calls with at least this many query rows per KV head dequantize their
             quantized history piece by piece into a scratch in the model dtype and attend to it with the BF16
             kernel (`_tiered_dequantized`); None: never (every row block unpacks the history itself).
+        compile_threads: a call of a new shape first compiles its Triton kernels on this many threads, launching
+            nothing, then runs (`precompile.ParallelCompile`); default: up to 16, one per CPU; below 2: each
+            kernel compiles at its launch.
     """
 
     name = "triton"
@@ -91,8 +95,10 @@ class TritonBackend(ReferenceBackend):
                  cuda_history: bool = True,
                  cuda_history_config: cuda_history.CudaHistoryConfig = cuda_history.CudaHistoryConfig(),
                  eager_graphs: bool = True, split_waves: int = 4,
-                 dequantize_from_rows: int | None = DEQUANTIZE_FROM_ROWS):
+                 dequantize_from_rows: int | None = DEQUANTIZE_FROM_ROWS, compile_threads: int | None = None):
         super().__init__(history_chunk=history_chunk)
+        self.compile_threads = compile_threads
+        self.compiles = ParallelCompile(default_threads() if compile_threads is None else compile_threads)
         self.dequantize_from_rows = dequantize_from_rows
         self.launch = launch
         self.target_programs = target_programs
@@ -132,13 +138,15 @@ class TritonBackend(ReferenceBackend):
     def demote_kv(self, call: DemoteCall) -> None:
         if not self._kernel_demotes_kv(call):
             return super().demote_kv(call)
-        demote_rows(_demotion_pairs(call), call.bits, encoder=call.encoder, only_if=call.only_if)
+        self.compiles.first("demote_kv", (call,), call.keys.device, lambda: demote_rows(
+            _demotion_pairs(call), call.bits, encoder=call.encoder, only_if=call.only_if))
 
     def demote_kv_at(self, call: DemoteCall, at: torch.Tensor) -> torch.Tensor:
         if not self._kernel_demotes_kv(call):
             return super().demote_kv_at(call, at)
         lost = torch.empty_like(call.only_if)
-        demote_rows(_demotion_pairs(call), call.bits, encoder=call.encoder, only_if=call.only_if, at=at, lost=lost)
+        self.compiles.first("demote_kv_at", (call, at), call.keys.device, lambda: demote_rows(
+            _demotion_pairs(call), call.bits, encoder=call.encoder, only_if=call.only_if, at=at, lost=lost))
         return lost
 
     # ------------------------------------------------------------------------------------------ attention
@@ -172,11 +180,17 @@ class TritonBackend(ReferenceBackend):
                          scaling, softcap=None, dense_start=None, history_start=None):
         """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
         `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (`kernels.interface`)."""
-        hist_len = history.length if history is not None else 0
-        tensors = history if hist_len else None
+        tensors = history if history is not None and history.length else None
         if not self._supported(query, key, value, mask, tensors):
             return super().tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
                                             value_rotation, scaling, softcap, dense_start, history_start)
+        args = (query, key, value, mask, tensors, sink_length, key_rotation, value_rotation, scaling, softcap,
+                dense_start, history_start)
+        return self.compiles.first("tiered_attention", args, query.device, lambda: self._tiered_attention(*args))
+
+    def _tiered_attention(self, query, key, value, mask, tensors, sink_length, key_rotation, value_rotation,
+                          scaling, softcap, dense_start, history_start):
+        hist_len = tensors.length if tensors is not None else 0
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
         out = self.new_output((batch, q_len, q_heads, dim), query.dtype, query.device)
@@ -227,6 +241,9 @@ class TritonBackend(ReferenceBackend):
         history (`HeadSplitTensors`) is served in one call (`_run_split`)."""
         if not self._decode_supported(call):  # split histories then go run by run
             return super().decode_attention(call)
+        return self.compiles.first("decode_attention", (call,), call.query.device, lambda: self._decode(call))
+
+    def _decode(self, call: DecodeCall) -> torch.Tensor:
         batch, q_heads, q_len, dim = call.query.shape
         out = self.new_output((batch, q_len, q_heads, dim), call.query.dtype, call.query.device)
         if isinstance(call.history, HeadSplitTensors):
@@ -263,7 +280,8 @@ class TritonBackend(ReferenceBackend):
                 "min_dense_tokens": self.min_dense_tokens, "min_history_tokens": self.min_history_tokens,
                 "launch": None if self.launch is None else asdict(self.launch), "cuda_history": self.cuda_history,
                 "cuda_history_config": asdict(self.cuda_history_config), "eager_graphs": self.graphs is not None,
-                "split_waves": self.split_waves, "dequantize_from_rows": self.dequantize_from_rows}
+                "split_waves": self.split_waves, "dequantize_from_rows": self.dequantize_from_rows,
+                "compile_threads": self.compile_threads}
 
     @classmethod
     def from_settings(cls, settings: dict) -> TritonBackend:

@@ -1,8 +1,11 @@
-"""Small helpers shared by the kernels (no kernels here): `@triton.jit` functions and the launch-device guard."""
+"""Small helpers shared by the kernels (no kernels here): `@triton.jit` functions, the launch-device guard and the
+one launch call every kernel goes through (`launch`), which a compile-only pass turns into a compile
+(`kernels.triton.precompile`)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 import torch
@@ -21,6 +24,34 @@ def launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+# set by `kernels.triton.precompile.compile_only`: launches compile their kernel and launch nothing
+_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("oscar_hf_compile_only", default=False)
+
+
+def compiling_only() -> bool:
+    """Whether this code runs in a compile-only pass: its launches must leave the device untouched."""
+    return _COMPILE_ONLY.get()
+
+
+@contextlib.contextmanager
+def launches_compile_only():
+    """Within the block, `launch` compiles and launches nothing (`kernels.triton.precompile.compile_only`)."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`; in a compile-only pass, `kernel.warmup(...)` with the same arguments,
+    which compiles (or finds) the variant these arguments select and launches nothing."""
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,7 +41,7 @@ from oscar_hf.kernels.reference.quantize import (
     zero_limit,
 )
 from oscar_hf.kernels.triton.codes import compact_scale, compact_zero
-from oscar_hf.kernels.triton.common import launch_device, round_to
+from oscar_hf.kernels.triton.common import launch, launch_device, round_to
 
 _BISECT_STEPS = tl.constexpr(31)  # the bit patterns of |x| lie in [0, 0x7F800000]: 31 halvings isolate one
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
@@ -263,7 +263,7 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax
         args.append(args[0])
     grid = (triton.cdiv(n, block_tokens), heads, batch * len(pairs))
     with launch_device(x):
-        _demote_kernel[grid](
+        launch(_demote_kernel, grid,
             *args[0], *args[1], n, x if only_if is None else only_if, x if at is None else at, rows,
             x if lost is None else lost,
             D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,

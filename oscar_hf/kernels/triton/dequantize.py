@@ -16,7 +16,7 @@ import triton.language as tl
 
 from oscar_hf.kernels.interface import HistoryTensors
 from oscar_hf.kernels.triton.codes import PAIR_WORDS, SCALE_DTYPES, code_planes, scale_zero
-from oscar_hf.kernels.triton.common import launch_device
+from oscar_hf.kernels.triton.common import launch, launch_device
 
 BLOCK_TOKENS = 64  # history rows per program
 
@@ -70,7 +70,7 @@ def dequantize_rows(codes: torch.Tensor, scale_zero_pairs: torch.Tensor, bits: i
     words = scale_zero_pairs.view(PAIR_WORDS[scale_zero_pairs.dtype])  # one integer per token (`codes.scale_zero`)
     grid = (triton.cdiv(n, BLOCK_TOKENS), batch * heads)
     with launch_device(out):
-        _dequantize_kernel[grid](codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        launch(_dequantize_kernel, grid, codes, codes.stride(0), codes.stride(1), codes.stride(2),
                                  words, words.stride(0), words.stride(1), words.stride(2),
                                  out, out.stride(0), out.stride(1), out.stride(2), start, n, heads,
                                  D=dim, BITS=bits, SZ_DT=SCALE_DTYPES[scale_zero_pairs.dtype],

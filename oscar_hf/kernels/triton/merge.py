@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from oscar_hf.kernels.triton.common import launch_device, multiprocessors, round_to
+from oscar_hf.kernels.triton.common import launch, launch_device, multiprocessors, round_to
 
 BATCH_ROWS_FROM = 8  # the smallest batch whose merge groups rows of several batch entries (`merge_splits`)
 
@@ -218,7 +218,7 @@ def merge_splits(
     column_programs, block_j = _column_blocks(dim, has_rot, row_programs, column_programs, out.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(batch, batch_rows) * kv_heads, column_programs)
     with launch_device(out):
-        _merge_kernel[grid](
+        launch(_merge_kernel, grid,
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, batch, splits, splits if plain_splits is None else plain_splits,

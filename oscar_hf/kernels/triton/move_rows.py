@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_hf.kernels.triton.common import launch_device
+from oscar_hf.kernels.triton.common import launch, launch_device
 
 BLOCK_D = 32  # columns per program: at d = 128, B = 8 and H = 8 there are 256 programs
 BLOCK_R = 64  # rows per tile: a 256-row window is four tiles
@@ -63,6 +63,6 @@ def move_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int, bloc
     index_batch_stride = 0 if index.shape[0] == 1 else index.stride(0)
     grid = (batch * heads, triton.cdiv(dim, BLOCK_D))
     with launch_device(first):
-        _move_rows_kernel[grid](first, buffers[-1], index, first.stride(0), first.stride(1), first.stride(2),
+        launch(_move_rows_kernel, grid, first, buffers[-1], index, first.stride(0), first.stride(1), first.stride(2),
                                 index_batch_stride, index.shape[1], start, heads, dim, BLOCK_D=BLOCK_D,
                                 BLOCK_R=block_rows, TWO=len(buffers) == 2)

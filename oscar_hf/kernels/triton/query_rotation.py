@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from oscar_hf.kernels.triton.common import launch_device
+from oscar_hf.kernels.triton.common import launch, launch_device
 from oscar_hf.kernels.triton.interpreter import interpreting
 
 
@@ -65,7 +65,7 @@ def rotate_query(query: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor 
     block_j = min(dim, 32)  # output columns per program: a decode step is latency-bound, so spread it wide
     grid = (triton.cdiv(groups * q_len, block_m), batch * kv_heads, dim // block_j)
     with launch_device(query):
-        _rotate_query_kernel[grid](
+        launch(_rotate_query_kernel, grid,
             query, query.stride(0), query.stride(1), query.stride(2),
             rotation, rotation.stride(0) if rotation.dim() == 3 else 0, rotation.stride(-2),
             out, q_len, groups, kv_heads,

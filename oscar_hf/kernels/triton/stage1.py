@@ -58,7 +58,7 @@ from oscar_hf.kernels.triton.codes import (
     key_planes,
     scale_zero,
 )
-from oscar_hf.kernels.triton.common import launch_device
+from oscar_hf.kernels.triton.common import launch, launch_device
 from oscar_hf.kernels.triton.interpreter import interpreting
 from oscar_hf.kernels.triton.launch_plan import LaunchConfig, SplitPlan
 
@@ -709,4 +709,4 @@ def attention_partials(
                                 dense_length, history_start, wait_for_rotation, launch_dependents, overlap_prior,
                                 history_only)
     with launch_device(query):
-        _attention_partials_kernel[(splits, plan.row_blocks, batch * kv_heads)](*tensors, *scalars, **keywords)
+        launch(_attention_partials_kernel, (splits, plan.row_blocks, batch * kv_heads), *tensors, *scalars, **keywords)
