@@ -6,8 +6,8 @@
 # fresh cache dir, the 16-token one-offs, and 100k/4 with chunked prefill; q = a's compiled and rule calls
 # and the 16-token one-offs, when device time is short; c = chunked prefill: where one chunked call spends its
 # time, one layer's chunk with and without a mask tensor, then 32k and 100k chunked calls; f = a fresh machine's
-# very first calls, each kind in empty Triton and inductor cache folders: the default OscarCache (256 and 16 new
-# tokens), DynamicCache and StaticCache, then the Triton census with its manifest; p = a machine's first call with
+# very first calls, 256 new tokens, each kind in empty Triton and inductor cache folders: the default OscarCache,
+# DynamicCache and StaticCache; p = a machine's first call with
 # each kernel compiled at its launch against kernels compiled on threads first, the Triton census in empty cache
 # folders, 16 new tokens, chunks of 8,192)
 # CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
@@ -51,12 +51,9 @@ if [[ $part == b ]]; then
 fi
 if [[ $part == f ]]; then  # every kind compiles as on a new machine: Triton's and inductor's disk caches empty
   fresh() { export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d); }
-  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar --calls 2
-  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 --caches oscar
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic
-  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches static --calls 2
-  fresh; python3 -m experiments.compile.triton_census --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 16 \
-    --chunk 8192 --manifest "$out/manifest.jsonl" 2>&1 | tee "$out/census.log"
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches static
 fi
 if [[ $part == p ]]; then
   for threads in 0 16; do

@@ -145,7 +145,7 @@ def test_decode_through_the_cuda_history_kernel_matches_triton_logits(monkeypatc
     steps = 24
     # launched directly (no eager CUDA graphs), so that every step's call reaches the counter
     cuda = TritonBackend(cuda_history=True, cuda_history_config=cuda_history.CudaHistoryConfig(min_history_bytes=0),
-                         eager_graphs=False)
+                         eager_graphs=False, compile_threads=0)  # nor a compile-only pass before a call
     got, tokens = _decode_logits(model, ids, cuda, steps)
     layers = model.config.num_hidden_layers
     # every decode step of every layer, and each layer's warm-up step when the prefill's forward closes

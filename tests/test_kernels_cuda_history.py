@@ -176,7 +176,7 @@ def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, 
     scaling = dim**-0.5
     outs = []
     for enabled in (True, False):
-        backend = poisoned_output_backend(cuda_history=enabled, cuda_history_config=ALWAYS)
+        backend = poisoned_output_backend(cuda_history=enabled, cuda_history_config=ALWAYS, compile_threads=0)
         outs.append(backend.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling))
     assert len(calls) == 1, "the CUDA kernel did not run"
     ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)

@@ -59,7 +59,7 @@ def test_every_kernel_launch_is_guarded_by_its_tensors_device(monkeypatch):
     recorder = lambda tensor: guarded.append(tensor.device) or contextlib.nullcontext()  # noqa: E731
     for module in (demote, stage1, merge):
         monkeypatch.setattr(module, "launch_device", recorder)
-    out = _demote_and_attend(TritonBackend(), device)
+    out = _demote_and_attend(TritonBackend(compile_threads=0), device)  # no compile-only pass: it counts launches
     assert out.shape == (1, 1, 4, 64)
     assert len(guarded) == 3 and set(guarded) == {out.device}  # demotion, stage-1 partials, merge
 
