@@ -263,7 +263,8 @@ def demote_rows(pairs, bits: int, block_tokens: int = 16, encoder: str = "minmax
         args.append(args[0])
     grid = (triton.cdiv(n, block_tokens), heads, batch * len(pairs))
     with launch_device(x):
-        launch(_demote_kernel, grid,
+        launch(
+            _demote_kernel, grid,
             *args[0], *args[1], n, x if only_if is None else only_if, x if at is None else at, rows,
             x if lost is None else lost,
             D=d, BITS=bits, K_ROT=pairs[0][1] is not None, V_ROT=pairs[-1][1] is not None,

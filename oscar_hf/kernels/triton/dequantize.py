@@ -71,10 +71,9 @@ def dequantize_rows(codes: torch.Tensor, scale_zero_pairs: torch.Tensor, bits: i
     grid = (triton.cdiv(n, BLOCK_TOKENS), batch * heads)
     with launch_device(out):
         launch(_dequantize_kernel, grid, codes, codes.stride(0), codes.stride(1), codes.stride(2),
-                                 words, words.stride(0), words.stride(1), words.stride(2),
-                                 out, out.stride(0), out.stride(1), out.stride(2), start, n, heads,
-                                 D=dim, BITS=bits, SZ_DT=SCALE_DTYPES[scale_zero_pairs.dtype],
-                                 BLOCK_T=BLOCK_TOKENS)
+               words, words.stride(0), words.stride(1), words.stride(2),
+               out, out.stride(0), out.stride(1), out.stride(2), start, n, heads,
+               D=dim, BITS=bits, SZ_DT=SCALE_DTYPES[scale_zero_pairs.dtype], BLOCK_T=BLOCK_TOKENS)
     return out
 
 

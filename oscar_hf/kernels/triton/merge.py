@@ -218,7 +218,8 @@ def merge_splits(
     column_programs, block_j = _column_blocks(dim, has_rot, row_programs, column_programs, out.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(batch, batch_rows) * kv_heads, column_programs)
     with launch_device(out):
-        launch(_merge_kernel, grid,
+        launch(
+            _merge_kernel, grid,
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, batch, splits, splits if plain_splits is None else plain_splits,

@@ -64,5 +64,5 @@ def move_rows(buffers: list[torch.Tensor], index: torch.Tensor, start: int, bloc
     grid = (batch * heads, triton.cdiv(dim, BLOCK_D))
     with launch_device(first):
         launch(_move_rows_kernel, grid, first, buffers[-1], index, first.stride(0), first.stride(1), first.stride(2),
-                                index_batch_stride, index.shape[1], start, heads, dim, BLOCK_D=BLOCK_D,
-                                BLOCK_R=block_rows, TWO=len(buffers) == 2)
+               index_batch_stride, index.shape[1], start, heads, dim, BLOCK_D=BLOCK_D, BLOCK_R=block_rows,
+               TWO=len(buffers) == 2)

@@ -65,7 +65,8 @@ def rotate_query(query: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor 
     block_j = min(dim, 32)  # output columns per program: a decode step is latency-bound, so spread it wide
     grid = (triton.cdiv(groups * q_len, block_m), batch * kv_heads, dim // block_j)
     with launch_device(query):
-        launch(_rotate_query_kernel, grid,
+        launch(
+            _rotate_query_kernel, grid,
             query, query.stride(0), query.stride(1), query.stride(2),
             rotation, rotation.stride(0) if rotation.dim() == 3 else 0, rotation.stride(-2),
             out, q_len, groups, kv_heads,
