@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from collections import defaultdict
@@ -38,6 +37,7 @@ from triton.compiler.compiler import make_backend
 
 from bench.first_answer import one_call
 from bench.harness import build_model
+from oscar_hf.kernels.triton.precompile import default_threads
 
 
 class Census:
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--kind", default="oscar", help="bench.first_answer's cache kind")
-    p.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--threads", type=int, default=default_threads())
     p.add_argument("--manifest", default=None, help="write the variants' specialization data here (JSON lines)")
     p.add_argument("--compile-threads", type=int, default=None, help="TritonBackend(compile_threads=...)")
     p.add_argument("--no-recompile", action="store_true", help="skip compiling the variants again")
