@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
+from oscar_hf.attention import AttentionCall, oscar_attention
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.model_support import UnsupportedModelError
 
@@ -63,11 +63,10 @@ def feed(
             with torch.no_grad():
                 observer(call.module, call.query, call.key, call.value, call.scaling, call.softcap)
 
-    extra[HOOK_ARGUMENT] = hook
     description = progress if isinstance(progress, str) else "calibration"
     bar = tqdm(total=total_tokens, desc=description, unit="tok", disable=not progress)
     fed = 0
-    with oscar_attention(model), bar:
+    with oscar_attention(model, hook), bar:
         for ids in sequences:
             if ids.dim() != 2 or ids.shape[0] != 1:
                 raise ValueError(f"calibration sequences are [1, L] token ids, got shape {tuple(ids.shape)}")

@@ -16,7 +16,7 @@ import weakref
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
@@ -24,8 +24,8 @@ from oscar_hf.compile_policy import StepClock, compiled_marker, expected_compile
 from oscar_hf.config import OscarConfig, checked_bool, checked_int
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
-from oscar_hf.layer import OscarLayer
-from oscar_hf.model_support import attention_shape, text_config_of
+from oscar_hf.layer import OscarLayer, oscar_layer_for
+from oscar_hf.model_support import attention_shape, text_config_of, transformers_cache_layers
 from oscar_hf.plan import NAMED_ROTATIONS, live_caches, plan_cache
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.hub import resolve_rotation_folder
@@ -95,11 +95,12 @@ class OscarCache(Cache):
         hub_options = dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only)
         plan = plan_cache(model, rotations, method, config, options, fold_value_rotation=fold_value_rotation,
                           recorded_clip_ratios=recorded_clip_ratios, hub_options=hub_options)
-        super().__init__(layers=[
-            DynamicSlidingWindowLayer(sliding_window=plan.shape.sliding_window) if layer is None else
-            OscarLayer(i, layer.config, layer.key_rotation, layer.value_rotation, backend, max_cache_len=max_cache_len,
-                       query_rotation=layer.query_rotation)
-            for i, layer in enumerate(plan.layers)])
+        # transformers' own plan, its full-attention K/V replaced (`model_support`)
+        layers = transformers_cache_layers(text_config_of(getattr(model, "config", model)))
+        for i, layer in enumerate(plan.layers):
+            if layer is not None:
+                layers[i] = oscar_layer_for(layers[i], i, layer, backend, max_cache_len)
+        super().__init__(layers=layers)
         self._plan = plan  # also what `save_pretrained` records
         self._max_cache_len = max_cache_len
         model_config = getattr(model, "config", model)
@@ -108,8 +109,6 @@ class OscarCache(Cache):
         self._warned_fallback = False
         self.compile_decode = compile_decode
         self._step_clock = StepClock(ledger_of(self if model is model_config else model))
-        if not plan.shape.oscar_layer_ids:
-            logger.warning("every layer of this model uses sliding-window attention: OscarCache keeps them all in BF16")
         if model is not model_config:
             use_oscar_attention(model)
             live_caches(model).add(self)
@@ -133,11 +132,15 @@ class OscarCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if not isinstance(layer, OscarLayer):
-            return layer.update(key_states, value_states)
+            return layer.update(key_states, value_states, *args, **kwargs)
         if layer_idx == self.shape.oscar_layer_ids[0] and not torch.compiler.is_compiling():
             self._check_whole_forwards()
             self._step_clock.tick(key_states.shape[-2])
         if torch.compiler.is_compiling() and self.uses_oscar_attention and not layer.counts_step(key_states):
+            if layer.readers:  # their attention would find the request, not tiers to read
+                raise NotImplementedError(
+                    f"layer {layer_idx}'s K/V are read by layers {list(layer.readers)} (KV sharing): a compiled "
+                    "prefill cannot hand them its tiers; run the prefill eagerly (compile the decode step only)")
             # a compiled prefill: the attention runs this update with itself, as one opaque op (`handoff`)
             publish_segment(key_states, kwargs, UpdateRequest(layer_idx, layer.handle))
             return key_states, value_states

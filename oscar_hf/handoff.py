@@ -60,6 +60,12 @@ class HistorySegment:
     dense_start: torch.Tensor | None = None
     history_start: torch.Tensor | None = None
     row_start: torch.Tensor | None = None
+    readers: tuple[int, ...] = ()  # other layers that attend to these tiers (KV sharing), before `close` settles
+
+    def serves(self, layer_idx: int) -> bool:
+        """Whether the attention of layer `layer_idx` may read this segment: its own layer, or one that shares its
+        K/V."""
+        return layer_idx == self.layer_idx or layer_idx in self.readers
 
     @property
     def history_length(self) -> int:
@@ -86,11 +92,11 @@ class HistorySegment:
         return torch.cat([allowed, rest], dim=-1)
 
     def decode_call(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                    softcap: float | None = None) -> DecodeCall:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> DecodeCall:
         """A counted segment's decode step for `query` `[B, Hq, 1, D]` over the whole BF16 buffers `keys`/`values`
-        (what `update` returned)."""
+        (what `update` returned); `sinks` `[Hq]`: the attention's learned sink logits, if any."""
         return DecodeCall(query, keys, values, self.dense_length, self.history, self.query_rotation,
-                          self.value_rotation, scaling, softcap, self.dense_start, self.history_start)
+                          self.value_rotation, scaling, softcap, self.dense_start, self.history_start, sinks)
 
     def close(self, attention_mask: torch.Tensor | None = None, *, query: torch.Tensor | None = None,
               output: torch.Tensor | None = None) -> None:

@@ -44,17 +44,18 @@ class HeadSplitBackend:
         self.name = inner.name
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                         softcap=None, dense_start=None, history_start=None) -> torch.Tensor:
+                         softcap=None, dense_start=None, history_start=None, sinks=None) -> torch.Tensor:
         if not isinstance(history, HeadSplitTensors):
             return self.inner.tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
-                                               value_rotation, scaling, softcap, dense_start, history_start)
+                                               value_rotation, scaling, softcap, dense_start, history_start, sinks)
         groups = query.shape[1] // key.shape[1]
         return torch.cat([
             self.inner.tiered_attention(query[:, r.start * groups : r.stop * groups], key[:, r.start : r.stop],
                                         value[:, r.start : r.stop], mask, r.history, sink_length,
                                         heads_of(key_rotation, r.start, r.stop),
                                         heads_of(value_rotation, r.start, r.stop), scaling, softcap, dense_start,
-                                        history_start)
+                                        history_start,
+                                        None if sinks is None else sinks[r.start * groups : r.stop * groups])
             for r in history.runs], dim=2)
 
     def decode_attention(self, call: DecodeCall) -> torch.Tensor:

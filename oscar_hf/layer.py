@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
@@ -66,9 +66,13 @@ class OscarLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, config: OscarConfig, key_rotation: torch.Tensor | None,
                  value_rotation: torch.Tensor | None, backend: Backend | None = None,
-                 max_cache_len: int | None = None, query_rotation: torch.Tensor | None = None):
-        super().__init__()
+                 max_cache_len: int | None = None, query_rotation: torch.Tensor | None = None,
+                 readers: tuple[int, ...] = ()):
+        CacheLayerMixin.__init__(self)
         self.layer_idx = layer_idx
+        # layers that attend to this layer's tiers after it in every forward (KV sharing, `model_support`): the
+        # forward's demotion waits for the last of them
+        self.readers = tuple(readers)
         self.config = config
         # keys are stored as `k @ key_rotation`; the history's attention rotates the query by `query_rotation`,
         # the same matrix unless the keys are smoothed (`Rotations.key_transforms`: then `key_rotation` times
@@ -254,18 +258,35 @@ class OscarLayer(CacheLayerMixin):
         return self.counted is not None and key_states.shape[-2] == 1 and key_states.shape[0] == self.batch_size
 
     def open_segment(self) -> HistorySegment:
-        """Hand the attention function the history layout of the current forward; closing it settles."""
+        """Hand the attention function the history layout of the current forward; closing it settles (once this
+        layer and every one of its `readers` have closed it)."""
         self.segment_open = True
         if self.counted is not None:
             stored, dense_start, history_start = self.counted.segment_counts(self.row_start)
             history = self.history.counted_view(stored)
             return HistorySegment(self.layer_idx, self.op_attention_backend, history, self.counted.sink,
-                                  self.query_rotation, self.value_rotation, on_close=self._close_counted, counted=True,
+                                  self.query_rotation, self.value_rotation,
+                                  on_close=self._after_every_reader(self._close_counted), counted=True,
                                   dense_start=dense_start, dense_length=self.counted.rows,
-                                  history_start=history_start)
+                                  history_start=history_start, readers=self.readers)
         return HistorySegment(self.layer_idx, self.attention_backend, self.history.kernel_view(), self.sink_length,
-                              self.query_rotation, self.value_rotation, on_close=self._close_segment,
-                              row_start=self.row_start)
+                              self.query_rotation, self.value_rotation,
+                              on_close=self._after_every_reader(self._close_segment), row_start=self.row_start,
+                              readers=self.readers)
+
+    def _after_every_reader(self, close):
+        """`close`, run at the last of the 1 + len(readers) closes of one segment: a demotion rewrites the tiers
+        that the segment's readers attend to after this layer."""
+        if not self.readers:
+            return close
+        left = [1 + len(self.readers)]
+
+        def close_after_last_read(attention_mask, *, query=None, output=None):
+            left[0] -= 1
+            if left[0] == 0:
+                close(attention_mask, query=query, output=output)
+
+        return close_after_last_read
 
     def _close_segment(self, attention_mask: torch.Tensor | None, *, query: torch.Tensor | None = None,
                        output: torch.Tensor | None = None) -> None:
@@ -567,3 +588,69 @@ class OscarLayer(CacheLayerMixin):
             self._refresh_host_counts()
         return (f"OscarLayer(idx={self.layer_idx}, tokens={self.length}, sink={self.sink_length}, "
                 f"history={self.history_length}, bf16={self.bf16_length})")
+
+
+class OscarHybridLayer(LinearAttentionLayer, OscarLayer):
+    """A decoder layer that holds a linear-attention (or SSM / convolution) state beside its full attention
+    (transformers' "hybrid" layer type, e.g. Falcon-H1, Zamba2): transformers' state as it keeps it, the full
+    attention's K/V as `OscarLayer` does."""
+
+    def __init__(self, *args, number_of_states: int = 1, **kwargs):
+        OscarLayer.__init__(self, *args, **kwargs)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # the K/V path calls it with the two states, the recurrent path with keywords only (as transformers' own
+        # hybrid layer tells them apart)
+        if args:
+            OscarLayer.lazy_initialization(self, *args, **kwargs)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        OscarLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        OscarLayer.reorder_cache(self, beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        LinearAttentionLayer.batch_select_indices(self, indices)
+        OscarLayer.batch_select_indices(self, indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        LinearAttentionLayer.batch_repeat_interleave(self, repeats)
+        OscarLayer.batch_repeat_interleave(self, repeats)
+
+    def crop_problem(self, tokens_to_remove: int) -> str | None:
+        return OscarLayer.crop_problem(self, tokens_to_remove)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        OscarLayer.crop(self, tokens_to_remove)
+
+    def get_seq_length(self) -> int:
+        return OscarLayer.get_seq_length(self)
+
+    def get_max_length(self) -> int:
+        return OscarLayer.get_max_length(self)
+
+    def offload(self) -> None:
+        OscarLayer.offload(self)
+
+    def prefetch(self) -> None:
+        OscarLayer.prefetch(self)
+
+    def __repr__(self) -> str:
+        return OscarLayer.__repr__(self)
+
+
+def oscar_layer_for(replaced, layer_idx: int, plan, backend: Backend | None, max_cache_len: int | None) -> OscarLayer:
+    """The OSCAR layer that takes the place of transformers' cache layer `replaced` (a full-attention layer, alone
+    or beside a linear-attention state) for layer `layer_idx` of a `plan.LayerPlan`."""
+    options = dict(max_cache_len=max_cache_len, query_rotation=plan.query_rotation, readers=plan.readers)
+    args = (layer_idx, plan.config, plan.key_rotation, plan.value_rotation, backend)
+    if isinstance(replaced, LinearAttentionCacheLayerMixin):
+        return OscarHybridLayer(*args, number_of_states=replaced.number_of_states, **options)
+    return OscarLayer(*args, **options)

@@ -1,12 +1,31 @@
-"""Which models OscarCache handles, and how each of their layers is cached."""
+"""Which models OscarCache handles, and how each of their layers is cached.
+
+The layer plan is transformers' own: `DynamicCache(config=...)` builds one cache layer per model layer from the
+config's `layer_types` (full, sliding and chunked attention, linear-attention / SSM / convolution states, layers
+that share another layer's K/V), and OscarCache replaces only the layers that store a growing full-attention K/V:
+
+- `QUANTIZED`: a full-attention layer (alone, or beside a linear-attention state in one decoder layer); also a
+  sliding window at least as long as the model's positions, which is full attention in all but name;
+- `KEPT`: transformers' own layer, as `DynamicCache` builds it (sliding and chunked windows already bound their
+  size; recurrent and convolution states do not grow);
+- `SHARED`: a layer that attends to an earlier layer's K/V and stores nothing (Gemma 3n, Gemma 4), listed with
+  its source in `AttentionShape.kv_sources`.
+
+Refused with `UnsupportedModelError`, before any forward: multi-head latent attention (its cache is a compressed
+latent, not per-head K/V), ALiBi (a per-head position bias the tiers would have to carry), encoder-decoders, and
+quantized layers of unequal head geometry.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-OSCAR_LAYER = "oscar"
-SLIDING_LAYER = "sliding"
+QUANTIZED = "quantized"
+KEPT = "kept"
+SHARED = "shared"
 
+# model types whose attention adds an ALiBi bias for every architecture of the family (Falcon says so per config)
+ALIBI_FAMILIES = ("bloom", "mpt")
 
 
 class UnsupportedModelError(ValueError):
@@ -15,16 +34,27 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class AttentionShape:
+    """The layer plan and the quantized layers' head geometry.
+
+    `layer_kinds`: `QUANTIZED`, `KEPT` or `SHARED` per cache layer (as many as transformers' `DynamicCache` builds
+    for the config). `kv_sources`: (reading layer, layer whose K/V it reads) for every `SHARED` layer that reads a
+    quantized one. `num_kv_heads` / `head_dim`: those of the quantized layers."""
+
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_kinds: tuple[str, ...]  # OSCAR_LAYER or SLIDING_LAYER per layer
-    sliding_window: int | None
+    layer_kinds: tuple[str, ...]
+    kv_sources: tuple[tuple[int, int], ...] = ()
 
     @property
     def oscar_layer_ids(self) -> list[int]:
-        return [i for i, kind in enumerate(self.layer_kinds) if kind == OSCAR_LAYER]
+        """The layers whose K/V the cache quantizes."""
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == QUANTIZED]
+
+    def readers_of(self, layer_idx: int) -> list[int]:
+        """The layers that attend to `layer_idx`'s K/V besides itself (KV sharing)."""
+        return [reader for reader, source in self.kv_sources if source == layer_idx]
 
 
 def rotary_dim(config, head_dim: int) -> int:
@@ -46,6 +76,13 @@ def text_config_of(config):
     return getter(decoder=True) if getter is not None else config
 
 
+def transformers_cache_layers(config) -> list:
+    """The cache layers transformers' own `DynamicCache` builds for `config`, one per cached model layer."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config).layers
+
+
 def attention_shape(config) -> AttentionShape:
     """Layer plan and head geometry of a model config; raises `UnsupportedModelError` with the reason."""
     cfg = text_config_of(config)
@@ -55,36 +92,70 @@ def attention_shape(config) -> AttentionShape:
     if getattr(cfg, "kv_lora_rank", None):
         raise UnsupportedModelError(
             f"{model_type}: multi-head latent attention (MLA) caches a compressed latent, not per-head K/V; "
-            "OscarCache does not support it"
+            "OscarCache does not support it (docs/models.md)"
         )
-    if (getattr(cfg, "num_kv_shared_layers", None) or 0) > 0 or getattr(cfg, "kv_sharing_modes", None):
-        raise UnsupportedModelError(f"{model_type}: layers that share another layer's KV cache are not supported")
-    if model_type in ("gpt_oss",):
-        raise UnsupportedModelError(f"{model_type}: learned attention-sink logits are not supported")
-    num_layers = cfg.num_hidden_layers
-    layer_types = getattr(cfg, "layer_types", None)
-    sliding_window = getattr(cfg, "sliding_window", None)
-    if layer_types is None:
-        if getattr(cfg, "attention_chunk_size", None) is not None:
-            layer_types = ["chunked_attention"] * num_layers
-        elif sliding_window is not None:
-            layer_types = ["sliding_attention"] * num_layers
-        else:
-            layer_types = ["full_attention"] * num_layers
-    kinds = []
-    for i, layer_type in enumerate(layer_types[:num_layers]):
-        if layer_type == "full_attention":
-            kinds.append(OSCAR_LAYER)
-        elif layer_type == "sliding_attention":
-            kinds.append(SLIDING_LAYER)
-        else:
-            raise UnsupportedModelError(
-                f"{model_type}: layer {i} is of type {layer_type!r}; OscarCache supports 'full_attention' "
-                "(quantized) and 'sliding_attention' (kept in BF16) layers only"
-            )
-    num_heads = cfg.num_attention_heads
-    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    if model_type in ALIBI_FAMILIES or getattr(cfg, "alibi", False):
+        raise UnsupportedModelError(
+            f"{model_type}: ALiBi attention adds a per-head position bias to every score, which OscarCache's tiers "
+            "and quantized history do not carry; it is not supported (docs/models.md)"
+        )
+    kinds = [_layer_kind(layer, cfg) for layer in transformers_cache_layers(cfg)]
+    sources = kv_sharing_sources(cfg)
+    for reader in sources:
+        if reader < len(kinds):
+            kinds[reader] = SHARED  # an empty stand-in (`DummyLayer`) in transformers' plan
+    quantized = [i for i, kind in enumerate(kinds) if kind == QUANTIZED]
+    geometry = {_head_geometry(cfg, i) for i in quantized} or {_head_geometry(cfg, None)}
+    if len(geometry) > 1:
+        raise UnsupportedModelError(f"{model_type}: its full-attention layers differ in heads or head size "
+                                    f"{sorted(geometry)}; OscarCache needs one geometry for them")
+    num_heads, num_kv_heads, head_dim = geometry.pop()
     if num_heads % num_kv_heads:
         raise UnsupportedModelError(f"{model_type}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    return AttentionShape(num_layers, num_heads, num_kv_heads, head_dim, tuple(kinds), sliding_window)
+    kv_sources = tuple((r, s) for r, s in sorted(sources.items()) if s < len(kinds) and kinds[s] == QUANTIZED)
+    return AttentionShape(cfg.num_hidden_layers, num_heads, num_kv_heads, head_dim, tuple(kinds), kv_sources)
+
+
+def _layer_kind(layer, cfg) -> str:
+    """`QUANTIZED` for transformers' plain full-attention layers (alone or beside a linear-attention state), and for
+    sliding windows no shorter than the model's positions; `KEPT` for every other layer."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer
+
+    if type(layer) in (DynamicLayer, LinearAttentionAndFullAttentionLayer):
+        return QUANTIZED
+    if type(layer) is DynamicSlidingWindowLayer:
+        positions = getattr(cfg, "max_position_embeddings", None)
+        return QUANTIZED if positions is not None and layer.sliding_window >= positions else KEPT
+    return KEPT
+
+
+def kv_sharing_sources(cfg) -> dict[int, int]:
+    """{layer that reads another layer's K/V: that layer}. transformers marks readers either by `kv_sharing_modes`
+    ("reuse"; the source is the last earlier "store" layer of the same layer type) or by `num_kv_shared_layers` (the
+    last ones; the source is the last earlier non-shared layer of the same type)."""
+    layer_types = getattr(cfg, "layer_types", None)
+    modes = getattr(cfg, "kv_sharing_modes", None)
+    count = getattr(cfg, "num_kv_shared_layers", None) or 0
+    if layer_types is None or not (modes or count > 0):
+        return {}
+    num_layers = cfg.num_hidden_layers
+    readers = ([i for i, mode in enumerate(modes) if mode == "reuse"] if modes
+               else list(range(num_layers - count, num_layers)))
+    first = min(readers, default=num_layers)
+    sources = {}
+    for reader in readers:
+        earlier = [j for j in range(first) if layer_types[j] == layer_types[reader]
+                   and (not modes or modes[j] == "store")]
+        if earlier:
+            sources[reader] = earlier[-1]
+    return sources
+
+
+def _head_geometry(cfg, layer_idx: int | None) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of layer `layer_idx` (a per-layer config where the model has one)."""
+    per_layer = getattr(cfg, "per_layer_config", None) if layer_idx is not None else None
+    layer_cfg = per_layer[layer_idx] if per_layer else cfg
+    num_heads = getattr(layer_cfg, "num_attention_heads", None) or cfg.num_attention_heads
+    num_kv_heads = getattr(layer_cfg, "num_key_value_heads", None) or getattr(cfg, "num_key_value_heads", None)
+    head_dim = getattr(layer_cfg, "head_dim", None) or getattr(cfg, "head_dim", None)
+    return num_heads, num_kv_heads or num_heads, head_dim or cfg.hidden_size // num_heads

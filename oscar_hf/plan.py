@@ -21,7 +21,7 @@ import torch
 from transformers.utils import logging
 
 from oscar_hf.config import FORMAT_FIELDS, LAYER_RANKED_DEFAULT_METHOD, RANKED_DEFAULT_METHOD, OscarConfig
-from oscar_hf.model_support import OSCAR_LAYER, UnsupportedModelError, attention_shape
+from oscar_hf.model_support import QUANTIZED, UnsupportedModelError, attention_shape
 from oscar_hf.parallel import local_head_config, local_heads, tensor_parallel_position
 from oscar_hf.profile import data_free_rotations
 from oscar_hf.rotations import Rotations
@@ -35,12 +35,14 @@ NAMED_ROTATIONS = ("hadamard", "identity")
 @dataclass(frozen=True)
 class LayerPlan:
     """One full-attention layer: its settings and its rotations (None: identity; `value_rotation` None also where
-    the model's weights hold it, `query_rotation` None where it is the key rotation)."""
+    the model's weights hold it, `query_rotation` None where it is the key rotation), and the layers that read its
+    K/V (`AttentionShape.readers_of`)."""
 
     config: OscarConfig
     key_rotation: torch.Tensor | None
     value_rotation: torch.Tensor | None
     query_rotation: torch.Tensor | None
+    readers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class CachePlan:
     rotations: Rotations | None
     rotations_name: str | None  # "hadamard" or "identity" where no file is needed, else None
     shape: object  # `model_support.AttentionShape`
-    layers: tuple[LayerPlan | None, ...]  # None: a sliding-window layer, kept in BF16
+    layers: tuple[LayerPlan | None, ...]  # None: transformers' own layer (`model_support.KEPT`, `SHARED`)
     recorded_clip_ratios: bool
     folds_value_rotation: bool
 
@@ -69,6 +71,13 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
         config = OscarConfig.from_method(method or _infer_method(rotations, weights, options), **options)
     elif method is not None or options:
         raise TypeError("pass either config=OscarConfig(...) or method/options, not both")
+    if not shape.oscar_layer_ids:
+        # nothing to quantize (every layer a bounded window or a recurrent state): no profile, no rotations
+        logger.warning_once("OscarCache: no layer of this model stores a growing full-attention K/V (its windows or "
+                            "recurrent states already bound the cache), so nothing is stored at %s bits; the cache "
+                            "holds what DynamicCache holds", config.bits)
+        return CachePlan(config, None, "identity", shape, (None,) * len(shape.layer_kinds), recorded_clip_ratios,
+                         False)
     source = rotations if rotations is not None else config.rotation
     if weights and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
         # a ranked preset on Hadamard rotations: the model's own profile ranks it
@@ -90,7 +99,7 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
     tp_rank, tp_size = tensor_parallel_position(model)
     layers = []
     for i, kind in enumerate(shape.layer_kinds):
-        if kind != OSCAR_LAYER:
+        if kind != QUANTIZED:
             layers.append(None)
             continue
         key_r, value_r = resolved.for_layer(i) if resolved is not None else (None, None)
@@ -101,7 +110,8 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
         layer_config = local_head_config(config.for_layer(i), tp_rank, tp_size, shape.num_kv_heads)
         if recorded_clip_ratios and i not in config.high_precision_layers:
             layer_config = _recorded_clip_config(layer_config, resolved, i)
-        layers.append(LayerPlan(layer_config, key_r, None if i in folded else value_r, query_r))
+        layers.append(LayerPlan(layer_config, key_r, None if i in folded else value_r, query_r,
+                                tuple(shape.readers_of(i))))
     name = "identity" if resolved is None else "hadamard" if _named(source, "hadamard") else None
     return CachePlan(config, resolved, name, shape, tuple(layers), recorded_clip_ratios, bool(folded))
 

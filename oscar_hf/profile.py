@@ -22,8 +22,8 @@ import json
 
 import torch
 
-from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
-from oscar_hf.model_support import attention_shape, rotary_dim
+from oscar_hf.attention import AttentionCall, oscar_attention
+from oscar_hf.model_support import UnsupportedModelError, attention_shape, rotary_dim
 from oscar_hf.rotations.rotations import RETRIEVAL_HEADS_KEY, RETRIEVAL_LAYERS_KEY, RETRIEVAL_RANKING_KEY, Rotations
 
 # The random sequence's length (it is fed twice). The slow RoPE channels' scales need thousands of positions: scales
@@ -144,13 +144,22 @@ def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
     ids = block.repeat(1, 2).to(model.get_input_embeddings().weight.device)
     induction = InductionScores(tokens)
     observers = [induction, ChannelPower.for_model(model)] if smoothing else [induction]
+    stored = set(attention_shape(model.config).oscar_layer_ids)  # not windows, nor layers reading others' K/V
 
     def observe(call: AttentionCall) -> None:
+        if call.layer_idx not in stored:
+            return
         for observer in observers:
             observer(call.module, call.query, call.key, call.value, call.scaling, call.softcap)
 
-    with oscar_attention(model):
-        model(input_ids=ids, use_cache=False, **{HOOK_ARGUMENT: observe})
+    with oscar_attention(model, observe):
+        model(input_ids=ids, use_cache=False)
+    missing = sorted(stored - set(induction.scores))
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the data-free profile saw no attention call of layers {missing} (the model "
+            "computes their attention outside transformers' attention interface); pass rotations='hadamard' with "
+            "method='hadamard' for uniform rows, which need no profile")
     return (observers[1].scales() if smoothing else None), induction.scores
 
 

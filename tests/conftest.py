@@ -43,6 +43,8 @@ def tiny_config(family: str, **overrides):
         cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, sliding_window=8,
                                             query_pre_attn_scalar=16,
                                             layer_types=["sliding_attention", "full_attention"] * 2)
+    elif family in NEW_ARCHITECTURES:
+        cfg = NEW_ARCHITECTURES[family](common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -50,10 +52,44 @@ def tiny_config(family: str, **overrides):
     return cfg
 
 
+def _hybrid(common: dict, **extra) -> dict:
+    """Linear attention in 3 of 4 layers (Qwen3.5, Qwen3-Next): small gated-delta-rule heads."""
+    return dict(common, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                **extra)
+
+
+# the architectures users move to (docs/models.md), each in the layout that makes it new: tiny, CPU-fast
+NEW_ARCHITECTURES = {
+    # linear attention beside full attention
+    "qwen3_next": lambda c: transformers.Qwen3NextConfig(**_hybrid(
+        c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "qwen3_5": lambda c: transformers.Qwen3_5TextConfig(**_hybrid(c)),
+    # Mamba-2 blocks beside attention
+    "nemotron_h": lambda c: transformers.NemotronHConfig(
+        **{k: v for k, v in c.items() if k != "num_hidden_layers"}, layers_block_type=["mamba", "attention"] * 2,
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2),
+    # the last two layers read the K/V of the last earlier layer of their type
+    "gemma4": lambda c: transformers.Gemma4TextConfig(
+        **dict(c, num_hidden_layers=6), num_kv_shared_layers=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 3, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=c["vocab_size"]),
+    # learned sink logits, sliding and full layers
+    "gpt_oss": lambda c: transformers.GptOssConfig(
+        **dict(c, num_hidden_layers=4), num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2),
+    # chunked attention in 3 of 4 layers (NoPE in the fourth)
+    "llama4": lambda c: transformers.Llama4TextConfig(
+        **dict(c, num_hidden_layers=4), attention_chunk_size=32, num_local_experts=2, intermediate_size_mlp=96,
+        no_rope_layers=[1, 1, 1, 0]),
+}
+
+
 def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     cfg = tiny_config(family, **overrides)
-    attn = "eager" if family == "gemma2" else "sdpa"  # transformers refuses sdpa for Gemma2 (soft-capping)
+    # transformers refuses sdpa for Gemma2 (soft-capping) and gpt-oss (sink logits)
+    attn = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
     model.generation_config.pad_token_id = 0
     return model

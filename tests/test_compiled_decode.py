@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from oscar_hf.attention import oscar_attention
 from oscar_hf import OscarCache
 from oscar_hf.compat import compile_config_anywhere
 
@@ -495,7 +496,7 @@ def test_a_model_switched_to_oscar_attention_still_compiles_fullgraph_with_anoth
 
 
 def test_an_attention_hook_sees_the_counted_steps_and_can_replace_them():
-    """`oscar_hook` on decode steps of a counted cache: a hook that returns None leaves the logits as they are
+    """An `oscar_attention(model, hook)` hook on decode steps of a counted cache: a hook that returns None leaves the logits as they are
     (through a demotion) and sees each layer's step with its segment; one that returns a tensor replaces the step's
     attention output."""
     model = tiny_model("llama", seed=1)
@@ -512,10 +513,12 @@ def test_an_attention_hook_sees_the_counted_steps_and_can_replace_them():
         token = torch.tensor([[5]])
         for _ in range(10):
             want = forward(model, token, plain).logits
-            got = forward(model, token, hooked, oscar_hook=watch).logits
+            with oscar_attention(model, watch):
+                got = forward(model, token, hooked).logits
             assert torch.equal(got, want)
         assert seen == [(i, True) for _ in range(10) for i in range(len(model.model.layers))]
-        zeroed = forward(model, token, hooked, oscar_hook=lambda call: torch.zeros_like(call.query.transpose(1, 2)))
+        with oscar_attention(model, lambda call: torch.zeros_like(call.query.transpose(1, 2))):
+            zeroed = forward(model, token, hooked)
         assert not torch.allclose(zeroed.logits, forward(model, token, plain).logits)
 
 

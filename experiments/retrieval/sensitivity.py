@@ -22,7 +22,7 @@ import json
 import torch
 
 from experiments.retrieval.data_free import overlap
-from oscar_hf.attention import HOOK_ARGUMENT, oscar_attention
+from oscar_hf.attention import oscar_attention
 from oscar_hf.config import PRESETS
 from oscar_hf.eval.assets import load_model
 from oscar_hf.kernels.reference.quantize import fake_quantize
@@ -98,8 +98,8 @@ def main() -> None:
         ids = random_tokens(model.config.get_text_config().vocab_size, tokens, PROFILE_SEED).repeat(1, 2)
     cfg = PRESETS["oscar-next"]
     damage = HistoryDamage(tokens, scales, cfg.sink_tokens, cfg.recent_tokens)  # queries from the second half
-    with torch.no_grad(), oscar_attention(model):
-        model(input_ids=ids.to(model.device), use_cache=False, **{HOOK_ARGUMENT: damage})
+    with torch.no_grad(), oscar_attention(model, damage):
+        model(input_ids=ids.to(model.device), use_cache=False)
     by_induction = [tuple(pair) for pair in json.loads(rotations.metadata[RETRIEVAL_HEADS_KEY])]
     rank_of = {pair: r for r, pair in enumerate(by_induction)}
     score = {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
+from oscar_hf.attention import AttentionCall, oscar_attention
 from oscar_hf.config import OscarConfig
 from oscar_hf.demotion import history_lengths, in_history
 from oscar_hf.kernels.reference.attention import gqa_mix, gqa_scores
@@ -208,6 +208,5 @@ def simulate_logits(model, input_ids: torch.Tensor, cache_or_plan, prefill: int 
     """
     plan = cache_or_plan if isinstance(cache_or_plan, SimulationPlan) else SimulationPlan.from_cache(
         cache_or_plan, prefill=prefill, chunk=chunk)
-    with oscar_attention(model):
-        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                     **{HOOK_ARGUMENT: plan}).logits
+    with oscar_attention(model, plan):
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits

@@ -8,10 +8,12 @@ and then called through these operations only:
 - `demote_kv_at(call: DemoteCall, at) -> lost`: the same straight into whole history buffers at the device row
   `at` (a counted decode step's demotion);
 - `tiered_attention(query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling, softcap,
-  dense_start, history_start) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model
+  dense_start, history_start, sinks) -> [B, Lq, Hq, D]`: one layer's attention over its BF16 tiers `key`/`value` (model
   basis) and its history (a `HistoryTensors`, or None), which sits between mask columns `sink_length` and
   `sink_length + history.length`; `dense_start` / `history_start` (int32 `[B]` or None): leading dense keys and
-  leading history rows of each row to ignore (left padding, `demotion.padded_starts`);
+  leading history rows of each row to ignore (left padding, `demotion.padded_starts`); `sinks` (float `[Hq]` or
+  None): learned sink logits that every row's softmax adds to its denominator (gpt-oss;
+  `reference.attention.add_sinks`);
 - `decode_attention(call: DecodeCall) -> [B, 1, Hq, D]`: a single-token step over device-counted BF16 rows and
   history, every one of them visible (no mask): what a compiled or graph-captured decode step runs (`kernels.ops`);
 - `eager_decode_attention(call: DecodeCall)`: the same call from an eager step, with tensors that keep their
@@ -176,7 +178,8 @@ class DecodeCall:
     the first `dense_length` rows (int32 `[1]` on the device) are in use; `history`: the quantized history (its
     count in `length_ptr`), a `HeadSplitTensors`, or None. `key_rotation`: what the history's attention rotates
     the query by (the layer's query rotation); `value_rotation`: what its output is un-rotated by. `dense_start` /
-    `history_start` (int32 `[B]`, or None without left padding): leading BF16 and history rows each row ignores."""
+    `history_start` (int32 `[B]`, or None without left padding): leading BF16 and history rows each row ignores.
+    `sinks` (float `[Hq]` or None): learned sink logits in each query head's softmax."""
 
     query: torch.Tensor
     keys: torch.Tensor
@@ -189,6 +192,7 @@ class DecodeCall:
     softcap: float | None = None
     dense_start: torch.Tensor | None = None
     history_start: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
     def for_run(self, run: HeadRun) -> DecodeCall:
         """The call restricted to one run's KV heads `[start, stop)`: query heads `[start * G, stop * G)`, the BF16
@@ -197,7 +201,8 @@ class DecodeCall:
         return replace(self, query=self.query[:, run.start * groups : run.stop * groups],
                        keys=self.keys[:, run.start : run.stop], values=self.values[:, run.start : run.stop],
                        history=run.history, key_rotation=heads_of(self.key_rotation, run.start, run.stop),
-                       value_rotation=heads_of(self.value_rotation, run.start, run.stop))
+                       value_rotation=heads_of(self.value_rotation, run.start, run.stop),
+                       sinks=None if self.sinks is None else self.sinks[run.start * groups : run.stop * groups])
 
 
 class Backend(Protocol):
@@ -213,7 +218,8 @@ class Backend(Protocol):
                          mask: torch.Tensor | None, history: HistoryTensors | None, sink_length: int,
                          key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None, scaling: float,
                          softcap: float | None = None, dense_start: torch.Tensor | None = None,
-                         history_start: torch.Tensor | None = None) -> torch.Tensor: ...
+                         history_start: torch.Tensor | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def decode_attention(self, call: DecodeCall) -> torch.Tensor: ...
 

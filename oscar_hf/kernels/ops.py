@@ -53,12 +53,12 @@ def _decode_arguments(call: DecodeCall, spec: str) -> tuple:
             [r.history.bits for r in runs], [r.history.keys for r in runs],
             [r.history.key_scale_zero for r in runs], [r.history.values for r in runs],
             [r.history.value_scale_zero for r in runs], call.key_rotation, call.value_rotation, float(call.scaling),
-            None if call.softcap is None else float(call.softcap), spec)
+            None if call.softcap is None else float(call.softcap), call.sinks, spec)
 
 
 def _decode_call(query, keys, values, dense_length, dense_start, history_start, history_length, run_bounds,
                  run_bits, history_keys, history_key_scale_zero, history_values, history_value_scale_zero,
-                 key_rotation, value_rotation, scaling, softcap) -> DecodeCall:
+                 key_rotation, value_rotation, scaling, softcap, sinks) -> DecodeCall:
     """The `DecodeCall` an op call's arguments flatten (`_decode_arguments`)."""
     runs = tuple(
         HeadRun(run_bounds[2 * i], run_bounds[2 * i + 1], HistoryTensors(k, v, kz, vz, k.shape[2], bits,
@@ -68,7 +68,7 @@ def _decode_call(query, keys, values, dense_length, dense_start, history_start, 
     whole = len(runs) == 1 and runs[0].start == 0 and runs[0].stop == keys.shape[1]
     history = None if not runs else runs[0].history if whole else HeadSplitTensors(runs)
     return DecodeCall(query, keys, values, dense_length, history, key_rotation, value_rotation, scaling, softcap,
-                      dense_start, history_start)
+                      dense_start, history_start, sinks)
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
@@ -78,7 +78,8 @@ def decode_attention(
     run_bounds: list[int], run_bits: list[int], history_keys: list[torch.Tensor],
     history_key_scale_zero: list[torch.Tensor | None], history_values: list[torch.Tensor],
     history_value_scale_zero: list[torch.Tensor | None], key_rotation: torch.Tensor | None,
-    value_rotation: torch.Tensor | None, scaling: float, softcap: float | None, backend: str,
+    value_rotation: torch.Tensor | None, scaling: float, softcap: float | None, sinks: torch.Tensor | None,
+    backend: str,
 ) -> torch.Tensor:
     """`[B, 1, Hq, D]` in the query dtype; run i holds KV heads `[run_bounds[2i], run_bounds[2i + 1])` (see the
     module docstring)."""
@@ -88,14 +89,14 @@ def decode_attention(
 @decode_attention.register_kernel("cuda")
 def _decode_attention_cuda(query, keys, values, dense_length, dense_start, history_start, history_length,
                            run_bounds, run_bits, history_keys, history_key_scale_zero, history_values,
-                           history_value_scale_zero, key_rotation, value_rotation, scaling, softcap, backend):
+                           history_value_scale_zero, key_rotation, value_rotation, scaling, softcap, sinks, backend):
     return backend_from_spec(backend).decode_attention(_decode_call(*_call_fields(locals())))
 
 
 @decode_attention.register_fake
 def _(query, keys, values, dense_length, dense_start, history_start, history_length, run_bounds, run_bits,
       history_keys, history_key_scale_zero, history_values, history_value_scale_zero, key_rotation, value_rotation,
-      scaling, softcap, backend):
+      scaling, softcap, sinks, backend):
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from oscar_hf.attention import HOOK_ARGUMENT, AttentionCall, oscar_attention
+from oscar_hf.attention import AttentionCall, oscar_attention
 from oscar_hf.eval.diagnostics.metrics import attention_kl, squared_error_sums
 from oscar_hf.kernels.reference.attention import gqa_mix, gqa_scores
 from oscar_hf.layer import OscarLayer
@@ -50,8 +50,8 @@ def capture_attention_inputs(model, input_ids: torch.Tensor) -> tuple[list[Captu
         store.append(CapturedLayer(call.layer_idx, call.module, call.query.detach().float(), call.key.detach(),
                                    call.value.detach(), call.scaling))
 
-    with oscar_attention(model):
-        logits = model(input_ids=input_ids, use_cache=False, **{HOOK_ARGUMENT: capture}).logits
+    with oscar_attention(model, capture):
+        logits = model(input_ids=input_ids, use_cache=False).logits
     return sorted(store, key=lambda c: c.layer_idx), logits
 
 

@@ -70,6 +70,13 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     return out, top + torch.log(total)
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The attention `out` `[B, Hq, Lq, D]` (float32, with log-sum-exp `lse` `[B, Hq, Lq]`) of a softmax whose
+    denominator also holds `exp(sinks[h])` for each query head h (learned sink logits, gpt-oss: a key no value goes
+    with): `out · sigmoid(lse - sink)`, exact, 0 where nothing was attended."""
+    return out * torch.sigmoid(lse - sinks.float().view(1, -1, 1))[..., None]
+
+
 def history_partial(
     query: torch.Tensor,
     history: HistoryTensors,
@@ -130,7 +137,7 @@ def split_mask(mask: torch.Tensor | None, sink: int, history: int):
 
 
 def tiered_reference(backend, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                     softcap=None, dense_start=None, history_start=None) -> torch.Tensor:
+                     softcap=None, dense_start=None, history_start=None, sinks=None) -> torch.Tensor:
     """Attention over BF16 tiers + quantized history through `backend`'s partial ops; `[B, Lq, Hq, D]`, query dtype.
 
     `key`/`value` `[B, Hkv, Ld, D]` are the sink followed by the recent and new tokens (model basis); the history
@@ -138,6 +145,7 @@ def tiered_reference(backend, query, key, value, mask, history, sink_length, key
     Without a mask and with several queries, a bottom-right causal mask over all columns is used.
     `dense_start` / `history_start` (int `[B]`, optional): row b ignores its first `dense_start[b]` dense keys and
     its first `history_start[b]` history rows (left padding, `demotion.padded_starts`), on top of the mask.
+    `sinks` (`[Hq]`, optional): learned sink logits in every row's softmax (`add_sinks`).
     """
     hist_len = history.length if history is not None else 0
     q_len = query.shape[2]
@@ -156,5 +164,7 @@ def tiered_reference(backend, query, key, value, mask, history, sink_length, key
     if hist_len:
         parts.append(backend.history_attention(query, history, key_rotation, value_rotation, history_mask, scaling,
                                                softcap))
-    out, _ = backend.merge(parts)
+    out, lse = backend.merge(parts)
+    if sinks is not None:
+        out = add_sinks(out.float(), lse, sinks)
     return out.to(query.dtype).transpose(1, 2).contiguous()

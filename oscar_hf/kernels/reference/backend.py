@@ -79,9 +79,9 @@ class ReferenceBackend:
         return merge_partials(parts)
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation, scaling,
-                         softcap=None, dense_start=None, history_start=None):
+                         softcap=None, dense_start=None, history_start=None, sinks=None):
         return tiered_reference(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                                scaling, softcap, dense_start, history_start)
+                                scaling, softcap, dense_start, history_start, sinks)
 
     def decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """One query per row over the first `dense_length` BF16 rows (row b from `dense_start[b]`) and the first
@@ -97,7 +97,7 @@ class ReferenceBackend:
             history = replace(history, length=length, length_ptr=None) if length else None
         return tiered_reference(self, call.query, call.keys[:, :, :dense], call.values[:, :, :dense], None, history,
                                 0, call.key_rotation, call.value_rotation, call.scaling, call.softcap,
-                                call.dense_start, call.history_start)
+                                call.dense_start, call.history_start, call.sinks)
 
     def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """`decode_attention` as an eager step calls it (the reference has nothing to replay)."""

@@ -177,19 +177,19 @@ class TritonBackend(ReferenceBackend):
         return out, lse
 
     def tiered_attention(self, query, key, value, mask, history, sink_length, key_rotation, value_rotation,
-                         scaling, softcap=None, dense_start=None, history_start=None):
+                         scaling, softcap=None, dense_start=None, history_start=None, sinks=None):
         """BF16 tiers (`key`/`value`, model basis) + history between columns `sink_length` and
         `sink_length + history.length`: `[B, Lq, Hq, D]` in the query dtype (`kernels.interface`)."""
         tensors = history if history is not None and history.length else None
         if not self._supported(query, key, value, mask, tensors):
             return super().tiered_attention(query, key, value, mask, history, sink_length, key_rotation,
-                                            value_rotation, scaling, softcap, dense_start, history_start)
+                                            value_rotation, scaling, softcap, dense_start, history_start, sinks)
         args = (query, key, value, mask, tensors, sink_length, key_rotation, value_rotation, scaling, softcap,
-                dense_start, history_start)
+                dense_start, history_start, sinks)
         return self.compiles.first("tiered_attention", args, query.device, lambda: self._tiered_attention(*args))
 
     def _tiered_attention(self, query, key, value, mask, tensors, sink_length, key_rotation, value_rotation,
-                          scaling, softcap, dense_start, history_start):
+                          scaling, softcap, dense_start, history_start, sinks):
         hist_len = tensors.length if tensors is not None else 0
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
@@ -198,16 +198,16 @@ class TritonBackend(ReferenceBackend):
                 and self.dequantize_from_rows is not None
                 and q_heads // kv_heads * q_len >= self.dequantize_from_rows):
             self._tiered_dequantized(query, key, value, tensors, sink_length, key_rotation, value_rotation, scaling,
-                                     softcap, out)
+                                     softcap, out, sinks)
             return out
         self._run(query, key, value, tensors, key_rotation, value_rotation if hist_len else None, mask, scaling, softcap,
                   causal=mask is None and q_len > 1, gap_start=sink_length, hist_col0=sink_length,
                   kv_heads=kv_heads, out=out, out_layout="blhd", lse_out=None, dense_start=dense_start,
-                  history_start=history_start)
+                  history_start=history_start, sinks=sinks)
         return out
 
     def _tiered_dequantized(self, query, key, value, history: HistoryTensors, sink_length, key_rotation,
-                            value_rotation, scaling, softcap, out) -> None:
+                            value_rotation, scaling, softcap, out, sinks=None) -> None:
         """`tiered_attention` of an unmasked chunk of queries, the history dequantized once: the BF16 tiers (causal
         among the chunk's own tokens) as one partial, then each piece of the history, dequantized into a scratch
         in the model dtype (rotated basis), attended to by the rotated query (`query @ R_K`, rounded to the model
@@ -233,7 +233,7 @@ class TritonBackend(ReferenceBackend):
             self._run(rotated, keys, values, None, None, None, None, scaling, softcap, causal=False, gap_start=n,
                       hist_col0=0, kv_heads=kv_heads, out=parts[:, :, :, i], out_layout="bhld",
                       lse_out=lses[..., i])
-        merge_splits(parts, lses, splits, out, "blhd", value_rotation, 1, kv_heads)
+        merge_splits(parts, lses, splits, out, "blhd", value_rotation, 1, kv_heads, sinks=sinks)
 
     def decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """A single-token step over device-counted BF16 rows and history (`kernels.interface`): the splits are cut
@@ -253,7 +253,7 @@ class TritonBackend(ReferenceBackend):
                   call.value_rotation if call.history is not None else None, None, call.scaling, call.softcap,
                   causal=False, gap_start=0, hist_col0=0, kv_heads=call.keys.shape[1], out=out, out_layout="blhd",
                   lse_out=None, dense_start=call.dense_start, dense_length=call.dense_length,
-                  history_start=call.history_start)
+                  history_start=call.history_start, sinks=call.sinks)
         return out
 
     def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor:
@@ -264,7 +264,8 @@ class TritonBackend(ReferenceBackend):
             return self.decode_attention(call)
         c = call
         key = (layout(c.keys), layout(c.values), layout(c.dense_length), layout(c.dense_start),
-               layout(c.history_start), layout(c.key_rotation), layout(c.value_rotation), float(c.scaling),
+               layout(c.history_start), layout(c.key_rotation), layout(c.value_rotation), layout(c.sinks),
+               float(c.scaling),
                c.softcap, self._settings(), _history_key(c.history))
         return self.graphs(key, c.query, lambda q: self.decode_attention(replace(c, query=q)),
                            keep=lambda: self._scratch.get(c.query.device))
@@ -307,7 +308,7 @@ class TritonBackend(ReferenceBackend):
 
     def _run(self, query, key, value, tensors, key_rotation, value_rotation, mask, scaling, softcap, causal,
              gap_start, hist_col0, kv_heads, out, out_layout, lse_out, dense_start=None, dense_length=None,
-             history_start=None):
+             history_start=None, sinks=None):
         batch, q_heads, q_len, dim = query.shape
         dense_len = key.shape[2] if key is not None else 0
         hist_len = tensors.plan_length if tensors is not None else 0
@@ -358,7 +359,7 @@ class TritonBackend(ReferenceBackend):
                                launch_dependents=dependent, wait_for_rotation=dependent and rotating,
                                dense_length=dense_length, history_start=history_start)
         merge_splits(partial_out, partial_lse, plan.total_splits, out, out_layout, value_rotation, plan.dense_splits,
-                     kv_heads, lse_out, after_stage1=dependent)
+                     kv_heads, lse_out, after_stage1=dependent, sinks=sinks)
 
     def _run_split(self, call: DecodeCall, out: torch.Tensor) -> None:
         """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
@@ -425,7 +426,7 @@ class TritonBackend(ReferenceBackend):
                                    history_only=True, head_offset=first_heads, partial_heads=q_heads,
                                    partial_splits=partial_splits)
         merge_splits(partial_out, partial_lse, partial_splits, out, "blhd", value_rotation, plan.dense_splits,
-                     kv_heads, None, after_stage1=dependent)
+                     kv_heads, None, after_stage1=dependent, sinks=call.sinks)
 
     def _decode_supported(self, call: DecodeCall) -> bool:
         """Whether the kernels serve a decode call (over a split history: in one call, `_run_split`), else the

@@ -8,7 +8,9 @@ multiplied by `Rᵀ` (float32, IEEE) after being combined. The result is
     out = (sum_s w_s o_s') / sum_s w_s,  w_s = exp(lse_s - max_s lse_s),  o_s' = o_s or o_s Rᵀ,
 
 written in the output tensor's dtype at any strides (e.g. `[B, Lq, Hq, D]`, what transformers expects), plus
-optionally the merged log-sum-exp `[B, Hq, Lq]` (float32). Rows whose splits are all -inf give 0 and -inf, never
+optionally the merged log-sum-exp `[B, Hq, Lq]` (float32). With learned sink logits `sink_h` (float32 `[Hq]`,
+gpt-oss), each one is a further term `exp(sink_h - max)` of the denominator that adds nothing to the numerator
+(`reference.attention.add_sinks`), and the merged log-sum-exp counts it. Rows whose splits are all -inf give 0 and -inf, never
 NaN. Query head h belongs to KV head h // G (the rotation of a per-KV-head R).
 
 One program handles `BLOCK_M` rows (query position, head of one GQA group) of one KV head, or of `BATCH_ROWS`
@@ -40,12 +42,12 @@ def _split_chunk(o_rows, lse_rows, top, row_ok, s0, lo, hi, offs, D_OFFS: tl.con
 
 @triton.jit(do_not_specialize=["total_splits", "plain_splits", "Hkv"])
 def _merge_kernel(
-    o_ptr, lse_ptr, r_ptr, srh, srr,
+    o_ptr, lse_ptr, r_ptr, srh, srr, sink_ptr,
     out_ptr, sob, soh, sol, lo_ptr, slb, slh, sll,
     Lq, G, Hkv, B, total_splits, plain_splits,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, HAS_ROT: tl.constexpr, WRITE_LSE: tl.constexpr, COL_SPAN: tl.constexpr,
-    WAIT_PRIOR: tl.constexpr, BATCH_ROWS: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr, BATCH_ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     kvh = tl.program_id(1) % Hkv
     if BATCH_ROWS > 1:  # the rows of BATCH_ROWS batch entries of one KV head (one R_V): t = (b, row t % (G Lq))
@@ -82,8 +84,13 @@ def _merge_kernel(
     lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s < total_splits)[None, :],
                   other=float("-inf"))
     top = tl.max(lse, axis=1)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h, mask=row_ok, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp(lse - top[:, None]), axis=1)
+    if HAS_SINK:
+        total += tl.exp(sink - top)
     inv_total = 1.0 / tl.maximum(total, 1.1754943508222875e-38)
 
     # the partials SPLIT_CHUNK splits per load: [M, SPLIT_CHUNK, D] tiles reduced over the splits
@@ -174,13 +181,15 @@ def merge_splits(
     num_warps: int = 4,
     after_stage1: bool = False,
     batch_rows: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Merge the `splits` partials per row of `partial_out` / `partial_lse` (float32, laid out as contiguous
     `[B, Hq, Lq, splits, D]` / `[B, Hq, Lq, splits]`; flat workspaces are fine) into `out`.
 
     `out` is `[B, Lq, Hq, D]` (`out_layout="blhd"`) or `[B, Hq, Lq, D]` (`"bhld"`), any dtype and strides; its
     shape gives B, Hq, Lq and D. Splits from `plain_splits` on are multiplied by `value_rotation`ᵀ (`[D, D]` or
-    `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given.
+    `[kv_heads, D, D]`). `lse_out` `[B, Hq, Lq]` float32 receives the merged log-sum-exp when given. `sinks`
+    (`[Hq]`): learned sink logits, each in its query head's denominator (module docstring).
 
     `column_programs`: programs sharing a row block's output columns (a power of two up to D / 32 with R_Vᵀ, each
     then merging the rotated splits' whole rows again; up to D / 16 without, each reading only its columns).
@@ -211,6 +220,8 @@ def merge_splits(
     has_rot = value_rotation is not None and plain_splits is not None and plain_splits < splits
     rot, rot_head_stride, rot_row_stride = _rotation_operand(value_rotation if has_rot else None, partial_out)
     lse_target = lse_out if lse_out is not None else partial_lse
+    if sinks is not None:
+        sinks = sinks.to(device=out.device, dtype=torch.float32).contiguous()
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0, 0)
     rows = groups * q_len
     block_m, batch_rows = _row_blocks(rows, batch, has_rot, batch_rows)
@@ -221,10 +232,11 @@ def merge_splits(
         launch(
             _merge_kernel, grid,
             partial_out, partial_lse, rot, rot_head_stride, rot_row_stride,
+            sinks if sinks is not None else partial_lse,
             out, sob, soh, sol, lse_target, *lse_strides,
             q_len, groups, kv_heads, batch, splits, splits if plain_splits is None else plain_splits,
             D=dim, BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_S=max(16, triton.next_power_of_2(splits)),
             SPLIT_CHUNK=split_chunk or max(1, 128 // block_m), HAS_ROT=has_rot, WRITE_LSE=lse_out is not None,
-            COL_SPAN=dim // column_programs, WAIT_PRIOR=after_stage1, BATCH_ROWS=batch_rows,
+            COL_SPAN=dim // column_programs, WAIT_PRIOR=after_stage1, BATCH_ROWS=batch_rows, HAS_SINK=sinks is not None,
             num_warps=num_warps, **({"launch_pdl": True} if after_stage1 else {}),
         )
