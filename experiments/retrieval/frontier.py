@@ -1,10 +1,11 @@
 """The retrieval frontier: fact copy accuracy against stored bits per history element, one point per format of
 `levers.py` (and per rotation), with its perplexity change; a markdown table and a plot. `--needles` adds a panel
-of greedy hits through the real cache, one point per `label=bits=results.json=method` (an `oscar-needles` run).
-`make_frontier.sh` draws the one in docs/results/levers:
+of greedy hits through the real cache, one point per `label=bits=needles.md=method`: the hits of `method` (as
+`--methods` names it) in the summary an `oscar-needles` run wrote. `make_frontier.sh` draws the one in
+docs/results/levers:
 
   python -m experiments.retrieval.frontier docs/results/levers/levers.jsonl --out docs/results/levers \
-      --needles "hadamard=2.5=docs/results/needles-cpu-hadamard/needles.json=oscar" ...
+      --needles "hadamard=2.5=docs/results/needles-cpu-hadamard/needles.md=oscar" ...
 """
 
 from __future__ import annotations
@@ -35,16 +36,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def method_hits(path: str) -> dict[str, tuple[int, int]]:
+    """(hits, probes) per method name of an `oscar-needles` summary (`needles.md`). Its first table has one row per
+    method, labelled for reading, in the order the methods first appear in the table of outputs below it, whose rows
+    start with the method's name."""
+    with open(path) as f:
+        tables = [block.splitlines() for block in f.read().split("\n\n") if block.startswith("| method |")]
+    if len(tables) != 2:
+        raise ValueError(f"{path}: expected the hits table and the outputs table of an oscar-needles run, "
+                         f"found {len(tables)} tables starting with '| method |'")
+    (header, _, *summary), (_, _, *outputs) = tables
+    total = [cell.strip() for cell in header.split("|")].index("total")
+    methods = list(dict.fromkeys(row.split(" | ")[0].removeprefix("| ") for row in outputs))
+    if len(methods) != len(summary):
+        raise ValueError(f"{path}: {len(summary)} rows of hits for {len(methods)} methods ({methods}) in the outputs")
+    return {method: tuple(map(int, row.split("|")[total].split("/"))) for method, row in zip(methods, summary)}
+
+
 def greedy_points(specs: list[str]) -> list[tuple[str, float, int, int, int]]:
-    """(label, bits, hits, probes, BF16 hits) per `label=bits=path=method`."""
+    """(label, bits, hits, probes, BF16 hits) per `label=bits=needles.md=method`; BF16 hits are 0 in a run without
+    bf16."""
     points = []
     for spec in specs:
         label, bits, path, method = spec.split("=")
-        with open(path) as f:
-            results = json.load(f)["results"]
-        mine = [r for r in results if r["method"] == method]
-        reference = [r for r in results if r["method"] == "bf16"]
-        points.append((label, float(bits), sum(r["hit"] for r in mine), len(mine), sum(r["hit"] for r in reference)))
+        totals = method_hits(path)
+        if method not in totals:
+            raise ValueError(f"{spec}: {path} has no method {method!r}; it has {sorted(totals)}")
+        points.append((label, float(bits), *totals[method], totals.get("bf16", (0, 0))[0]))
     return points
 
 
@@ -87,7 +105,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="out/levers")
-    p.add_argument("--needles", nargs="*", default=[], help="label=bits=needles.json=method")
+    p.add_argument("--needles", nargs="*", default=[], help="label=bits=needles.md=method")
     args = p.parse_args(argv)
     rows = load(args.results)
     greedy = greedy_points(args.needles)
