@@ -191,8 +191,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # the sliding layers' head_dim must equal their qk_nope_head_dim + qk_rope_head_dim: 24 + 8 once their per-layer
     # qk_nope_head_dim (1.5x the global one) is scaled with it
     "dots3_note_text": dict(head_dim=32),
-    # ... and the vision tower's default expert pyramid spells out its 42 layers (dense layers only fit any depth)
-    "dots3_note": {"text_config": dict(head_dim=32), "vision_config": dict(mlp_layer_types=["dense"] * TINY_LAYERS)},
+    # ... the vision tower's default expert pyramid spells out its 42 layers (dense layers only fit any depth), and
+    # the towers' adapters must match the hidden sizes they join (all 64 here)
+    "dots3_note": {"text_config": dict(head_dim=32),
+                   "vision_config": dict(mlp_layer_types=["dense"] * TINY_LAYERS, adapter_in_dim=64, adapter_out_dim=64),
+                   "audio_config": dict(adapter_input_size=64, adapter_out_dim=64)},
     # the default config leaves the QSA indexer unset (None), which the indexed-attention layers need
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
                            indexer_compress_ratio=4),
@@ -247,11 +250,11 @@ def tiny_config(model_type: str) -> PretrainedConfig:
 def layer_types_of(config: PretrainedConfig) -> list[str] | None:
     """The per-layer pattern of a config's text part (`layer_types`, or what its `attribute_map` calls so)."""
     text = config.get_text_config(decoder=True)
-    pattern = _value(text, _attribute_name(text, "layer_types"))
+    pattern = config_value(text, _attribute_name(text, "layer_types"))
     return list(pattern) if isinstance(pattern, (list, tuple)) else None
 
 
-def _value(config: PretrainedConfig, name: str):
+def config_value(config: PretrainedConfig, name: str):
     """`config.name`, or None where it is absent; the global value of a heterogeneous config's per-layer attribute
     (which plain attribute access refuses)."""
     if name in vars(config):
@@ -291,7 +294,7 @@ def _small_sizes(default: PretrainedConfig) -> dict:
         name = _attribute_name(default, canonical)
         if fields and name not in fields:
             continue
-        value = _value(default, name)
+        value = config_value(default, name)
         if canonical in SET_WHEN_NONE and (value is None or name in derived):
             sizes[name] = small
         elif not _is_size(value) or name in derived:
@@ -300,11 +303,11 @@ def _small_sizes(default: PretrainedConfig) -> dict:
             sizes[name] = max(small, min(value, MAX_POSITIONS))
         else:
             sizes[name] = min(value, small)
-    if _value(default, _attribute_name(default, "kv_lora_rank")):
+    if config_value(default, _attribute_name(default, "kv_lora_rank")):
         for size, follows in MLA_TIED_SIZES:
             size_name, follows_name = _attribute_name(default, size), _attribute_name(default, follows)
             if size_name in sizes and follows_name in sizes and \
-                    _value(default, size_name) == _value(default, follows_name):
+                    config_value(default, size_name) == config_value(default, follows_name):
                 sizes[size_name] = sizes[follows_name]
     if "is_decoder" in fields:  # BERT-style families run as a causal LM only as decoders (Reformer refuses else)
         sizes["is_decoder"] = True
@@ -317,7 +320,7 @@ def _shrunk(default: PretrainedConfig, overrides: dict) -> PretrainedConfig:
     config_class = type(default)
     kwargs = _small_sizes(default)
     for key in getattr(config_class, "sub_configs", {}):
-        sub = _value(default, key)
+        sub = config_value(default, key)
         if isinstance(sub, PretrainedConfig):
             kwargs[key] = _shrunk(sub, overrides.get(key, {}))
     kwargs.update({key: value for key, value in overrides.items() if not isinstance(kwargs.get(key), PretrainedConfig)})
@@ -325,9 +328,9 @@ def _shrunk(default: PretrainedConfig, overrides: dict) -> PretrainedConfig:
     try:
         config = config_class(**kwargs)
     except Exception:  # a pattern derived for the family's depth (Zamba2: 54 entries) does not fit: give it
-        if pattern_name in kwargs or not isinstance(_value(default, pattern_name), (list, tuple)):
+        if pattern_name in kwargs or not isinstance(config_value(default, pattern_name), (list, tuple)):
             raise
-        config = config_class(**kwargs, **{pattern_name: _tiny_pattern(list(_value(default, pattern_name)))})
+        config = config_class(**kwargs, **{pattern_name: _tiny_pattern(list(config_value(default, pattern_name)))})
     if pattern_name not in overrides:
         kept = _layer_mix_kept(config, default, pattern_name)
         if kept is not None:
@@ -352,7 +355,7 @@ def _tiny_pattern(family: list[str], tiny: list[str] | None = None) -> list[str]
 def _layer_mix_kept(config: PretrainedConfig, default: PretrainedConfig, pattern_name: str) -> list[str] | None:
     """The layer pattern that makes `config` hold every layer type `default` holds, or None if it does already (a
     pattern derived for fewer layers can lose the rarer type: Gemma 3's one full-attention layer in six)."""
-    family, tiny = _value(default, pattern_name), _value(config, pattern_name)
+    family, tiny = config_value(default, pattern_name), config_value(config, pattern_name)
     if not isinstance(family, (list, tuple)) or not isinstance(tiny, (list, tuple)):
         return None
     repaired = _tiny_pattern(list(family), list(tiny))
@@ -370,7 +373,7 @@ def _per_layer_shrunk(config: PretrainedConfig, default: PretrainedConfig) -> di
     for layer, layer_overrides in serialized.items():
         scaled[int(layer)] = {}
         for name, value in layer_overrides.items():
-            family_value, tiny_value = _value(default, name), _value(config, name)
+            family_value, tiny_value = config_value(default, name), config_value(config, name)
             if _is_size(value) and _is_size(family_value) and _is_size(tiny_value) and family_value > 0:
                 value = max(1, round(value * tiny_value / family_value))
             scaled[int(layer)][name] = value
