@@ -109,7 +109,7 @@ class OscarCache(Cache):
         self._warned_fallback = False
         self.compile_decode = compile_decode
         self._step_clock = StepClock(ledger_of(self if model is model_config else model))
-        if model is not model_config:
+        if model is not model_config and plan.shape.oscar_layer_ids:  # else the model's own attention serves
             use_oscar_attention(model)
             live_caches(model).add(self)
 

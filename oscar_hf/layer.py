@@ -46,6 +46,7 @@ from oscar_hf.history import HeadSplitHistory, make_history
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.kernels.ops import OpBackend, move_rows
 from oscar_hf.kernels.select import backend_for, has_spec
+from oscar_hf.model_support import UnsupportedModelError
 from oscar_hf.rotations.math import rotate
 
 
@@ -277,11 +278,14 @@ class OscarLayer(CacheLayerMixin):
     def _after_every_reader(self, close):
         """`close`, run at the last of the 1 + len(readers) closes of one segment: a demotion rewrites the tiers
         that the segment's readers attend to after this layer."""
-        if not self.readers:
-            return close
         left = [1 + len(self.readers)]
 
         def close_after_last_read(attention_mask, *, query=None, output=None):
+            if left[0] == 0:  # the tiers it read had been rewritten by the first close's demotion
+                raise UnsupportedModelError(
+                    f"layer {self.layer_idx}'s attention read the cache twice in one forward (as DiffLlama's "
+                    "differential attention does): OscarCache demotes after a layer's attention, so the second "
+                    "read saw moved tiers; this model is not supported")
             left[0] -= 1
             if left[0] == 0:
                 close(attention_mask, query=query, output=output)

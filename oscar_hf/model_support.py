@@ -105,7 +105,9 @@ def attention_shape(config) -> AttentionShape:
         if reader < len(kinds):
             kinds[reader] = SHARED  # an empty stand-in (`DummyLayer`) in transformers' plan
     quantized = [i for i, kind in enumerate(kinds) if kind == QUANTIZED]
-    geometry = {_head_geometry(cfg, i) for i in quantized} or {_head_geometry(cfg, None)}
+    if not quantized:  # nothing to quantize (windows, recurrent states): no head geometry to read (Mamba has none)
+        return AttentionShape(cfg.num_hidden_layers, 0, 0, 0, tuple(kinds))
+    geometry = {_head_geometry(cfg, i) for i in quantized}
     if len(geometry) > 1:
         raise UnsupportedModelError(f"{model_type}: its full-attention layers differ in heads or head size "
                                     f"{sorted(geometry)}; OscarCache needs one geometry for them")

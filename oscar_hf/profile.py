@@ -130,7 +130,8 @@ def profile_length(model, tokens: int = PROFILE_TOKENS) -> int:
     """The random sequence's length for `model`: `tokens`, or half the model's position range if that is shorter
     (the sequence is fed twice)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return min(tokens, positions // 2) if positions else tokens
+    # RoBERTa-style positions start after the padding index (2): leave them room
+    return min(tokens, (positions - 2) // 2) if positions else tokens
 
 
 @torch.no_grad()

@@ -58,9 +58,9 @@ SMALL_SIZES: dict[str, int] = {
     "mlp_only_intermediate_size": 128,
     "dense_intermediate_size": 128,
     "first_dense_intermediate_size": 128,
-    "max_position_embeddings": 2048,
-    "n_positions": 2048,
-    "n_ctx": 2048,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "n_ctx": 512,
     "max_seq_len": 2048,
     "rotary_dim": 8,
     "sliding_window": SLIDING_WINDOW,
@@ -160,7 +160,7 @@ SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
 # position counts: the family's, clamped to [table value, MAX_POSITIONS] (any other size is never made larger)
 POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_source_positions",
              "max_target_positions")
-MAX_POSITIONS = 4096
+MAX_POSITIONS = 512  # the default's data-free profile then feeds 2 x 255 tokens: the sweep stays minutes
 # (size, follows) in a multi-head latent attention config (`kv_lora_rank` set): where the family has them equal,
 # the first stays equal to the second (the RoPE part of the head; K/V expanded per query head from the latent)
 MLA_TIED_SIZES = (("head_dim", "qk_rope_head_dim"), ("num_key_value_heads", "num_attention_heads"))
