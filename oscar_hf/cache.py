@@ -28,7 +28,7 @@ from oscar_hf.compile_policy import (
     ledger_of,
     note_traced_step,
 )
-from oscar_hf.config import OscarConfig, checked_bool, checked_int
+from oscar_hf.config import OscarConfig, checked_bool, checked_int, read_json_file
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer
@@ -355,8 +355,7 @@ class OscarCache(Cache):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist: {os.fspath(pretrained_model_name_or_path)!r} holds no "
                                     f"OSCAR setup (OscarCache.save_pretrained writes {CONFIG_NAME})")
-        with open(path, encoding="utf-8") as f:
-            setup = _checked_setup(path, json.load(f))
+        setup = _checked_setup(path, read_json_file(path, "OscarCache.save_pretrained"))
         saved_shape, shape = setup["attention_shape"], _shape_record(attention_shape(getattr(model, "config", model)))
         if saved_shape != shape:
             raise ValueError(f"{path} was saved for a model with attention shape {saved_shape}, and this model's is "
