@@ -20,8 +20,15 @@ from transformers.cache_utils import Cache
 from transformers.utils import logging
 
 from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
-from oscar_hf.compile_policy import StepClock, compiled_marker, expected_compile_seconds, leave_marker, ledger_of
-from oscar_hf.config import OscarConfig, checked_bool, checked_int
+from oscar_hf.compile_policy import (
+    StepClock,
+    await_compile,
+    compiled_marker,
+    expected_compile_seconds,
+    ledger_of,
+    note_traced_step,
+)
+from oscar_hf.config import OscarConfig, checked_bool, checked_int, read_json_file
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer, oscar_layer_for
@@ -133,7 +140,9 @@ class OscarCache(Cache):
         layer = self.layers[layer_idx]
         if not isinstance(layer, OscarLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
-        if layer_idx == self.shape.oscar_layer_ids[0] and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            note_traced_step()  # the compile `is_compileable` allowed is happening: its marker is left
+        elif layer_idx == self.shape.oscar_layer_ids[0]:
             self._check_whole_forwards()
             self._step_clock.tick(key_states.shape[-2])
         if torch.compiler.is_compiling() and self.uses_oscar_attention and not layer.counts_step(key_states):
@@ -224,7 +233,7 @@ class OscarCache(Cache):
             return False
         ledger = self._step_clock.ledger
         if self._compile_decode or ledger.may_compile(self._expected_compile_seconds):
-            leave_marker(ledger, self._compiled_marker)
+            await_compile(self._compiled_marker)  # its marker is left once a trace follows (`note_traced_step`)
             return True
         if not ledger.announced:
             ledger.announced = True
@@ -349,8 +358,7 @@ class OscarCache(Cache):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist: {os.fspath(pretrained_model_name_or_path)!r} holds no "
                                     f"OSCAR setup (OscarCache.save_pretrained writes {CONFIG_NAME})")
-        with open(path, encoding="utf-8") as f:
-            setup = _checked_setup(path, json.load(f))
+        setup = _checked_setup(path, read_json_file(path, "OscarCache.save_pretrained"))
         saved_shape, shape = setup["attention_shape"], _shape_record(attention_shape(getattr(model, "config", model)))
         if saved_shape != shape:
             raise ValueError(f"{path} was saved for a model with attention shape {saved_shape}, and this model's is "

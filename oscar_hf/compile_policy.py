@@ -8,7 +8,9 @@ eager decode steps of this model have taken as long as a compile is expected to,
 good. A one-off question never waits for a compile, and a long session pays at most about twice what the better
 choice in hindsight costs. What a compile is expected to cost depends on whether a process on this machine has
 compiled the same step before: a marker file beside torch's compiled artifacts says so (`compiled_marker`), and
-goes when they go.
+goes when they go. The marker is left when a step is traced (`note_traced_step`), not when `generate` is allowed to
+compile: on a CPU `generate` compiles nothing whatever the cache allows, and a marker then would promise the next
+process a warm compile that never happened.
 
 `OscarCache(compile_decode=True)` compiles from the first call (benchmarks of the steady state, tests of the
 compiled path); `False` never does (as `generate(disable_compile=True)` does for one call).
@@ -21,6 +23,8 @@ import hashlib
 import json
 import os
 import time
+
+import torch
 
 # generate's first compile of the decode step, Qwen3-8B (36 layers), H200, torch 2.11: 57-110 s (issue 45). A lower
 # bound of what a new model costs: compiling sooner than this could not have paid for itself on that model.
@@ -40,8 +44,6 @@ class DecodeLedger:
     eager_seconds: float = 0.0
     compiles: bool = False
     announced: bool = False  # whether the cache has said, once, that it holds the compile back
-    # the markers this process has left for the model's compiled steps (`compiled_marker`; one per cache setting)
-    marked: set[str] = dataclasses.field(default_factory=set)
 
     def may_compile(self, expected_compile_seconds: float = EXPECTED_COMPILE_SECONDS) -> bool:
         if not self.compiles and self.eager_seconds >= expected_compile_seconds:
@@ -71,18 +73,35 @@ def expected_compile_seconds(marker: str | None) -> float:
     return WARM_COMPILE_SECONDS if marker is not None and os.path.exists(marker) else EXPECTED_COMPILE_SECONDS
 
 
-def leave_marker(ledger: DecodeLedger, marker: str | None) -> None:
-    """Record, once per process and step, that this step is being compiled here (a failed write changes nothing but
-    the next process's estimate)."""
-    if marker is None or marker in ledger.marked:
-        return
-    ledger.marked.add(marker)
-    try:
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        with open(marker, "w", encoding="utf-8"):
+# The markers (`compiled_marker`) of the steps `generate` was last allowed to compile (`await_compile`), until a
+# trace leaves them (`note_traced_step`) or an eager decode step shows that it compiled nothing (`StepClock.tick`);
+# and those this process has left, each written once. Process-wide: the trace that leaves them runs inside dynamo,
+# which hands a function it runs for real no cache to read them from.
+_AWAITING_TRACE: set[str] = set()
+_LEFT: set[str] = set()
+
+
+def await_compile(marker: str | None) -> None:
+    """Note that `generate` may now compile the step `marker` names: its marker is left if a trace follows
+    (`note_traced_step`), before the next eager decode step."""
+    if marker is not None and marker not in _LEFT:
+        _AWAITING_TRACE.add(marker)
+
+
+@torch.compiler.assume_constant_result
+def note_traced_step() -> None:
+    """Leave the markers of the steps awaiting a compile: called from `OscarCache.update` while dynamo traces it,
+    which runs this function for real, once per trace, and puts nothing of it in the graph (its result, None, is a
+    constant). A failed write changes nothing but the next process's estimate."""
+    for marker in sorted(_AWAITING_TRACE):
+        _LEFT.add(marker)
+        try:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            with open(marker, "w", encoding="utf-8"):
+                pass
+        except OSError:
             pass
-    except OSError:
-        pass
+    _AWAITING_TRACE.clear()
 
 
 def ledger_of(owner) -> DecodeLedger:
@@ -101,7 +120,10 @@ class StepClock:
         self.last: float | None = None
 
     def tick(self, tokens: int) -> None:
-        """Called once per eager forward, with the tokens it appends per row."""
+        """Called once per eager forward, with the tokens it appends per row. An eager decode step means `generate`
+        did not compile this call's steps: the markers awaiting a trace (`await_compile`) are dropped."""
+        if tokens == 1:
+            _AWAITING_TRACE.clear()
         now = time.perf_counter()
         if tokens == 1 and self.last is not None:
             self.ledger.add_step(now - self.last)

@@ -36,6 +36,18 @@ SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 MAX_TOKENS = 2**31
 
 
+def read_json_file(path: str | os.PathLike, what: str):
+    """The JSON value in the file at `path`, or ValueError naming the file when it does not hold JSON (cut short by
+    an interrupted copy or download, say: json's own error names a line and column, not the file). `what` says what
+    writes such a file, for the error's advice."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{os.fspath(path)} is not a readable JSON file ({error}): it is cut short or corrupt; "
+                         f"write it again with {what}") from None
+
+
 def checked_bool(name: str, value) -> bool:
     """`value` if it is a bool; ValueError otherwise (JSON's "false" is a string, and a non-empty string is true)."""
     if not isinstance(value, bool):
@@ -233,9 +245,8 @@ class OscarConfig:
 
     @classmethod
     def from_json_file(cls, json_file_path: str | os.PathLike) -> "OscarConfig":
-        """The config a `to_json_file` wrote."""
-        with open(json_file_path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """The config a `to_json_file` wrote (ValueError naming the file when it is not JSON)."""
+        return cls.from_dict(read_json_file(json_file_path, "OscarConfig.to_json_file"))
 
     @property
     def code_widths(self) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from oscar_hf.compile_policy import (
     WARM_COMPILE_SECONDS,
     DecodeLedger,
     ledger_of,
+    note_traced_step,
 )
 
 from conftest import cache_argument_name, tiny_model
@@ -127,23 +128,44 @@ def test_a_forward_compiled_by_the_user_names_compile_decode_when_generate_did_n
         model.forward = eager_forward
 
 
+@torch.no_grad()
 def test_a_machine_that_compiled_the_step_before_expects_a_cheaper_compile(tmp_path, monkeypatch):
-    """The first process that lets generate compile leaves a marker beside torch's compiled artifacts; a later
+    """The first process whose generate compiles the step leaves a marker beside torch's compiled artifacts; a later
     process's cache, finding it, lets generate compile after the warm price of eager steps, not the cold one."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
     first = tiny_model("llama", seed=6)
-    ledger_of(first).eager_seconds = EXPECTED_COMPILE_SECONDS
-    assert OscarCache(first, method="hadamard", **OPTIONS).is_compileable
+    cache = OscarCache(first, method="hadamard", compile_decode=True, **OPTIONS)
+    assert cache.is_compileable
+    assert not (tmp_path / "oscar_hf").exists()  # allowed to compile is not compiled
+    graphs = _compiled_graphs()
+    _generate(first, cache, steps=4)
+    assert _compiled_graphs() > graphs
     assert len(list((tmp_path / "oscar_hf").iterdir())) == 1
-    # another setting on the same model is another step, with a marker of its own
-    assert OscarCache(first, method="hadamard", recent_tokens=32, sink_tokens=4, demote_block=8).is_compileable
-    assert len(list((tmp_path / "oscar_hf").iterdir())) == 2
     later = tiny_model("llama", seed=6)  # as in a new process: its own ledger
     ledger_of(later).eager_seconds = (WARM_COMPILE_SECONDS + EXPECTED_COMPILE_SECONDS) / 2
     assert OscarCache(later, method="hadamard", **OPTIONS).is_compileable
     other = tiny_model("llama", seed=6)  # another setting is another step: the cold price
     ledger_of(other).eager_seconds = (WARM_COMPILE_SECONDS + EXPECTED_COMPILE_SECONDS) / 2
     assert not OscarCache(other, method="hadamard", recent_tokens=16, sink_tokens=4, demote_block=8).is_compileable
+
+
+@torch.no_grad()
+def test_a_cpu_generate_that_compiles_nothing_leaves_no_marker(tmp_path, monkeypatch):
+    """On a CPU `generate` compiles nothing unless its compile_config says to, whatever the cache allows: no marker
+    may then promise the next process a warm compile, neither now nor when a later trace runs."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=8)
+    cache = OscarCache(model, method="hadamard", compile_decode=True, **OPTIONS)
+    assert cache.is_compileable
+    ids = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    graphs = _compiled_graphs()
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                   **{cache_argument_name(model): cache})
+    assert _compiled_graphs() == graphs
+    note_traced_step()  # a trace after the eager steps (another model's, say) does not leave this step's marker
+    assert not (tmp_path / "oscar_hf").exists()
 
 
 def test_compile_decode_is_a_runtime_choice_that_from_pretrained_takes(tmp_path):

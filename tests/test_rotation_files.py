@@ -242,6 +242,8 @@ MALFORMED_SAFETENSORS = {
                              "unsupported format_version '2'"),
     "retrieval_layers a string": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": '"0"'},
                                   "retrieval_layers are unreadable.*expected a JSON list of layer indices"),
+    "retrieval_layers cut short": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": "[0, "},
+                                   "retrieval_layers are unreadable.*JSONDecodeError"),
     "retrieval_layers of bools": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": "[true]"},
                                   "retrieval_layers are unreadable"),
     "retrieval_layers repeated": ({"key.0": EYE, "value.0": EYE}, {"retrieval_layers": "[0, 0]"},
@@ -263,6 +265,17 @@ def test_malformed_safetensors_fail_as_rotation_file_errors_naming_the_file(tmp_
     with pytest.raises(RotationFileError, match=reason) as error:
         Rotations.from_pretrained(folder)
     assert str(error.value).startswith(str(folder))
+
+
+@pytest.mark.parametrize("keep", [4, 40, -8], ids=["length cut", "header cut", "tensors cut"])
+def test_a_truncated_safetensors_file_fails_as_a_rotation_file_error_naming_it(tmp_path, keep):
+    """The header of a safetensors file is JSON: cut short, it fails as a corrupt file, with the file's name."""
+    folder = tmp_path / "rotations"
+    write_safetensors(folder, {"key.0": EYE, "value.0": EYE}, {"retrieval_layers": "[0]"})
+    path = folder / SAFETENSORS_NAME
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(RotationFileError, match=f"^{re.escape(str(path))} is not a readable safetensors file"):
+        Rotations.from_pretrained(folder)
 
 
 def zoo_layers(layers, version=1, **fields):

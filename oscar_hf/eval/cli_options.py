@@ -9,6 +9,10 @@ One statement of each option, so that `oscar-calibrate`, `oscar-diagnostics`, `o
 - `--no-progress`: no progress bars.
 - `--verbosity`: the level of oscar-hf's log lines (`configure_logging`); `timed` logs how long a step took.
 
+Every value is checked when the command line is parsed, before anything loads: numbers and lists through argparse
+`type=` functions (`positive_int`, `comma_separated`, ...), whose errors name the option, and `--rotations` by
+loading them (`check_rotations`).
+
 The method names the tools accept are the `OscarConfig` presets (`oscar_hf.config.PRESETS`) plus the evaluation
 rows that are not presets (`bf16`, `oscar4`, the peer caches); `oscar_hf.eval.diagnostics.methods` builds them.
 """
@@ -19,7 +23,7 @@ import argparse
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -65,6 +69,76 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object of OscarConfig fields, got {text!r}")
     return value
+
+
+# ------------------------------------------------------------------------------------------------ value types
+def positive_int(text: str) -> int:
+    """An argparse `type=`: an integer of at least 1."""
+    return _ranged_int(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse `type=`: an integer of at least 0."""
+    return _ranged_int(text, 0, "a non-negative integer")
+
+
+def _ranged_int(text: str, lowest: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse `type=`: a number in [0, 1] (a depth into a prompt)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1]")
+    return value
+
+
+def one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """An argparse `type=` for an item of a `comma_separated` list: one of `choices`."""
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    return check
+
+
+def comma_separated(item: Callable[[str], object], example: str) -> Callable[[str], list]:
+    """An argparse `type=`: a comma-separated list, each item checked by `item` (another of these types), so that
+    `--lengths 2k` stops the command line at once with `argument --lengths: '2k' is not a positive integer
+    (expected a comma-separated list such as 1024,2048)` rather than after the model loads. `example` is such a
+    list. Argparse passes a string default through it too."""
+    def parse(text: str) -> list:
+        try:
+            return [item(piece.strip()) for piece in text.split(",")]
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(f"{error} (expected a comma-separated list such as {example})") from None
+    parse.__name__ = f"comma-separated {getattr(item, '__name__', 'value')}"
+    return parse
+
+
+def check_rotations(rotations: str | None) -> None:
+    """Load `--rotations` (a folder, a file or a Hub repo id; "hadamard" and "identity" are names, not files)
+    before the model loads, so that a mistyped path or a damaged file stops the run at once instead of failing every
+    probe of the methods that read them. Raises ValueError naming `--rotations`."""
+    from oscar_hf.plan import NAMED_ROTATIONS
+    from oscar_hf.rotations import Rotations
+
+    if rotations is None or rotations in NAMED_ROTATIONS:
+        return
+    try:
+        Rotations.from_pretrained(rotations)
+    except (OSError, ValueError) as error:  # FileNotFoundError, a Hub error, RotationFileError
+        raise ValueError(f"--rotations: {error}") from None
 
 
 def add_progress_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

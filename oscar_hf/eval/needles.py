@@ -34,6 +34,7 @@ from transformers.utils import logging
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.eval.assets import EVALUATION_PLAYS, play_text
+from oscar_hf.eval.cli_options import comma_separated, fraction, non_negative_int, one_of, positive_int
 from oscar_hf.eval.diagnostics.methods import parse_method_names
 from oscar_hf.eval.retrieval import ANSWER_SEPARATOR, Probe, add_common_arguments, run_cli
 
@@ -237,14 +238,18 @@ def make_needle_suite(tokenizer, lengths: Sequence[int], depths: Sequence[float]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oscar-needles", description=__doc__.split("\n\n")[0])
     add_common_arguments(p, out="out/needles", max_new_tokens=32)
-    p.add_argument("--lengths", default="1024,2048,4096,8000")
-    p.add_argument("--depths", default="0.2,0.5,0.8")
-    p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--distractors", default="0,3", help="needle counts besides the asked ones, comma-separated")
-    p.add_argument("--asked", default="1",
+    p.add_argument("--lengths", type=comma_separated(positive_int, "1024,2048"), default="1024,2048,4096,8000",
+                   help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--depths", type=comma_separated(fraction, "0.2,0.5"), default="0.2,0.5,0.8",
+                   help="where the needle sits, as fractions of the quantized span, comma-separated")
+    p.add_argument("--kinds", type=comma_separated(one_of(KINDS), "number,words"), default=",".join(KINDS),
+                   help=f"needle kinds, comma-separated ({', '.join(KINDS)})")
+    p.add_argument("--distractors", type=comma_separated(non_negative_int, "0,3"), default="0,3",
+                   help="needle counts besides the asked ones, comma-separated")
+    p.add_argument("--asked", type=comma_separated(positive_int, "1,2"), default="1",
                    help="how many needles one question asks for, comma-separated (2: 'What are the secret codes of "
                         "the cobalt vault and the amber vault?', a hit needs both values)")
-    p.add_argument("--align", type=int, default=1,
+    p.add_argument("--align", type=positive_int, default=1,
                    help="make every prompt's length a multiple of this (32 for kivi2, which quantizes whole groups "
                         "of 32 tokens); 1 keeps the probes of earlier runs")
     p.add_argument("--attention", action="store_true",
@@ -255,10 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--attention compares against BF16's answers: add bf16 to --methods")
 
     def make(tokenizer):
-        return make_needle_suite(tokenizer, [int(x) for x in args.lengths.split(",")],
-                                 [float(x) for x in args.depths.split(",")], args.kinds.split(","),
-                                 [int(x) for x in args.distractors.split(",")], seed=args.seed, align=args.align,
-                                 asked=[int(x) for x in args.asked.split(",")])
+        return make_needle_suite(tokenizer, args.lengths, args.depths, args.kinds, args.distractors, seed=args.seed,
+                                 align=args.align, asked=args.asked)
 
     def trace(model, tokenizer, probes, results, methods, command):
         from oscar_hf.eval.diagnostics.needle_attention import needle_attention, write_report

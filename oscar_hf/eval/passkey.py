@@ -18,6 +18,7 @@ import random
 
 import torch
 
+from oscar_hf.eval.cli_options import comma_separated, fraction, positive_int
 from oscar_hf.eval.retrieval import Probe, add_common_arguments, run_cli
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -59,13 +60,14 @@ def make_probes(tokenizer, lengths, depths, seed: int = 0, align: int = 32) -> l
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oscar-passkey", description=__doc__.split("\n\n")[0])
     add_common_arguments(p, out="out/passkey", max_new_tokens=8)
-    p.add_argument("--lengths", default="2048,4096,8160")
-    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--lengths", type=comma_separated(positive_int, "2048,4096"), default="2048,4096,8160",
+                   help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--depths", type=comma_separated(fraction, "0.1,0.5"), default="0.1,0.5,0.9",
+                   help="where the key sits, as fractions of the filler, comma-separated")
     args = p.parse_args(argv)
 
     def make(tokenizer):
-        return make_probes(tokenizer, [int(x) for x in args.lengths.split(",")],
-                           [float(x) for x in args.depths.split(",")], seed=args.seed)
+        return make_probes(tokenizer, args.lengths, args.depths, seed=args.seed)
 
     return run_cli(args, "oscar-passkey", argv, make, "Passkey retrieval", "passkey")
 

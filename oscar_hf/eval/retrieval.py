@@ -28,7 +28,9 @@ from oscar_hf.eval.cli_options import (
     add_model_arguments,
     add_oscar_options_argument,
     add_progress_argument,
+    check_rotations,
     configure_logging,
+    positive_int,
     resolve_device,
     resolve_dtype,
     timed,
@@ -77,6 +79,7 @@ class ProbeResult:
     hit: bool
     seconds: float
     tokens: list[int] = field(default_factory=list)  # the generated token ids
+    error: str = ""  # what the method raised on this probe ("" when it answered); `output` shows it too
 
 
 # Joins the values of a probe that asks for several facts into one `answer` (a string, so that results, reports and
@@ -107,20 +110,30 @@ def run_probes(model, tokenizer, probes: Sequence[Probe], methods: Sequence[Meth
         prefill = full_precision_prefill(model, prompt) if shared_prefill else None
         for method in methods:
             start = time.time()
-            tokens = []
+            tokens, error = [], ""
             try:
                 tokens = greedy_through_cache(model, method.build(model), max_new_tokens, prefill=prefill,
                                               prompt=prompt, compiled=compiled)
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
-            except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
-                text = f"<error {type(e).__name__}: {e}>"
+            except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal (`failed_methods`)
+                error = f"{type(e).__name__}: {e}"
+                text = f"<error {error}>"
             results.append(ProbeResult(method.name, probe.kind, probe.group, probe.length, probe.depth,
-                                       probe.distractors, probe.answer, text, is_hit(probe.answer, text),
-                                       time.time() - start, tokens))
+                                       probe.distractors, probe.answer, text, not error and is_hit(probe.answer, text),
+                                       time.time() - start, tokens, error))
             bar.update(1)
         del prefill
     bar.close()
     return results
+
+
+def failed_methods(results: Sequence[ProbeResult]) -> dict[str, str]:
+    """The methods that raised on every probe they ran, each with its first error: their rows score no retrieval
+    (a missing rotations file would read as 0 hits), so a run that holds one has failed."""
+    errors: dict[str, list[str]] = {}
+    for r in results:
+        errors.setdefault(r.method, []).append(r.error)
+    return {method: found[0] for method, found in errors.items() if all(found)}
 
 
 def summary_table(results: Sequence[ProbeResult], labels: dict[str, str]) -> str:
@@ -176,7 +189,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
                              "--rotations is given)")
     add_oscar_options_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
     parser.add_argument("--no-shared-prefill", action="store_true", help="plain generate (one prefill per method)")
     parser.add_argument("--compile", action="store_true",
                         help="generate compiles the decode step of OSCAR caches on any device (on CUDA it does "
@@ -188,10 +201,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str, max_new_toke
 
 def selected_methods(args: argparse.Namespace, **oscar_options) -> list[Method]:
     """The `--methods` of the parsed arguments (`diagnostics.methods.select_methods`): unknown names, methods that
-    need `--rotations` without them, or `--oscar-options` that are not OscarConfig fields exit with what to do."""
+    need `--rotations` without them, `--rotations` that do not load (`cli_options.check_rotations`), or
+    `--oscar-options` that are not OscarConfig fields exit with what to do."""
     options = {**getattr(args, "oscar_options", {}), **oscar_options}
     try:
-        return select_methods(args.methods, args.rotations, **options)
+        methods = select_methods(args.methods, args.rotations, **options)
+        check_rotations(args.rotations)
+        return methods
     except ValueError as error:
         raise SystemExit(f"{error}") from error
 
@@ -202,7 +218,8 @@ AfterRun = Callable[[object, object, list[Probe], list[ProbeResult], list[Method
 def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: Callable[[object], list[Probe]],
             title: str, basename: str, after: AfterRun | None = None) -> int:
     """Load the model, build the probes with `make(tokenizer)`, run every method, write and print the summary, then
-    call `after(model, tokenizer, probes, results, methods, command)` when given."""
+    call `after(model, tokenizer, probes, results, methods, command)` when given. Exits non-zero, after writing the
+    results, when a method raised on every probe (`failed_methods`)."""
     configure_logging(getattr(args, "verbosity", "info"))
     methods = selected_methods(args)
     with timed(f"loading {args.model}", logger):
@@ -219,6 +236,10 @@ def run_cli(args: argparse.Namespace, prog: str, argv: list[str] | None, make: C
                              progress=not args.no_progress, compiled=args.compile)
     command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     print(write_results(results, methods, args.out, title, command, watch.seconds, basename))
+    failed = failed_methods(results)
+    if failed:
+        raise SystemExit(f"{prog}: {len(failed)} method(s) failed on every probe, so their rows are no scores: "
+                         + "; ".join(f"{name}: {error}" for name, error in failed.items()))
     if after is not None:
         after(model, tokenizer, probes, results, methods, command)
     return 0

@@ -24,12 +24,15 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from oscar_hf.eval.assets import load_model, play_tokens
+from oscar_hf.eval.assets import load_model, play_tokens, shakespeare_folder
 from oscar_hf.eval.cli_options import (
     add_logging_argument,
     add_model_arguments,
     add_progress_argument,
+    check_rotations,
     configure_logging,
+    non_negative_int,
+    positive_int,
     resolve_device,
     resolve_dtype,
     timed,
@@ -73,20 +76,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="comma-separated method names (default: bf16, the ablations, the OSCAR rows and the peers)")
     p.add_argument("--text", default="lear_gut.txt", help="held-out play (oscar_hf.assets.EVALUATION_PLAYS) or a file")
-    p.add_argument("--tokens", type=int, default=None, help=f"text length (default: {FULL['tokens']})")
-    p.add_argument("--prefill", type=int, default=None, help=f"prefill tokens (default: {FULL['prefill']})")
-    p.add_argument("--chunk", type=int, default=None,
+    p.add_argument("--tokens", type=positive_int, default=None, help=f"text length (default: {FULL['tokens']})")
+    p.add_argument("--prefill", type=positive_int, default=None, help=f"prefill tokens (default: {FULL['prefill']})")
+    p.add_argument("--chunk", type=positive_int, default=None,
                    help="forward size after the prefill for ppl/KL through the caches (default: 8, decode-exact here)")
-    p.add_argument("--replay-chunk", type=int, default=None,
+    p.add_argument("--replay-chunk", type=positive_int, default=None,
                    help="forward size of the per-layer replay (1 = decode; default: 8, decode-exact here)")
-    p.add_argument("--generate", type=int, default=None,
+    p.add_argument("--generate", type=non_negative_int, default=None,
                    help=f"greedy tokens for the agreement length (0: skip; default: {FULL['generate']})")
     p.add_argument("--simulation", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-equivalent simulation of the OSCAR rows (default: on; off with --quick)")
-    p.add_argument("--sink", type=int, default=None, help="OSCAR sink_tokens override")
-    p.add_argument("--recent", type=int, default=None, help="OSCAR recent_tokens override")
-    p.add_argument("--block", type=int, default=None, help="OSCAR demote_block override")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--sink", type=non_negative_int, default=None, help="OSCAR sink_tokens override")
+    p.add_argument("--recent", type=non_negative_int, default=None, help="OSCAR recent_tokens override")
+    p.add_argument("--block", type=positive_int, default=None, help="OSCAR demote_block override")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="output folder (default: out/diagnostics, out/diagnostics-quick)")
     add_progress_argument(p)
     add_logging_argument(p)
@@ -112,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                                  ("demote_block", args.block)) if v is not None}
     try:  # every argument is checked before the model loads
         methods = select_methods(chosen["methods"], args.rotations, **options)
+        check_rotations(args.rotations)
     except ValueError as error:
         p.error(str(error))
+    if not os.path.isfile(args.text) and not os.path.isfile(os.path.join(shakespeare_folder(), args.text)):
+        p.error(f"--text {args.text!r} is neither a file nor a play of the corpus (e.g. lear_gut.txt)")
     if not 0 < chosen["prefill"] < chosen["tokens"] - 1:
         p.error(f"--prefill {chosen['prefill']} must leave tokens to score in --tokens {chosen['tokens']}")
     device = resolve_device(args.device)
