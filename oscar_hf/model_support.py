@@ -89,7 +89,7 @@ def attention_shape(config) -> AttentionShape:
     model_type = getattr(cfg, "model_type", "?")
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{model_type}: encoder-decoder models are not supported (decoder-only LMs only)")
-    if getattr(cfg, "kv_lora_rank", None):
+    if _any_layer_has(cfg, "kv_lora_rank"):
         raise UnsupportedModelError(
             f"{model_type}: multi-head latent attention (MLA) caches a compressed latent, not per-head K/V; "
             "OscarCache does not support it (docs/models.md)"
@@ -116,6 +116,15 @@ def attention_shape(config) -> AttentionShape:
         raise UnsupportedModelError(f"{model_type}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     kv_sources = tuple((r, s) for r, s in sorted(sources.items()) if s < len(kinds) and kinds[s] == QUANTIZED)
     return AttentionShape(cfg.num_hidden_layers, num_heads, num_kv_heads, head_dim, tuple(kinds), kv_sources)
+
+
+def _any_layer_has(cfg, name: str) -> bool:
+    """Whether `cfg` sets `name`, for the whole model or (a heterogeneous config, which refuses the global read)
+    for any layer."""
+    try:
+        return bool(getattr(cfg, name, None))
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return any(getattr(layer, name, None) for layer in cfg.per_layer_config)
 
 
 def _layer_kind(layer, cfg) -> str:
