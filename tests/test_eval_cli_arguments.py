@@ -4,6 +4,7 @@ method failed on every probe exits non-zero instead of reporting its errors as r
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,16 @@ from oscar_hf.eval.diagnostics import cli as diagnostics
 from oscar_hf.eval.retrieval import ProbeResult, failed_methods
 
 from conftest import char_tokenizer, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def package_logger():
+    """The command lines configure the `oscar_hf` logger (`cli_options.configure_logging`): put it back after."""
+    package = logging.getLogger("oscar_hf")
+    handlers, level = list(package.handlers), package.level
+    yield
+    package.handlers[:] = handlers
+    package.setLevel(level)
 
 
 @pytest.fixture
