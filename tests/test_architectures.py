@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import compile_config_anywhere
@@ -37,7 +37,7 @@ def _padded_prompt(seed: int = 0):
 def test_the_cache_is_transformers_plan_with_full_attention_kv_replaced(family, kinds, classes):
     model = tiny_model(family)
     shape = attention_shape(model.config)
-    assert list(shape.layer_kinds[: len(kinds)]) == kinds
+    assert list(shape.layer_kinds) == kinds[: len(shape.layer_kinds)]  # 5.17 plans no layer for KV readers
     cache = OscarCache(model, method="none", **TIERS)
     dynamic = DynamicCache(config=model.config)
     for i, (ours, theirs) in enumerate(zip(cache.layers, dynamic.layers)):
@@ -49,7 +49,8 @@ def test_the_cache_is_transformers_plan_with_full_attention_kv_replaced(family, 
         assert isinstance(cache.layers[i], cls), (i, type(cache.layers[i]))
     if family == "gemma4":
         assert shape.kv_sources == ((5, 3),) and cache.layers[3].readers == (5,)  # layer 4 reads a window
-        assert all(isinstance(layer, DummyLayer) for layer in cache.layers[4:]) or len(cache.layers) == 4
+        # readers hold nothing: stand-ins (>= 5.24's DummyLayer) or no cache layer at all (5.17)
+        assert len(cache.layers) == 4 or all(type(layer).__name__ == "DummyLayer" for layer in cache.layers[4:])
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "nemotron_h", "gemma4", "gpt_oss", "llama4"])
