@@ -12,6 +12,7 @@ the reason; `NOT_BUILDABLE` the families transformers cannot build tiny here, wi
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -19,6 +20,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 TINY_LAYERS = 4
+UNIFORM_LAYERS = 2  # a family whose tiny layers are all alike gets this many (half the time per check)
 PROMPT_TOKENS = 80
 PAD_TOKENS = 10  # left padding of the batch's second row
 NEW_TOKENS = 8
@@ -36,7 +38,7 @@ SMALL_SIZES: dict[str, int] = {
     "d_model": 64,
     "n_embd": 64,
     "embedding_size": 64,
-    "num_hidden_layers": TINY_LAYERS,
+    "num_hidden_layers": TINY_LAYERS,  # the layer counts: `LAYER_COUNTS`
     "num_layers": TINY_LAYERS,
     "n_layers": TINY_LAYERS,
     "num_attention_heads": 4,
@@ -154,6 +156,7 @@ SMALL_SIZES: dict[str, int] = {
     "encoder_hash_byte_group_vocab": TINY_VOCAB,
 }
 
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers")
 # sizes set even where the family leaves them None: None means "derived" (hidden_size / heads, or as many KV heads
 # as query heads), and some families' models read the raw None; the tiny value is the derived one or GQA 4:2
 SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
@@ -217,8 +220,15 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "reformer": dict(axial_pos_embds_dim=[32, 32]),
 }
 
+# model_type -> (package, what needs it): optional dependencies without which transformers cannot build the family
+OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
+    "gemma3n": ("timm", "its vision tower is a timm model (TimmWrapperModel)"),
+}
 # model_type -> why transformers cannot build or run this family tiny here (recorded, not hidden)
-NOT_BUILDABLE: dict[str, str] = {}
+NOT_BUILDABLE: dict[str, str] = {
+    family: f"{why}, and {package} is not installed" for family, (package, why) in OPTIONAL_DEPENDENCIES.items()
+    if importlib.util.find_spec(package) is None
+}
 
 
 class TinyConfigUnavailable(RuntimeError):
@@ -243,6 +253,13 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     except Exception:  # a family whose defaults do not validate builds with its overrides
         default = config_class(**overrides)
     config = _shrunk(default, overrides)
+    if _layers_alike(config):
+        try:
+            shallow = _shrunk(default, overrides, UNIFORM_LAYERS)
+        except Exception:  # the family needs more layers than that
+            shallow = None
+        if shallow is not None and _layers_alike(shallow):
+            config = shallow
     _set_token_ids(config)
     return config
 
@@ -285,9 +302,22 @@ def _derived_fields(config_class) -> set[str]:
     return {f.name for f in dataclasses.fields(config_class) if f.default is None or isinstance(f.default, str)}
 
 
-def _small_sizes(default: PretrainedConfig) -> dict:
-    """Constructor values that shrink `default`'s size attributes (`SMALL_SIZES` and the rules above it). A size the
-    family derives from others (its field defaults to None or "auto") is left to be derived from the tiny ones."""
+def _layers_alike(config: PretrainedConfig) -> bool:
+    """Whether every layer of `config`'s text part is configured alike: no per-layer list (layer types, MLP types,
+    NoPE layers, ...) holds two different values, and no per-layer overrides."""
+    text = config.get_text_config(decoder=True)
+    layers = next((config_value(text, _attribute_name(text, name)) for name in LAYER_COUNTS
+                   if _is_size(config_value(text, _attribute_name(text, name)))), None)
+    if layers is None or getattr(text, "is_heterogeneous", False):
+        return False
+    return not any(isinstance(value, (list, tuple)) and len(value) == layers and len({repr(v) for v in value}) > 1
+                   for value in text.to_dict().values())
+
+
+def _small_sizes(default: PretrainedConfig, layers: int = TINY_LAYERS) -> dict:
+    """Constructor values that shrink `default`'s size attributes (`SMALL_SIZES` and the rules above it) to `layers`
+    layers. A size the family derives from others (its field defaults to None or "auto") is left to be derived from
+    the tiny ones."""
     fields, derived = _field_names(type(default)), _derived_fields(type(default))
     sizes = {}
     for canonical, small in SMALL_SIZES.items():
@@ -301,6 +331,8 @@ def _small_sizes(default: PretrainedConfig) -> dict:
             continue
         elif canonical in POSITIONS:
             sizes[name] = max(small, min(value, MAX_POSITIONS))
+        elif canonical in LAYER_COUNTS:
+            sizes[name] = min(value, layers)
         else:
             sizes[name] = min(value, small)
     if config_value(default, _attribute_name(default, "kv_lora_rank")):
@@ -314,15 +346,15 @@ def _small_sizes(default: PretrainedConfig) -> dict:
     return sizes
 
 
-def _shrunk(default: PretrainedConfig, overrides: dict) -> PretrainedConfig:
+def _shrunk(default: PretrainedConfig, overrides: dict, layers: int = TINY_LAYERS) -> PretrainedConfig:
     """`default`'s class rebuilt with its size attributes, nested configs, per-layer overrides and layer pattern made
-    tiny, then `overrides` (constructor values; a nested config's under its key) applied."""
+    tiny (`layers` layers), then `overrides` (constructor values; a nested config's under its key) applied."""
     config_class = type(default)
-    kwargs = _small_sizes(default)
+    kwargs = _small_sizes(default, layers)
     for key in getattr(config_class, "sub_configs", {}):
         sub = config_value(default, key)
         if isinstance(sub, PretrainedConfig):
-            kwargs[key] = _shrunk(sub, overrides.get(key, {}))
+            kwargs[key] = _shrunk(sub, overrides.get(key, {}), layers)
     kwargs.update({key: value for key, value in overrides.items() if not isinstance(kwargs.get(key), PretrainedConfig)})
     pattern_name = _attribute_name(default, "layer_types")
     try:
