@@ -5,8 +5,9 @@ show up by themselves. `tiny_config(model_type)` instantiates the family's confi
 it generically: every size attribute named in `SMALL_SIZES` (found under its canonical name or the class's
 `attribute_map` alias) gets a small value, nested configs (text, vision, audio, ...) are shrunk the same way, and the
 family's layer pattern (`layer_types`: full / sliding / linear attention, convolution, mamba, ...) keeps its mix of
-types over `TINY_LAYERS` layers. `FAMILY_OVERRIDES` holds the few values generic shrinking cannot find, each with
-the reason; `NOT_BUILDABLE` the families transformers cannot build tiny here, with the reason, as data.
+types over `TINY_LAYERS` layers (`UNIFORM_LAYERS` where every layer is alike). `FAMILY_OVERRIDES` holds the few values
+generic shrinking cannot find, each with the reason; `NOT_BUILDABLE` the families transformers cannot build tiny here,
+with the reason, as data.
 """
 
 from __future__ import annotations
@@ -196,9 +197,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "dots3_note_text": dict(head_dim=32),
     # ... the vision tower's default expert pyramid spells out its 42 layers (dense layers only fit any depth), and
     # the towers' adapters must match the hidden sizes they join (all 64 here)
-    "dots3_note": {"text_config": dict(head_dim=32),
-                   "vision_config": dict(mlp_layer_types=["dense"] * TINY_LAYERS, adapter_in_dim=64, adapter_out_dim=64),
-                   "audio_config": dict(adapter_input_size=64, adapter_out_dim=64)},
+    "dots3_note": {
+        "text_config": dict(head_dim=32),
+        "vision_config": dict(mlp_layer_types=["dense"] * TINY_LAYERS, adapter_in_dim=64, adapter_out_dim=64),
+        "audio_config": dict(adapter_input_size=64, adapter_out_dim=64),
+    },
     # the default config leaves the QSA indexer unset (None), which the indexed-attention layers need
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
                            indexer_compress_ratio=4),
@@ -241,9 +244,10 @@ def causal_lm_families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    """A tiny random-weight config of family `model_type` (`TINY_LAYERS` layers keeping the family's mix of layer
-    types, hidden 64, 4 query / 2 KV heads of 16 where the family has GQA, vocabulary `TINY_VOCAB`, 2,048 positions,
-    sliding windows of `SLIDING_WINDOW`); raises `TinyConfigUnavailable` for a family in `NOT_BUILDABLE`."""
+    """A tiny random-weight config of family `model_type`: `TINY_LAYERS` layers keeping the family's mix of layer
+    types (`UNIFORM_LAYERS` where all its layers are alike), hidden 64, 4 query / 2 KV heads of 16 where the family has
+    GQA, vocabulary `TINY_VOCAB`, 2,048 to `MAX_POSITIONS` positions, sliding windows of `SLIDING_WINDOW`. Raises
+    `TinyConfigUnavailable` for a family in `NOT_BUILDABLE`."""
     if model_type in NOT_BUILDABLE:
         raise TinyConfigUnavailable(f"{model_type}: {NOT_BUILDABLE[model_type]}")
     config_class = CONFIG_MAPPING[model_type]
