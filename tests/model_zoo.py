@@ -158,6 +158,8 @@ SMALL_SIZES: dict[str, int] = {
 }
 
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers")
+# a config's per-layer pattern: `layer_types`, or (older releases, hybrids) a `layers_block_type` property
+LAYER_PATTERNS = ("layer_types", "layers_block_type")
 # sizes set even where the family leaves them None: None means "derived" (hidden_size / heads, or as many KV heads
 # as query heads), and some families' models read the raw None; the tiny value is the derived one or GQA 4:2
 SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
@@ -207,8 +209,10 @@ FAMILY_OVERRIDES: dict[str, dict] = {
                            indexer_compress_ratio=4),
     "qwen4_exp": {"text_config": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
                                       indexer_compress_ratio=4)},
-    # the default config has no RoPE parameters (checkpoints carry one set per layer type), which the model reads
-    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # the default config has no RoPE parameters (checkpoints carry one set per layer type), which the model reads; its
+    # 3D RoPE splits the head's 8 frequencies into (height, width, time) sections
+    "cohere_compass_text": dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}}),
     # the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their type, so both types must
     # come before them: 15 shared layers and a 4:1 pattern need more than 4 layers
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
@@ -269,10 +273,14 @@ def tiny_config(model_type: str) -> PretrainedConfig:
 
 
 def layer_types_of(config: PretrainedConfig) -> list[str] | None:
-    """The per-layer pattern of a config's text part (`layer_types`, or what its `attribute_map` calls so)."""
+    """The per-layer pattern of a config's text part (the first of `LAYER_PATTERNS` it has, under its
+    `attribute_map` name), or None."""
     text = config.get_text_config(decoder=True)
-    pattern = config_value(text, _attribute_name(text, "layer_types"))
-    return list(pattern) if isinstance(pattern, (list, tuple)) else None
+    for name in LAYER_PATTERNS:
+        pattern = config_value(text, _attribute_name(text, name))
+        if isinstance(pattern, (list, tuple)):
+            return list(pattern)
+    return None
 
 
 def config_value(config: PretrainedConfig, name: str):
@@ -307,15 +315,18 @@ def _derived_fields(config_class) -> set[str]:
 
 
 def _layers_alike(config: PretrainedConfig) -> bool:
-    """Whether every layer of `config`'s text part is configured alike: no per-layer list (layer types, MLP types,
-    NoPE layers, ...) holds two different values, and no per-layer overrides."""
+    """Whether every layer of `config`'s text part is configured alike: its layer pattern (`layer_types`, or a
+    `layers_block_type` property) and every other per-layer list (MLP types, NoPE layers, ...) hold one value each,
+    and it has no per-layer overrides."""
     text = config.get_text_config(decoder=True)
     layers = next((config_value(text, _attribute_name(text, name)) for name in LAYER_COUNTS
                    if _is_size(config_value(text, _attribute_name(text, name)))), None)
     if layers is None or getattr(text, "is_heterogeneous", False):
         return False
-    return not any(isinstance(value, (list, tuple)) and len(value) == layers and len({repr(v) for v in value}) > 1
-                   for value in text.to_dict().values())
+    per_layer = [config_value(text, _attribute_name(text, name)) for name in LAYER_PATTERNS]
+    per_layer += [value for value in text.to_dict().values()
+                  if isinstance(value, (list, tuple)) and len(value) == layers]
+    return not any(isinstance(value, (list, tuple)) and len({repr(v) for v in value}) > 1 for value in per_layer)
 
 
 def _small_sizes(default: PretrainedConfig, layers: int = TINY_LAYERS) -> dict:
