@@ -160,6 +160,8 @@ SMALL_SIZES: dict[str, int] = {
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers")
 # a config's per-layer pattern: `layer_types`, or (older releases, hybrids) a `layers_block_type` property
 LAYER_PATTERNS = ("layer_types", "layers_block_type")
+# names of attributes that list layer indices (cross_attention_layers, moe_layers, full_attn_idxs, ...)
+LAYER_INDEX_SUFFIXES = ("_layers", "_idxs", "_indices", "_layer_ids")
 # sizes set even where the family leaves them None: None means "derived" (hidden_size / heads, or as many KV heads
 # as query heads), and some families' models read the raw None; the tiny value is the derived one or GQA 4:2
 SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
@@ -323,10 +325,22 @@ def _layers_alike(config: PretrainedConfig) -> bool:
                    if _is_size(config_value(text, _attribute_name(text, name)))), None)
     if layers is None or getattr(text, "is_heterogeneous", False):
         return False
+    values = text.to_dict()
+    index_lists = {name: value for name, value in values.items() if _is_index_list(name, value)}
     per_layer = [config_value(text, _attribute_name(text, name)) for name in LAYER_PATTERNS]
-    per_layer += [value for value in text.to_dict().values()
-                  if isinstance(value, (list, tuple)) and len(value) == layers]
-    return not any(isinstance(value, (list, tuple)) and len({repr(v) for v in value}) > 1 for value in per_layer)
+    per_layer += [value for name, value in values.items()
+                  if isinstance(value, (list, tuple)) and len(value) == layers and name not in index_lists]
+    if any(isinstance(value, (list, tuple)) and len({repr(v) for v in value}) > 1 for value in per_layer):
+        return False
+    picked = [{i for i in value if i < layers} for value in index_lists.values()]
+    return not any(0 < len(layer_ids) < layers for layer_ids in picked)
+
+
+def _is_index_list(name: str, value) -> bool:
+    """Whether attribute `name` lists layer indices (Mllama's cross_attention_layers, Llama 4's moe_layers, LFM2's
+    full_attn_idxs): named so, and increasing whole numbers (SmolLM3's no_rope_layers is a 0/1 flag per layer)."""
+    return (name.endswith(LAYER_INDEX_SUFFIXES) and isinstance(value, (list, tuple)) and bool(value)
+            and all(_is_size(v) and v >= 0 for v in value) and list(value) == sorted(set(value)))
 
 
 def _small_sizes(default: PretrainedConfig, layers: int = TINY_LAYERS) -> dict:
@@ -377,7 +391,14 @@ def _shrunk(default: PretrainedConfig, overrides: dict, layers: int = TINY_LAYER
     except Exception:  # a pattern derived for the family's depth (Zamba2: 54 entries) does not fit: give it
         if pattern_name in kwargs or not isinstance(config_value(default, pattern_name), (list, tuple)):
             raise
-        config = config_class(**kwargs, **{pattern_name: _tiny_pattern(list(config_value(default, pattern_name)))})
+        kwargs[pattern_name] = _tiny_pattern(list(config_value(default, pattern_name)))
+        config = config_class(**kwargs)
+    filled = {key: config_value(config, key) for key in getattr(config_class, "sub_configs", {})
+              if not isinstance(kwargs.get(key), PretrainedConfig)}
+    filled = {key: sub for key, sub in filled.items() if isinstance(sub, PretrainedConfig)}
+    if filled:  # nested configs the family's default leaves None and its constructor fills in, full size
+        kwargs.update({key: _shrunk(sub, overrides.get(key, {}), layers) for key, sub in filled.items()})
+        config = config_class(**kwargs)
     if pattern_name not in overrides:
         kept = _layer_mix_kept(config, default, pattern_name)
         if kept is not None:
