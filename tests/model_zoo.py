@@ -5,13 +5,15 @@ show up by themselves. `tiny_config(model_type)` instantiates the family's confi
 it generically: every size attribute named in `SMALL_SIZES` (found under its canonical name or the class's
 `attribute_map` alias) gets a small value, nested configs (text, vision, audio, ...) are shrunk the same way, and the
 family's layer pattern (`layer_types`: full / sliding / linear attention, convolution, mamba, ...) keeps its mix of
-types over `TINY_LAYERS` layers. `FAMILY_OVERRIDES` holds the few values generic shrinking cannot find, each with
-the reason; `NOT_BUILDABLE` the families transformers cannot build tiny here, with the reason, as data.
+types over `TINY_LAYERS` layers (`UNIFORM_LAYERS` where every layer is alike). `FAMILY_OVERRIDES` holds the few values
+generic shrinking cannot find, each with the reason; `NOT_BUILDABLE` the families transformers cannot build tiny here,
+with the reason, as data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -19,6 +21,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 TINY_LAYERS = 4
+UNIFORM_LAYERS = 2  # a family whose tiny layers are all alike gets this many (half the time per check)
 PROMPT_TOKENS = 80
 PAD_TOKENS = 10  # left padding of the batch's second row
 NEW_TOKENS = 8
@@ -36,7 +39,7 @@ SMALL_SIZES: dict[str, int] = {
     "d_model": 64,
     "n_embd": 64,
     "embedding_size": 64,
-    "num_hidden_layers": TINY_LAYERS,
+    "num_hidden_layers": TINY_LAYERS,  # the layer counts: `LAYER_COUNTS`
     "num_layers": TINY_LAYERS,
     "n_layers": TINY_LAYERS,
     "num_attention_heads": 4,
@@ -154,6 +157,11 @@ SMALL_SIZES: dict[str, int] = {
     "encoder_hash_byte_group_vocab": TINY_VOCAB,
 }
 
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers")
+# a config's per-layer pattern: `layer_types`, or (older releases, hybrids) a `layers_block_type` property
+LAYER_PATTERNS = ("layer_types", "layers_block_type")
+# names of attributes that list layer indices (cross_attention_layers, moe_layers, full_attn_idxs, ...)
+LAYER_INDEX_SUFFIXES = ("_layers", "_idxs", "_indices", "_layer_ids")
 # sizes set even where the family leaves them None: None means "derived" (hidden_size / heads, or as many KV heads
 # as query heads), and some families' models read the raw None; the tiny value is the derived one or GQA 4:2
 SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
@@ -193,16 +201,20 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "dots3_note_text": dict(head_dim=32),
     # ... the vision tower's default expert pyramid spells out its 42 layers (dense layers only fit any depth), and
     # the towers' adapters must match the hidden sizes they join (all 64 here)
-    "dots3_note": {"text_config": dict(head_dim=32),
-                   "vision_config": dict(mlp_layer_types=["dense"] * TINY_LAYERS, adapter_in_dim=64, adapter_out_dim=64),
-                   "audio_config": dict(adapter_input_size=64, adapter_out_dim=64)},
+    "dots3_note": {
+        "text_config": dict(head_dim=32),
+        "vision_config": dict(mlp_layer_types=["dense"] * TINY_LAYERS, adapter_in_dim=64, adapter_out_dim=64),
+        "audio_config": dict(adapter_input_size=64, adapter_out_dim=64),
+    },
     # the default config leaves the QSA indexer unset (None), which the indexed-attention layers need
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
                            indexer_compress_ratio=4),
     "qwen4_exp": {"text_config": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
                                       indexer_compress_ratio=4)},
-    # the default config has no RoPE parameters (checkpoints carry one set per layer type), which the model reads
-    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # the default config has no RoPE parameters (checkpoints carry one set per layer type), which the model reads; its
+    # 3D RoPE splits the head's 8 frequencies into (height, width, time) sections
+    "cohere_compass_text": dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}}),
     # the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their type, so both types must
     # come before them: 15 shared layers and a 4:1 pattern need more than 4 layers
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
@@ -217,8 +229,15 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "reformer": dict(axial_pos_embds_dim=[32, 32]),
 }
 
+# model_type -> (package, what needs it): optional dependencies without which transformers cannot build the family
+OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
+    "gemma3n": ("timm", "its vision tower is a timm model (TimmWrapperModel)"),
+}
 # model_type -> why transformers cannot build or run this family tiny here (recorded, not hidden)
-NOT_BUILDABLE: dict[str, str] = {}
+NOT_BUILDABLE: dict[str, str] = {
+    family: f"{why}, and {package} is not installed" for family, (package, why) in OPTIONAL_DEPENDENCIES.items()
+    if importlib.util.find_spec(package) is None
+}
 
 
 class TinyConfigUnavailable(RuntimeError):
@@ -231,9 +250,10 @@ def causal_lm_families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    """A tiny random-weight config of family `model_type` (`TINY_LAYERS` layers keeping the family's mix of layer
-    types, hidden 64, 4 query / 2 KV heads of 16 where the family has GQA, vocabulary `TINY_VOCAB`, 2,048 positions,
-    sliding windows of `SLIDING_WINDOW`); raises `TinyConfigUnavailable` for a family in `NOT_BUILDABLE`."""
+    """A tiny random-weight config of family `model_type`: `TINY_LAYERS` layers keeping the family's mix of layer
+    types (`UNIFORM_LAYERS` where all its layers are alike), hidden 64, 4 query / 2 KV heads of 16 where the family has
+    GQA, vocabulary `TINY_VOCAB`, 2,048 to `MAX_POSITIONS` positions, sliding windows of `SLIDING_WINDOW`. Raises
+    `TinyConfigUnavailable` for a family in `NOT_BUILDABLE`."""
     if model_type in NOT_BUILDABLE:
         raise TinyConfigUnavailable(f"{model_type}: {NOT_BUILDABLE[model_type]}")
     config_class = CONFIG_MAPPING[model_type]
@@ -243,15 +263,26 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     except Exception:  # a family whose defaults do not validate builds with its overrides
         default = config_class(**overrides)
     config = _shrunk(default, overrides)
+    if _layers_alike(config):
+        try:
+            shallow = _shrunk(default, overrides, UNIFORM_LAYERS)
+        except Exception:  # the family needs more layers than that
+            shallow = None
+        if shallow is not None and _layers_alike(shallow):
+            config = shallow
     _set_token_ids(config)
     return config
 
 
 def layer_types_of(config: PretrainedConfig) -> list[str] | None:
-    """The per-layer pattern of a config's text part (`layer_types`, or what its `attribute_map` calls so)."""
+    """The per-layer pattern of a config's text part (the first of `LAYER_PATTERNS` it has, under its
+    `attribute_map` name), or None."""
     text = config.get_text_config(decoder=True)
-    pattern = config_value(text, _attribute_name(text, "layer_types"))
-    return list(pattern) if isinstance(pattern, (list, tuple)) else None
+    for name in LAYER_PATTERNS:
+        pattern = config_value(text, _attribute_name(text, name))
+        if isinstance(pattern, (list, tuple)):
+            return list(pattern)
+    return None
 
 
 def config_value(config: PretrainedConfig, name: str):
@@ -285,9 +316,37 @@ def _derived_fields(config_class) -> set[str]:
     return {f.name for f in dataclasses.fields(config_class) if f.default is None or isinstance(f.default, str)}
 
 
-def _small_sizes(default: PretrainedConfig) -> dict:
-    """Constructor values that shrink `default`'s size attributes (`SMALL_SIZES` and the rules above it). A size the
-    family derives from others (its field defaults to None or "auto") is left to be derived from the tiny ones."""
+def _layers_alike(config: PretrainedConfig) -> bool:
+    """Whether every layer of `config`'s text part is configured alike: its layer pattern (`layer_types`, or a
+    `layers_block_type` property) and every other per-layer list (MLP types, NoPE layers, ...) hold one value each,
+    and it has no per-layer overrides."""
+    text = config.get_text_config(decoder=True)
+    layers = next((config_value(text, _attribute_name(text, name)) for name in LAYER_COUNTS
+                   if _is_size(config_value(text, _attribute_name(text, name)))), None)
+    if layers is None or getattr(text, "is_heterogeneous", False):
+        return False
+    values = text.to_dict()
+    index_lists = {name: value for name, value in values.items() if _is_index_list(name, value)}
+    per_layer = [config_value(text, _attribute_name(text, name)) for name in LAYER_PATTERNS]
+    per_layer += [value for name, value in values.items()
+                  if isinstance(value, (list, tuple)) and len(value) == layers and name not in index_lists]
+    if any(isinstance(value, (list, tuple)) and len({repr(v) for v in value}) > 1 for value in per_layer):
+        return False
+    picked = [{i for i in value if i < layers} for value in index_lists.values()]
+    return not any(0 < len(layer_ids) < layers for layer_ids in picked)
+
+
+def _is_index_list(name: str, value) -> bool:
+    """Whether attribute `name` lists layer indices (Mllama's cross_attention_layers, Llama 4's moe_layers, LFM2's
+    full_attn_idxs): named so, and increasing whole numbers (SmolLM3's no_rope_layers is a 0/1 flag per layer)."""
+    return (name.endswith(LAYER_INDEX_SUFFIXES) and isinstance(value, (list, tuple)) and bool(value)
+            and all(_is_size(v) and v >= 0 for v in value) and list(value) == sorted(set(value)))
+
+
+def _small_sizes(default: PretrainedConfig, layers: int = TINY_LAYERS) -> dict:
+    """Constructor values that shrink `default`'s size attributes (`SMALL_SIZES` and the rules above it) to `layers`
+    layers. A size the family derives from others (its field defaults to None or "auto") is left to be derived from
+    the tiny ones."""
     fields, derived = _field_names(type(default)), _derived_fields(type(default))
     sizes = {}
     for canonical, small in SMALL_SIZES.items():
@@ -301,6 +360,8 @@ def _small_sizes(default: PretrainedConfig) -> dict:
             continue
         elif canonical in POSITIONS:
             sizes[name] = max(small, min(value, MAX_POSITIONS))
+        elif canonical in LAYER_COUNTS:
+            sizes[name] = min(value, layers)
         else:
             sizes[name] = min(value, small)
     if config_value(default, _attribute_name(default, "kv_lora_rank")):
@@ -314,15 +375,15 @@ def _small_sizes(default: PretrainedConfig) -> dict:
     return sizes
 
 
-def _shrunk(default: PretrainedConfig, overrides: dict) -> PretrainedConfig:
+def _shrunk(default: PretrainedConfig, overrides: dict, layers: int = TINY_LAYERS) -> PretrainedConfig:
     """`default`'s class rebuilt with its size attributes, nested configs, per-layer overrides and layer pattern made
-    tiny, then `overrides` (constructor values; a nested config's under its key) applied."""
+    tiny (`layers` layers), then `overrides` (constructor values; a nested config's under its key) applied."""
     config_class = type(default)
-    kwargs = _small_sizes(default)
+    kwargs = _small_sizes(default, layers)
     for key in getattr(config_class, "sub_configs", {}):
         sub = config_value(default, key)
         if isinstance(sub, PretrainedConfig):
-            kwargs[key] = _shrunk(sub, overrides.get(key, {}))
+            kwargs[key] = _shrunk(sub, overrides.get(key, {}), layers)
     kwargs.update({key: value for key, value in overrides.items() if not isinstance(kwargs.get(key), PretrainedConfig)})
     pattern_name = _attribute_name(default, "layer_types")
     try:
@@ -330,7 +391,14 @@ def _shrunk(default: PretrainedConfig, overrides: dict) -> PretrainedConfig:
     except Exception:  # a pattern derived for the family's depth (Zamba2: 54 entries) does not fit: give it
         if pattern_name in kwargs or not isinstance(config_value(default, pattern_name), (list, tuple)):
             raise
-        config = config_class(**kwargs, **{pattern_name: _tiny_pattern(list(config_value(default, pattern_name)))})
+        kwargs[pattern_name] = _tiny_pattern(list(config_value(default, pattern_name)))
+        config = config_class(**kwargs)
+    filled = {key: config_value(config, key) for key in getattr(config_class, "sub_configs", {})
+              if not isinstance(kwargs.get(key), PretrainedConfig)}
+    filled = {key: sub for key, sub in filled.items() if isinstance(sub, PretrainedConfig)}
+    if filled:  # nested configs the family's default leaves None and its constructor fills in, full size
+        kwargs.update({key: _shrunk(sub, overrides.get(key, {}), layers) for key, sub in filled.items()})
+        config = config_class(**kwargs)
     if pattern_name not in overrides:
         kept = _layer_mix_kept(config, default, pattern_name)
         if kept is not None:

@@ -6,7 +6,6 @@ same checks."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -42,7 +41,6 @@ def _has_mla(model_type: str) -> bool:
 REFUSED: dict[str, str] = {model_type: MLA_REASON for model_type in causal_lm_families() if _has_mla(model_type)}
 
 
-@functools.cache
 def dynamic_cache_run(model_type: str):
     """`(config, ids, mask, tokens, logits)` of transformers' own greedy run through `DynamicCache`, or the reason it
     fails (a string)."""

@@ -36,15 +36,22 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, UnsupportedModelError
-from tests.model_zoo import (causal_lm_families, config_value, greedy, layer_types_of, padded_batch, tiny_config,
-                             tiny_model)
+from tests.model_zoo import (
+    causal_lm_families,
+    config_value,
+    greedy,
+    layer_types_of,
+    padded_batch,
+    tiny_config,
+    tiny_model,
+)
 
 SEED = 0
 CHECK_SECONDS = 120  # per check (build + generate); a tiny model takes seconds
 LOGIT_TOLERANCE = 1e-4  # method="none" stores K/V unquantized: it must match DynamicCache to float32 rounding
 OSCAR_OPTIONS = dict(sink_tokens=4, recent_tokens=16)
 
-SUPPORTED, WRONG, REFUSED, CRASHED, TRANSFORMERS_FAILS = (
+OUTCOMES = SUPPORTED, WRONG, REFUSED, CRASHED, TRANSFORMERS_FAILS = (
     "supported", "wrong output", "refused", "crashed", "transformers itself fails")
 
 
@@ -243,13 +250,12 @@ def _cell(check: Check) -> str:
 
 
 def table(results: list[FamilyResult]) -> str:
-    rows = ["| family | transformers runs | none == Dynamic (max logit diff) | default runs (finite) | outcome: reason |",
-            "|---|---|---|---|---|"]
+    rows = ["| family | transformers runs | none == Dynamic (max logit diff) | default runs (finite) "
+            "| outcome: reason |", "|---|---|---|---|---|"]
     for r in results:
         outcome, reason = r.outcome()
         if r.config_error is not None:
-            reference = none = default = "—"
-            reference = f"no: {r.config_error}"[:90]
+            reference, none, default = f"no: {r.config_error}"[:90], "—", "—"
         else:
             reference = _cell(r.reference)
             if not r.reference.ran:
@@ -269,8 +275,8 @@ def summary(results: list[FamilyResult]) -> str:
     for r in results:
         by_outcome[r.outcome()[0]].append(r)
     lines = [f"**{len(results)} families**: " + ", ".join(
-        f"{outcome} {len(by_outcome[outcome])}" for outcome in (SUPPORTED, WRONG, REFUSED, CRASHED, TRANSFORMERS_FAILS))]
-    for outcome in (SUPPORTED, WRONG, REFUSED, CRASHED, TRANSFORMERS_FAILS):
+        f"{outcome} {len(by_outcome[outcome])}" for outcome in OUTCOMES)]
+    for outcome in OUTCOMES:
         if not by_outcome[outcome]:
             continue
         lines.append(f"\n### {outcome} ({len(by_outcome[outcome])})\n")
