@@ -107,7 +107,11 @@ def attention_shape(config) -> AttentionShape:
     quantized = [i for i, kind in enumerate(kinds) if kind == QUANTIZED]
     if not quantized:  # nothing to quantize (windows, recurrent states): no head geometry to read (Mamba has none)
         return AttentionShape(cfg.num_hidden_layers, 0, 0, 0, tuple(kinds))
-    geometry = {_head_geometry(cfg, i) for i in quantized}
+    try:
+        geometry = {_head_geometry(cfg, i) for i in quantized}
+    except AttributeError as error:  # RWKV: transformers plans full-attention layers for a model without heads
+        raise UnsupportedModelError(f"{model_type}: its config names no attention heads ({error}); OscarCache "
+                                    "quantizes the K/V of attention layers") from None
     if len(geometry) > 1:
         raise UnsupportedModelError(f"{model_type}: its full-attention layers differ in heads or head size "
                                     f"{sorted(geometry)}; OscarCache needs one geometry for them")
