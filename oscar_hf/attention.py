@@ -65,7 +65,7 @@ def oscar_attention_forward(module, query, key, value, attention_mask, dropout=0
     A counted decode step (`counted_decode`) is one custom op (`kernels.ops`), which `torch.compile` keeps whole;
     under `torch.compile`, any other forward's update and attention are one opaque op (`update_and_attend`), so a
     `fullgraph=True` compile of the whole forward holds prefills too; everything else runs eagerly."""
-    segment = take_segment(key, kwargs)
+    segment = take_segment(key, kwargs, getattr(module, "layer_idx", None))
     sinks = kwargs.pop(SINKS_ARGUMENT, None)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)

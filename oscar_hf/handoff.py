@@ -138,15 +138,30 @@ def layer_of(handle: torch.Tensor):
     return layer
 
 
+# {reader layer: the segment of the layer whose K/V it reads}, from a source's update to its readers' attention.
+# A reader's key tensor is not always the one `update` returned: Gemma 4 on transformers < 5.24 passes it on with
+# `.to(device)`, which keeps the tensor in eager mode but, under torch.compile, gives a new one without the
+# attribute. One forward at a time per process reads it, as the handoff itself assumes.
+_FOR_READERS: dict[int, HistorySegment] = {}
+
+
 def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: HistorySegment | UpdateRequest) -> None:
-    """Make `segment` reach the attention function on every transformers release."""
+    """Make `segment` reach the attention function on every transformers release, and the attention of every
+    layer that reads this layer's K/V (`HistorySegment.readers`)."""
     attention_kwargs = attention_kwargs_of_update(update_kwargs)
     if attention_kwargs is not None:
         attention_kwargs[SEGMENT_ARGUMENT] = segment
     key_states._oscar_segment = segment
+    for reader in getattr(segment, "readers", ()):
+        _FOR_READERS[reader] = segment
 
 
-def take_segment(key_states: torch.Tensor, attention_kwargs: dict) -> HistorySegment | UpdateRequest | None:
-    """The segment (or update request) published for this attention call, or None (another cache, or no cache)."""
+def take_segment(key_states: torch.Tensor, attention_kwargs: dict,
+                 layer_idx: int | None = None) -> HistorySegment | UpdateRequest | None:
+    """The segment (or update request) published for this attention call of layer `layer_idx`, or None (another
+    cache, or no cache)."""
+    for_reader = _FOR_READERS.pop(layer_idx, None) if _FOR_READERS else None
     segment = attention_kwargs.pop(SEGMENT_ARGUMENT, None)
-    return segment if segment is not None else getattr(key_states, "_oscar_segment", None)
+    if segment is None:
+        segment = getattr(key_states, "_oscar_segment", None)
+    return segment if segment is not None else for_reader
