@@ -12,6 +12,8 @@ from oscar_hf import OscarCache
 
 from conftest import tiny_model
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 SWITCH = "OscarCache: switched LlamaForCausalLM's attention implementation from 'sdpa' to 'oscar'"
 ALL_SLIDING = "every layer of this model uses sliding-window attention"
 

@@ -15,7 +15,7 @@ from conftest import VOCAB, generate, tiny_config, tiny_model
 TIERS = dict(sink_tokens=2, recent_tokens=4, demote_block=2)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.quick)])
 def test_mixed_sliding_and_global_layers(family):
     """Global layers get OSCAR tiers, sliding layers pass through in BF16; softcap (Gemma2) is honoured."""
     model = tiny_model(family)
@@ -33,6 +33,7 @@ def test_mixed_sliding_and_global_layers(family):
     model.set_attn_implementation(reference_attention)
 
 
+@pytest.mark.quick
 def test_all_sliding_model_is_kept_in_bf16_with_a_warning(caplog):
     model = tiny_model("mistral", sliding_window=16)
     ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -67,11 +68,13 @@ def unsupported_configs():
 
 
 @pytest.mark.parametrize("reason, config", list(unsupported_configs()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.quick
 def test_unsupported_layouts_are_refused(reason, config):
     with pytest.raises(UnsupportedModelError, match=reason):
         OscarCache(config, method="identity")
 
 
+@pytest.mark.quick
 def test_head_dim_rules():
     odd = tiny_config("llama", head_dim=24)
     with pytest.raises(ValueError, match="power of two; this model has head_dim=24"):
