@@ -66,7 +66,8 @@ def test_head_runs_are_maximal_runs_of_one_precision():
         head_runs(2, [2])
 
 
-@pytest.mark.parametrize("batch_kwargs", [pytest.param(dict(), marks=pytest.mark.quick), dict(num_beams=2), dict(padded=True)],
+@pytest.mark.parametrize("batch_kwargs",
+                         [pytest.param(dict(), marks=pytest.mark.quick), dict(num_beams=2), dict(padded=True)],
                          ids=["greedy", "beams", "padded"])
 def test_a_split_layer_at_the_same_width_generates_what_an_unsplit_one_does(batch_kwargs):
     """Splitting a layer into runs of heads (here [0], [1], [2], each with its own rotation) and attending run by
