@@ -245,6 +245,18 @@ def switch_to_oscar_attention(model) -> str | None:
     return previous
 
 
+def takes_oscar_attention(model) -> bool:
+    """Whether `model`'s layers take their attention from transformers' AttentionInterface, so that the "oscar"
+    attention would run in them; the model's implementation is left as it was."""
+    try:
+        previous = switch_to_oscar_attention(model)
+    except UnsupportedModelError:
+        return False
+    if previous is not None and previous != OSCAR_ATTENTION:
+        model.set_attn_implementation(previous)
+    return True
+
+
 @contextlib.contextmanager
 def oscar_attention(model, hook: AttentionHook | None = None) -> Iterator[None]:
     """Within the block `model` runs the "oscar" attention, every call of it seen by `hook` (module docstring);

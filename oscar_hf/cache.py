@@ -19,7 +19,7 @@ import transformers
 from transformers.cache_utils import Cache
 from transformers.utils import logging
 
-from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention
+from oscar_hf.attention import OSCAR_ATTENTION, register, switch_to_oscar_attention, takes_oscar_attention
 from oscar_hf.compile_policy import (
     StepClock,
     await_compile,
@@ -32,7 +32,7 @@ from oscar_hf.config import OscarConfig, checked_bool, checked_int, read_json_fi
 from oscar_hf.handoff import UpdateRequest, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer, oscar_layer_for
-from oscar_hf.model_support import attention_shape, text_config_of, transformers_cache_layers
+from oscar_hf.model_support import attention_shape, own_attention_reason, text_config_of, transformers_cache_layers
 from oscar_hf.plan import NAMED_ROTATIONS, live_caches, plan_cache
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.hub import resolve_rotation_folder
@@ -100,8 +100,10 @@ class OscarCache(Cache):
         if recorded_clip_ratios is not None:
             checked_bool("recorded_clip_ratios", recorded_clip_ratios)
         hub_options = dict(subfolder=subfolder, revision=revision, token=token, local_files_only=local_files_only)
+        own_attention = _own_attention(model)
         plan = plan_cache(model, rotations, method, config, options, fold_value_rotation=fold_value_rotation,
-                          recorded_clip_ratios=recorded_clip_ratios, hub_options=hub_options)
+                          recorded_clip_ratios=recorded_clip_ratios, hub_options=hub_options,
+                          own_attention=own_attention)
         # transformers' own plan, its full-attention K/V replaced (`model_support`)
         layers = transformers_cache_layers(text_config_of(getattr(model, "config", model)))
         for i, layer in enumerate(plan.layers):
@@ -117,7 +119,13 @@ class OscarCache(Cache):
         self.compile_decode = compile_decode
         self._step_clock = StepClock(ledger_of(self if model is model_config else model))
         if model is not model_config and plan.shape.oscar_layer_ids:  # else the model's own attention serves
-            use_oscar_attention(model)
+            if own_attention is None:
+                use_oscar_attention(model)
+            else:
+                logger.warning_once(
+                    "OscarCache: %s keeps its own attention (%s): the cache stores its K/V at %s bits and hands that "
+                    "attention the whole K/V dequantized every step (correct, without the tiered attention's speed)",
+                    type(model).__name__, own_attention, plan.config.bits)
             live_caches(model).add(self)
 
     @property
@@ -396,6 +404,19 @@ class OscarCache(Cache):
     def __repr__(self) -> str:
         return (f"OscarCache(method={self.oscar_config.method}, layers={len(self.layers)}, "
                 f"tokens={self.get_seq_length()}, rotations={self.rotations!r})")
+
+
+def _own_attention(model) -> str | None:
+    """Why `model` (not a bare config) keeps its own attention (`model_support.own_attention_reason`), or None."""
+    if model is getattr(model, "config", model):
+        return None
+    reason = own_attention_reason(model.config)
+    # transformers' own flag for a model whose layers call the AttentionInterface (GIT's accepts the switch and
+    # computes its scores itself all the same)
+    compatible = getattr(model, "is_backend_compatible", lambda: True)()
+    if reason is None and not (compatible and takes_oscar_attention(model)):
+        reason = "its layers do not call transformers' AttentionInterface"
+    return reason
 
 
 def use_oscar_attention(model) -> None:

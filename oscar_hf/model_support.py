@@ -11,9 +11,14 @@ that share another layer's K/V), and OscarCache replaces only the layers that st
 - `SHARED`: a layer that attends to an earlier layer's K/V and stores nothing (Gemma 3n, Gemma 4), listed with
   its source in `AttentionShape.kv_sources`.
 
+Where the tiered "oscar" attention cannot compute a layer's attention (`own_attention_reason`: ALiBi's per-head
+position bias, an attention that reads its cache twice, a model whose layers do not call transformers'
+AttentionInterface), the model keeps its own attention and the cache hands it the whole K/V dequantized: stored at
+2 bits, correct, without the tiered attention's speed. A config with no attention heads (RWKV) has nothing to
+quantize.
+
 Refused with `UnsupportedModelError`, before any forward: multi-head latent attention (its cache is a compressed
-latent, not per-head K/V), ALiBi (a per-head position bias the tiers would have to carry), encoder-decoders, and
-quantized layers of unequal head geometry.
+latent, not per-head K/V), encoder-decoders, and quantized layers of unequal head geometry.
 """
 
 from __future__ import annotations
@@ -24,8 +29,19 @@ QUANTIZED = "quantized"
 KEPT = "kept"
 SHARED = "shared"
 
-# model types whose attention adds an ALiBi bias for every architecture of the family (Falcon says so per config)
-ALIBI_FAMILIES = ("bloom", "mpt")
+ALIBI = "ALiBi adds a per-head position bias to every score, which the tiered attention does not carry"
+# model types whose attention the tiered "oscar" attention cannot compute, for every architecture of the family
+# (Falcon says ALiBi per config)
+OWN_ATTENTION_FAMILIES = {
+    "bloom": ALIBI,
+    "mpt": ALIBI,
+    "diffllama": "its differential attention reads each layer's cache twice per forward, and the cache demotes "
+                 "after the first read",
+    "doge": "its attention mask carries a bias computed from every cached value",
+    "jetmoe": "its query heads read the KV heads repeated, not grouped (a mixture of attention heads)",
+    "inkling2_text": "its sink logits are computed per token",
+    "inkling2_loop_text": "its sink logits are computed per token",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -94,12 +110,10 @@ def attention_shape(config) -> AttentionShape:
             f"{model_type}: multi-head latent attention (MLA) caches a compressed latent, not per-head K/V; "
             "OscarCache does not support it (docs/models.md)"
         )
-    if model_type in ALIBI_FAMILIES or getattr(cfg, "alibi", False):
-        raise UnsupportedModelError(
-            f"{model_type}: ALiBi attention adds a per-head position bias to every score, which OscarCache's tiers "
-            "and quantized history do not carry; it is not supported (docs/models.md)"
-        )
     kinds = [_layer_kind(layer, cfg) for layer in transformers_cache_layers(cfg)]
+    for i in getattr(cfg, "cross_attention_layers", None) or ():  # Mllama: the image's K/V, which do not grow
+        if i < len(kinds):
+            kinds[i] = KEPT
     sources = kv_sharing_sources(cfg)
     for reader in sources:
         if reader < len(kinds):
@@ -109,9 +123,8 @@ def attention_shape(config) -> AttentionShape:
         return AttentionShape(cfg.num_hidden_layers, 0, 0, 0, tuple(kinds))
     try:
         geometry = {_head_geometry(cfg, i) for i in quantized}
-    except AttributeError as error:  # RWKV: transformers plans full-attention layers for a model without heads
-        raise UnsupportedModelError(f"{model_type}: its config names no attention heads ({error}); OscarCache "
-                                    "quantizes the K/V of attention layers") from None
+    except AttributeError:  # no attention heads (RWKV): transformers plans full-attention layers it never fills
+        return AttentionShape(cfg.num_hidden_layers, 0, 0, 0, (KEPT,) * len(kinds))
     if len(geometry) > 1:
         raise UnsupportedModelError(f"{model_type}: its full-attention layers differ in heads or head size "
                                     f"{sorted(geometry)}; OscarCache needs one geometry for them")
@@ -120,6 +133,16 @@ def attention_shape(config) -> AttentionShape:
         raise UnsupportedModelError(f"{model_type}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     kv_sources = tuple((r, s) for r, s in sorted(sources.items()) if s < len(kinds) and kinds[s] == QUANTIZED)
     return AttentionShape(cfg.num_hidden_layers, num_heads, num_kv_heads, head_dim, tuple(kinds), kv_sources)
+
+
+def own_attention_reason(config) -> str | None:
+    """Why the model's layers keep their own attention over dequantized K/V instead of the tiered "oscar" one
+    (module docstring), or None. A model whose layers do not call transformers' AttentionInterface is found by
+    trying to switch it (`attention.takes_oscar_attention`), not from its config."""
+    cfg = text_config_of(config)
+    if getattr(cfg, "alibi", False):
+        return ALIBI
+    return OWN_ATTENTION_FAMILIES.get(getattr(cfg, "model_type", None))
 
 
 def _any_layer_has(cfg, name: str) -> bool:
@@ -172,5 +195,6 @@ def _head_geometry(cfg, layer_idx: int | None) -> tuple[int, int, int]:
     layer_cfg = per_layer[layer_idx] if per_layer else cfg
     num_heads = getattr(layer_cfg, "num_attention_heads", None) or cfg.num_attention_heads
     num_kv_heads = getattr(layer_cfg, "num_key_value_heads", None) or getattr(cfg, "num_key_value_heads", None)
-    head_dim = getattr(layer_cfg, "head_dim", None) or getattr(cfg, "head_dim", None)
+    head_dim = next((getattr(c, name) for c in (layer_cfg, cfg) for name in ("head_dim", "dim_head")  # CPM-Ant
+                     if getattr(c, name, None)), None)
     return num_heads, num_kv_heads or num_heads, head_dim or cfg.hidden_size // num_heads

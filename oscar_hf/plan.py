@@ -23,7 +23,7 @@ from transformers.utils import logging
 from oscar_hf.config import FORMAT_FIELDS, LAYER_RANKED_DEFAULT_METHOD, RANKED_DEFAULT_METHOD, OscarConfig
 from oscar_hf.model_support import QUANTIZED, UnsupportedModelError, attention_shape
 from oscar_hf.parallel import local_head_config, local_heads, tensor_parallel_position
-from oscar_hf.profile import data_free_rotations
+from oscar_hf.profile import UnobservedLayersError, data_free_rotations
 from oscar_hf.rotations import Rotations
 from oscar_hf.rotations.folding import fold_value_rotations, folded_value_rotation
 
@@ -59,14 +59,17 @@ class CachePlan:
 
 
 def plan_cache(model, rotations, method: str | None, config: OscarConfig | None, options: dict, *,
-               fold_value_rotation: bool, recorded_clip_ratios: bool | None, hub_options: dict) -> CachePlan:
-    """The plan of an `OscarCache(model, rotations, method, config=config, **options)` (see its arguments)."""
+               fold_value_rotation: bool, recorded_clip_ratios: bool | None, hub_options: dict,
+               own_attention: str | None = None) -> CachePlan:
+    """The plan of an `OscarCache(model, rotations, method, config=config, **options)` (see its arguments).
+    `own_attention`: why the model keeps its own attention (`model_support.own_attention_reason`), or None: then
+    no profile can observe it, and the inferred default is the uniform `hadamard` rows."""
     model_config = getattr(model, "config", model)
     shape = attention_shape(model_config)
     if recorded_clip_ratios is None:  # the rotations' ratios, unless the caller chose ratios
         recorded_clip_ratios = not (config is not None or "key_clip_ratio" in options or "value_clip_ratio" in options)
     inferred = config is None and method is None
-    weights = model is not model_config  # the model itself, which a data-free profile can run
+    weights = model is not model_config and own_attention is None  # a model a data-free profile can observe
     if config is None:
         config = OscarConfig.from_method(method or _infer_method(rotations, weights, options), **options)
     elif method is not None or options:
@@ -79,9 +82,25 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
         return CachePlan(config, None, "identity", shape, (None,) * len(shape.layer_kinds), recorded_clip_ratios,
                          False)
     source = rotations if rotations is not None else config.rotation
+    if own_attention is not None and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
+        raise UnsupportedModelError(
+            f"method={config.method!r} ranks layers or heads from a profile of the model's attention, which this "
+            f"model computes itself ({own_attention}); use method='hadamard' (its default), or rotations that "
+            "record a ranking")
+    profiled = None
     if weights and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
+        try:
+            profiled = data_free_rotations(model)
+        except UnobservedLayersError as error:
+            if not inferred:
+                raise
+            # the default, where the profile cannot attribute the calls to layers: uniform rows need no profile
+            logger.warning_once("OscarCache: %s; the default is method='hadamard' here", error)
+            config = OscarConfig.from_method("hadamard", **options)
+            source = rotations if rotations is not None else config.rotation
+    if profiled is not None:
         # a ranked preset on Hadamard rotations: the model's own profile ranks it
-        resolved, source = resolve_rotations(data_free_rotations(model), shape, hub_options), "hadamard"
+        resolved, source = resolve_rotations(profiled, shape, hub_options), "hadamard"
         # once per process and method: an evaluation builds a cache per prompt
         logger.info_once("OscarCache: method=%r on data-free rotations: Hadamard, keys smoothed and layers and KV "
                          "heads ranked by induction from one forward over random tokens (oscar_hf.profile)",

@@ -35,6 +35,11 @@ FLOOR = 1e-6  # a channel that is always zero (in keys or queries) keeps a finit
 SMOOTHING_RULE = "sqrt(rms(k) / rms(q)) per KV head and RoPE channel pair (per channel where RoPE turns none)"
 
 
+class UnobservedLayersError(UnsupportedModelError):
+    """The profile's forward never called the attention of some quantized layers under their own index (their
+    attention module is shared, or offsets its cache index: Zamba, HRM)."""
+
+
 class ChannelPower:
     """Observer of attention calls: running sums of squares per (layer, KV head, channel) of the keys and the
     queries (a GQA group's queries pooled), and `scales()`, the key smoothing rule.
@@ -157,7 +162,7 @@ def profile_model(model, tokens: int = PROFILE_TOKENS, seed: int = PROFILE_SEED,
         model(input_ids=ids, use_cache=False)
     missing = sorted(stored - set(induction.scores))
     if missing:
-        raise UnsupportedModelError(
+        raise UnobservedLayersError(
             f"{type(model).__name__}: the data-free profile saw no attention call of layers {missing} (the model "
             "computes their attention outside transformers' attention interface); pass rotations='hadamard' with "
             "method='hadamard' for uniform rows, which need no profile")

@@ -27,6 +27,7 @@ def _padded_prompt(seed: int = 0):
     return ids, mask
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family, kinds, classes", [
     ("qwen3_next", [KEPT] * 3 + [QUANTIZED], [LinearAttentionLayer] * 3 + [OscarLayer]),
     ("nemotron_h", [KEPT, QUANTIZED] * 2, [LinearAttentionLayer, OscarLayer] * 2),
@@ -82,6 +83,7 @@ def test_the_default_quantizes_and_gives_finite_logits(family):
     assert set(profiled.layer_ids) == set(attention_shape(model.config).oscar_layer_ids)
 
 
+@pytest.mark.quick
 def test_a_layer_read_by_another_demotes_once_after_its_last_reader():
     """Gemma 4: layers 4 and 5 attend to layers 2 and 3's tiers. The source demotes once per forward, after the
     reader has attended, so the reader sees the same tokens as the source (otherwise `none` would differ from

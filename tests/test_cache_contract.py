@@ -24,7 +24,7 @@ def _kv_of(model, ids):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-@pytest.mark.parametrize("method", ["none", "hadamard"])
+@pytest.mark.parametrize("method", ["none", pytest.param("hadamard", marks=pytest.mark.quick)])
 def test_cache_filled_through_update_continues_like_one_filled_by_a_forward(method):
     model = tiny_model("llama", seed=2)
     ids = torch.randint(1, 96, (2, 30))
@@ -46,6 +46,7 @@ def test_cache_filled_through_update_continues_like_one_filled_by_a_forward(meth
             torch.testing.assert_close(a, forward(model, ids[:, -1:], dynamic).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_update_twice_outside_a_forward_settles_the_first():
     model = tiny_model("llama")
     cache = OscarCache(model, method="none", **TIERS)
@@ -82,6 +83,7 @@ def test_updates_outside_a_forward_during_decode_settle_alike_after_a_read():
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_forward_that_fails_in_one_layer_is_named_and_appends_nothing_on_retry(monkeypatch):
     model = tiny_model("llama")
     cache = OscarCache(model, method="hadamard", **TIERS)

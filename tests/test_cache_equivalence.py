@@ -29,7 +29,7 @@ def assert_history_used(cache):
     assert any(getattr(layer, "history_length", 0) > 0 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.quick) if f == "qwen3" else f for f in FAMILIES])
 @pytest.mark.parametrize("rotations", ["identity", "hadamard"])
 def test_greedy_generation_matches_dynamic_cache(family, rotations):
     model = tiny_model(family)
@@ -103,6 +103,7 @@ def test_chunked_prefill_matches_dynamic_cache(family):
     assert_history_used(cache)
 
 
+@pytest.mark.quick
 def test_prefill_chunk_size_of_generate_matches_dynamic_cache():
     model = tiny_model("qwen3")
     ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))

@@ -29,7 +29,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from transformers import DynamicCache
 
 from oscar_hf.layer import OscarLayer
@@ -39,6 +46,9 @@ from oscar_hf import OscarCache
 from conftest import VOCAB, cache_argument_name, forward, tiny_model
 
 settings.register_profile("ci", max_examples=12, stateful_step_count=12, derandomize=True, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+# the quick subset's share of the search: two fixed sequences of a few operations each
+settings.register_profile("quick", max_examples=2, stateful_step_count=5, derandomize=True, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", max_examples=300, stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -227,3 +237,10 @@ CacheOperations.TestCase.settings = PROFILE
 QuantizedCacheOperations.TestCase.settings = PROFILE
 test_cache_operations_match_dynamic_cache = CacheOperations.TestCase
 test_quantized_cache_operations_match_attention_over_what_it_stores = QuantizedCacheOperations.TestCase
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("machine", [CacheOperations, QuantizedCacheOperations], ids=["none", "hadamard"])
+def test_a_few_operation_sequences_keep_the_invariants(machine):
+    """Two short derandomized sequences of each machine (the `quick` profile), for the quick subset."""
+    run_state_machine_as_test(machine, settings=settings.get_profile("quick"))

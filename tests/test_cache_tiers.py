@@ -24,7 +24,7 @@ def layout(cache):
 @pytest.mark.parametrize("length, expected", [
     (100, (0, 0, 100)),      # short prompts stay BF16 (sink/recent not split yet)
     (320, (0, 0, 320)),      # <= sink + recent: all BF16
-    (321, (64, 1, 256)),     # prefill quantizes the middle at once
+    pytest.param(321, (64, 1, 256), marks=pytest.mark.quick),  # prefill quantizes the middle at once
     (1000, (64, 680, 256)),
 ])
 def test_prefill_layout(length, expected):
@@ -51,6 +51,7 @@ def test_decode_demotes_eight_tokens_once_recent_exceeds_263():
     assert cache.get_seq_length() == 1016
 
 
+@pytest.mark.quick
 def test_crop_within_recent_and_refusal_beyond():
     model = tiny_model("llama")
     cache = OscarCache(model, method="hadamard", sink_tokens=4, recent_tokens=8, demote_block=2)
@@ -77,6 +78,7 @@ def test_cropped_cache_continues_like_an_uncropped_one():
         torch.testing.assert_close(forward(model, ids[:, 22:], a).logits, forward(model, ids[:, 22:], b).logits)
 
 
+@pytest.mark.quick
 def test_reorder_cache_permutes_every_tier():
     model = tiny_model("llama")
     cache = OscarCache(model, method="hadamard", sink_tokens=4, recent_tokens=8, demote_block=2)
@@ -118,6 +120,7 @@ def test_deepcopy_reuses_a_prefilled_prompt_across_requests():
     assert copy.deepcopy(prefilled).rotations is prefilled.rotations
 
 
+@pytest.mark.quick
 def test_reset_empties_every_layer():
     model = tiny_model("llama")
     cache = OscarCache(model, method="hadamard", sink_tokens=4, recent_tokens=8)
@@ -129,6 +132,7 @@ def test_reset_empties_every_layer():
     assert cache.get_seq_length() == 10
 
 
+@pytest.mark.quick
 def test_nbytes_counts_what_is_stored():
     model = tiny_model("llama").to(torch.bfloat16)
     cache = OscarCache(model, method="hadamard", sink_tokens=4, recent_tokens=8, demote_block=2)
@@ -155,6 +159,7 @@ def test_scale_dtype_float32_costs_more_bits():
     assert sizes == {"float16": pytest.approx(2 + 32 / 16), "float32": pytest.approx(2 + 64 / 16)}
 
 
+@pytest.mark.quick
 def test_batch_size_change_without_reset_fails_clearly():
     model = tiny_model("llama")
     cache = OscarCache(model, method="hadamard")
@@ -211,6 +216,7 @@ def test_generate_after_switching_attention_continues_the_cache(method):
         assert torch.equal(out, expected)
 
 
+@pytest.mark.quick
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="bits=3"):
         OscarConfig(bits=3)

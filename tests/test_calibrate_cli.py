@@ -49,6 +49,7 @@ def run_cli(*argv):
     return cli.main([str(a) for a in argv])
 
 
+@pytest.mark.quick
 def test_cli_writes_rotations_that_load_bit_exactly_and_run(model_folder, text_file, tmp_path, capsys):
     out = tmp_path / "rotations"
     assert run_cli("--model", model_folder, "--data", text_file, "--tokens", 300, "--context", 128,
@@ -273,6 +274,7 @@ def test_bad_arguments_fail_before_any_work(model_folder, text_file, tmp_path, n
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+@pytest.mark.quick
 def test_cuda_device_without_a_gpu_fails_before_any_work(model_folder, text_file, tmp_path, no_work, capsys):
     with pytest.raises(SystemExit):
         run_cli("--model", model_folder, "--data", text_file, "--out", tmp_path / "o", "--device", "cuda")
@@ -288,6 +290,7 @@ def test_bad_model_names_fail_before_any_work(text_file, tmp_path, no_work, caps
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_out_that_is_a_file_fails_before_any_work(model_folder, text_file, tmp_path, no_work, capsys):
     (tmp_path / "o").write_text("")
     with pytest.raises(SystemExit):

@@ -12,6 +12,7 @@ from oscar_hf.kernels.reference.quantize import clip_index, fake_quantize
 from conftest import forward, stored, tiny_model
 
 
+@pytest.mark.quick
 def test_clip_grid_covers_distinct_order_statistics():
     grid = clip_grid(64, lowest=0.9)
     assert grid[-1] is None
@@ -23,6 +24,7 @@ class Keep:
         self.last = (module, query, key, value, scaling)
 
 
+@pytest.mark.quick
 def test_probe_matches_a_hand_computation():
     model = tiny_model("llama", seed=1)
     ids = torch.randint(1, 96, (1, 60))
@@ -127,6 +129,7 @@ def _rotations_with_clips(tmp_path, key_clips, value_clips):
     return Rotations.from_pretrained(tmp_path)
 
 
+@pytest.mark.quick
 def test_cache_applies_the_clip_ratios_its_rotations_record(tmp_path):
     model = tiny_model("llama", seed=5)
     ids = torch.randint(1, 96, (1, 40))
@@ -177,6 +180,7 @@ def test_simulation_uses_each_layers_recorded_clip_ratios(tmp_path):
     assert (simulated - preset).abs().max().item() > 1e-4
 
 
+@pytest.mark.quick
 def test_unreadable_recorded_clip_ratios_fail_clearly():
     from oscar_hf.rotations.rotations import RotationFileError
 

@@ -20,6 +20,7 @@ class CharTokenizer:
         return self("".join(f"[{m['content']}]" for m in messages)).input_ids
 
 
+@pytest.mark.quick
 def test_text_file_is_cut_into_windows_up_to_the_budget(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text("x" * 1000)
@@ -27,6 +28,7 @@ def test_text_file_is_cut_into_windows_up_to_the_budget(tmp_path):
     assert [s.shape for s in sequences] == [torch.Size([1, 200]), torch.Size([1, 200]), torch.Size([1, 50])]
 
 
+@pytest.mark.quick
 def test_jsonl_text_messages_and_prompt_records(tmp_path):
     path = tmp_path / "d.jsonl"
     records = [{"text": "abc"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "xyz"}, "plain"]
@@ -37,12 +39,14 @@ def test_jsonl_text_messages_and_prompt_records(tmp_path):
     assert sequences[1][0].tolist() == CharTokenizer()("[hi]").input_ids  # the chat template was applied
 
 
+@pytest.mark.quick
 def test_chat_template_option_wraps_plain_text():
     sequences = token_sequences(CharTokenizer(), [Document(text="ab")], tokens=10, context=10, chat_template=True,
                                 min_tokens=1)
     assert sequences[0][0].tolist() == CharTokenizer()("[ab]").input_ids
 
 
+@pytest.mark.quick
 def test_chat_messages_without_a_template_fail_clearly():
     class NoTemplate(CharTokenizer):
         chat_template = None
@@ -51,6 +55,7 @@ def test_chat_messages_without_a_template_fail_clearly():
         token_sequences(NoTemplate(), [Document(messages=[{"role": "user", "content": "x"}])], 10, 10)
 
 
+@pytest.mark.quick
 def test_shakespeare_calibration_and_evaluation_plays_are_disjoint():
     calibration = load_documents("shakespeare")
     evaluation = load_documents("shakespeare:evaluation")

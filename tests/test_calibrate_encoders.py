@@ -6,6 +6,8 @@ import torch
 from oscar_hf.calibrate.encoders import LM_RATIO, LM_SPAN, gaussian_lm, lloyd, minmax
 from oscar_hf.kernels.reference.quantize import dequantize_rows
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 @pytest.mark.parametrize("clip", [None, 0.92])
 def test_lloyd_is_never_worse_than_minmax_per_row(clip):

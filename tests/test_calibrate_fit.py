@@ -6,6 +6,8 @@ import torch
 from oscar_hf.calibrate.fit import fit_rotations, hadamard_rotation, rotation_from_moment
 from oscar_hf.rotations.math import hadamard_matrix
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 def planted(d=16, seed=0):
     """(covariance, orthogonal U with columns in ascending-eigenvalue order, ascending eigenvalues)."""

@@ -39,6 +39,16 @@ def test_calibration_on_offline_text_beats_hadamard_on_held_out_text(smollm2):
     assert errors["hadamard"]["kl"] < errors["identity"]["kl"] / 2
 
 
+@pytest.mark.quick
+@pytest.mark.skipif(not os.path.isdir(SHIPPED), reason="no shipped SmolLM2 rotations in this checkout")
+def test_the_shipped_smollm2_rotations_fit_the_model_with_their_searched_clip_ratios(smollm2):
+    model, _ = smollm2
+    cache = OscarCache(model, rotations=SHIPPED, method="oscar")  # checks layers, head_dim, KV heads
+    key_clips, _ = clip_ratios_from_metadata(cache.rotations.metadata)
+    assert cache.rotations.per_head and key_clips is not None
+    assert [layer.config.key_clip_ratio for layer in cache.layers[:2]] == [key_clips[0], key_clips[1]]
+
+
 @pytest.mark.skipif(not os.path.isdir(SHIPPED), reason="no shipped SmolLM2 rotations in this checkout")
 def test_shipped_smollm2_rotations_load_and_beat_hadamard(smollm2):
     model, tokenizer = smollm2

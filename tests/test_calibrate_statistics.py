@@ -10,6 +10,7 @@ from oscar_hf.calibrate.statistics import SecondMoment, Tiers, attention_blocks
 from conftest import tiny_model
 
 
+@pytest.mark.quick
 def test_second_moment_streaming_equals_batch_formula():
     torch.manual_seed(0)
     x = torch.randn(3, 1000, 8, dtype=torch.float64) * torch.linspace(0.1, 5, 8)
@@ -24,6 +25,7 @@ def test_second_moment_streaming_equals_batch_formula():
     torch.testing.assert_close(weighted.mean(), expected_weighted, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.quick
 def test_empty_moment_fails_clearly():
     with pytest.raises(ValueError, match="no samples"):
         SecondMoment(2, 4).mean()
@@ -136,6 +138,7 @@ def _pooled(parts, tiers, groups):
     return {name: torch.stack([sums[name][h] / weights[name][h] for h in range(kv_heads)]) for name in sums}
 
 
+@pytest.mark.quick
 def test_single_sequence_matches_reference_formulas_literally():
     """One sequence, all pairs: the streamed `sst` equals the reference's compute_sst written out literally."""
     model = tiny_model("llama", seed=3)
@@ -149,6 +152,7 @@ def test_single_sequence_matches_reference_formulas_literally():
         torch.testing.assert_close(streamed[name][1], expected[name], rtol=1e-6, atol=1e-9, msg=name)
 
 
+@pytest.mark.quick
 def test_attention_blocks_bound_memory_and_match_softmax():
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 100, 8)
@@ -162,6 +166,7 @@ def test_attention_blocks_bound_memory_and_match_softmax():
     torch.testing.assert_close(probs, torch.softmax(full, dim=-1))
 
 
+@pytest.mark.quick
 def test_tiers_count_only_quantized_pairs():
     tiers = Tiers(sink=2, recent=3)
     pos = torch.arange(10)

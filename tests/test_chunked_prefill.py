@@ -50,6 +50,7 @@ def _stored_codes(layer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
+@pytest.mark.quick
 def test_unquantized_chunked_prefill_equals_dynamic_cache(llama):
     dynamic, oscar = DynamicCache(config=llama.config), OscarCache(llama, method="none")
     want = _generate(llama, dynamic, CHUNK)
@@ -62,6 +63,7 @@ def test_unquantized_chunked_prefill_equals_dynamic_cache(llama):
 
 
 @torch.no_grad()
+@pytest.mark.quick
 def test_demoting_between_chunks_stores_what_one_prefill_stores(llama):
     """Layer 0's K/V do not depend on attention, so its history must be the same codes chunked or not; later layers
     attend to the quantized history of earlier chunks and may differ, as decoding does."""
@@ -174,6 +176,7 @@ def test_dynamic_cache_chunks_under_oscar_attention_equal_sdpa(llama):
         torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_oscar_mask_is_none_only_for_unpadded_causal_chunks():
     from transformers.masking_utils import sliding_window_causal_mask_function
 

@@ -37,6 +37,7 @@ def test_compact_pairs_cost_a_few_percent_of_error_and_two_bytes(bits, encoder):
     assert row_bytes(64, 2, COMPACT) == 16 + 2 and row_bytes(64, 2, torch.float16) == 16 + 4
 
 
+@pytest.mark.quick
 def test_compact_codes_saturate_instead_of_overflowing():
     x = torch.tensor([[7e4, -7e4] + [0.0] * 62, [1e-12] * 64])
     out = fake_quantize(x, 2, None, COMPACT, "minmax")
@@ -44,6 +45,7 @@ def test_compact_codes_saturate_instead_of_overflowing():
     assert compact_scale(torch.tensor(255)) > 200 and compact_zero(torch.tensor(0), 2) == -1.0
 
 
+@pytest.mark.quick
 def test_compact_pairs_through_the_cache_store_fewer_bytes_and_stay_close():
     model = tiny_model("llama", seed=3)
     ids = torch.randint(1, 96, (1, 60))
@@ -58,6 +60,7 @@ def test_compact_pairs_through_the_cache_store_fewer_bytes_and_stay_close():
     assert compact.can_compile and wide.can_compile
 
 
+@pytest.mark.quick
 def test_compact_pairs_refuse_the_lloyd_encoder():
     with pytest.raises(ValueError, match="compact pairs take"):
         OscarConfig(scale_dtype="compact", encoder="lloyd")

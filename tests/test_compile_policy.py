@@ -37,6 +37,7 @@ def _compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.quick
 def test_the_ledger_buys_once_eager_steps_cost_a_compile_and_keeps_it():
     ledger = DecodeLedger()
     step = EXPECTED_COMPILE_SECONDS / 30
@@ -52,6 +53,7 @@ def test_the_ledger_buys_once_eager_steps_cost_a_compile_and_keeps_it():
 
 
 @torch.no_grad()
+@pytest.mark.quick
 def test_a_models_first_calls_decode_eagerly_and_count_only_their_decode_steps():
     torch._dynamo.reset()
     model = tiny_model("llama", seed=1)
@@ -91,6 +93,7 @@ def test_once_eager_steps_have_cost_a_compile_generate_compiles_and_stores_what_
 
 
 @pytest.mark.parametrize("setting", [True, False])
+@pytest.mark.quick
 def test_compile_decode_overrides_the_rule(setting):
     model = tiny_model("llama", seed=3)
     ledger_of(model).eager_seconds = 0.0 if setting else EXPECTED_COMPILE_SECONDS
@@ -102,6 +105,7 @@ def test_compile_decode_overrides_the_rule(setting):
         OscarCache(model, method="hadamard", compile_decode="yes")
 
 
+@pytest.mark.quick
 def test_a_cache_that_cannot_compile_says_so_whatever_compile_decode_says():
     model = tiny_model("llama", seed=4)
     model.set_attn_implementation("sdpa")  # dequantized K/V grow by a token a step: never compileable
@@ -151,6 +155,7 @@ def test_a_machine_that_compiled_the_step_before_expects_a_cheaper_compile(tmp_p
 
 
 @torch.no_grad()
+@pytest.mark.quick
 def test_a_cpu_generate_that_compiles_nothing_leaves_no_marker(tmp_path, monkeypatch):
     """On a CPU `generate` compiles nothing unless its compile_config says to, whatever the cache allows: no marker
     may then promise the next process a warm compile, neither now nor when a later trace runs."""
@@ -168,6 +173,7 @@ def test_a_cpu_generate_that_compiles_nothing_leaves_no_marker(tmp_path, monkeyp
     assert not (tmp_path / "oscar_hf").exists()
 
 
+@pytest.mark.quick
 def test_compile_decode_is_a_runtime_choice_that_from_pretrained_takes(tmp_path):
     model = tiny_model("llama", seed=7)
     OscarCache(model, method="hadamard", compile_decode=True, **OPTIONS).save_pretrained(tmp_path)

@@ -36,7 +36,7 @@ def _eager(model):
     return lambda token, cache: forward(model, token, cache)
 
 
-@pytest.mark.parametrize("method", ["hadamard", "none"])
+@pytest.mark.parametrize("method", ["hadamard", pytest.param("none", marks=pytest.mark.quick)])
 def test_counted_steps_equal_host_counted_steps_bit_for_bit(method):
     model = tiny_model("qwen3", seed=3)
     ids = torch.randint(1, 96, (2, 30))
@@ -233,7 +233,8 @@ def test_a_compiled_step_reads_seven_tensors_of_each_layer():
 
 
 @pytest.mark.parametrize("options", [dict(do_sample=False),
-                                     dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9),
+                                     pytest.param(dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9),
+                                                  marks=pytest.mark.quick),
                                      dict(do_sample=True, min_p=0.05, repetition_penalty=1.3)])
 def test_generate_compiles_the_decode_step_and_gives_the_eager_tokens(options):
     torch._dynamo.reset()

@@ -58,12 +58,14 @@ def prompt(length=40, seed=1) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ OscarConfig
 @pytest.mark.parametrize("method", sorted(PRESETS))
+@pytest.mark.quick
 def test_every_preset_round_trips_through_json(method):
     config = OscarConfig.from_method(method)
     assert json_round_trip(config) == config
     assert json_round_trip(OscarConfig.from_method(method, bits=4)) == OscarConfig.from_method(method, bits=4)
 
 
+@pytest.mark.quick
 def test_non_default_fields_round_trip_and_are_json_types():
     config = OscarConfig(method="clip", sink_tokens=3, recent_tokens=5, demote_block=2, bits=4, key_clip_ratio=None,
                          value_clip_ratio=0.5, scale_dtype=torch.bfloat16, quantize=False, history_chunk=7,
@@ -78,6 +80,7 @@ def test_non_default_fields_round_trip_and_are_json_types():
         assert json_round_trip(config) == config
 
 
+@pytest.mark.quick
 def test_a_json_file_round_trips(tmp_path):
     config = OscarConfig.from_method("oscar-next", high_precision_layers=[0, 2])
     path = tmp_path / "config.json"
@@ -86,6 +89,7 @@ def test_a_json_file_round_trips(tmp_path):
     assert OscarConfig.from_json_file(path) == config
 
 
+@pytest.mark.quick
 def test_a_truncated_json_file_is_a_value_error_naming_the_file(tmp_path):
     path = tmp_path / "config.json"
     OscarConfig.from_method("oscar-next").to_json_file(path)
@@ -94,6 +98,7 @@ def test_a_truncated_json_file_is_a_value_error_naming_the_file(tmp_path):
         OscarConfig.from_json_file(path)
 
 
+@pytest.mark.quick
 def test_an_unknown_key_is_rejected_with_the_valid_names():
     with pytest.raises(ValueError) as error:
         OscarConfig.from_dict({"recent_token": 128, "nbits": 2})
@@ -136,6 +141,7 @@ def test_a_cache_with_calibrated_rotations_is_rebuilt_equal(tmp_path, method):
     assert rebuilt.layers[0].history_length > 0
 
 
+@pytest.mark.quick
 def test_a_hadamard_cache_is_saved_as_its_config_alone_and_rebuilt_equal(tmp_path):
     model = tiny_model()
     cache = OscarCache(model, method="hadamard", **TIERS)
@@ -188,6 +194,7 @@ def test_a_folder_without_the_config_file_is_named_in_the_error(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not utf-8"])
+@pytest.mark.quick
 def test_a_damaged_setup_file_is_a_value_error_naming_the_file(tmp_path, damage):
     """Every other bad setup names its file; json's own error (`Unterminated string ...`) names only a line."""
     OscarCache(tiny_model(), random_rotations(), method="oscar", **TIERS).save_pretrained(tmp_path)
@@ -271,6 +278,7 @@ def test_the_usage_snippet_for_transformers_users_runs(tmp_path, monkeypatch):
         model.generate(prompt(), cache_implementation="oscar", max_new_tokens=1)
 
 
+@pytest.mark.quick
 def test_presets_are_complete_configs_that_differ_in_their_fields():
     """A preset is data: an `OscarConfig` whose fields alone say what a cache stores, none the same as another's."""
     fields = {name: {k: v for k, v in preset.to_dict().items() if k != "method"} for name, preset in PRESETS.items()}
@@ -280,6 +288,7 @@ def test_presets_are_complete_configs_that_differ_in_their_fields():
     assert PRESETS["oscar-next"].high_precision_head_share > 0 == PRESETS["oscar"].high_precision_layer_share
 
 
+@pytest.mark.quick
 def test_a_saved_config_without_newer_fields_keeps_the_meaning_of_its_preset():
     written_before = PRESETS["oscar-hifi"].to_dict()
     for name in ("high_precision_layer_share", "high_precision_head_share", "rotation"):

@@ -76,7 +76,7 @@ def test_the_bf16_reference_is_computed_once_and_not_replayed(tiny_llama_model, 
     assert alone[0].perplexity == reference.perplexity and alone[1].perplexity == results[1].perplexity
 
 
-@pytest.mark.parametrize("method", ["bf16", "hadamard", "identity"])
+@pytest.mark.parametrize("method", ["bf16", pytest.param("hadamard", marks=pytest.mark.quick), "identity"])
 def test_scoring_from_the_reference_prefill_equals_a_prefill_forward(tiny_llama_model, method):
     model = tiny_llama_model
     ids = _ids(model, 48, seed=3)
@@ -88,6 +88,7 @@ def test_scoring_from_the_reference_prefill_equals_a_prefill_forward(tiny_llama_
     assert (forward - replayed).abs().max().item() < 1e-5
 
 
+@pytest.mark.quick
 def test_a_failing_method_is_reported_and_logged(tiny_llama_model, caplog):
     def broken(model):
         raise RuntimeError("no such backend")
@@ -100,6 +101,7 @@ def test_a_failing_method_is_reported_and_logged(tiny_llama_model, caplog):
 
 
 # ------------------------------------------------------------------------------------------------ --quick
+@pytest.mark.quick
 def test_quick_preset_sets_a_small_run_and_every_option_overrides_it():
     quick = diagnostics_cli.resolve_settings(diagnostics_cli.parser().parse_args(["--quick"]))
     assert quick == diagnostics_cli.QUICK
@@ -205,6 +207,7 @@ def test_the_report_links_no_figure_it_did_not_write(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ vocabulary
+@pytest.mark.quick
 def test_every_preset_name_is_a_method_and_oscar_needs_rotations():
     methods = builtin_methods()
     assert set(PRESETS) <= set(methods) and {"bf16", "hadamard4", "oscar4"} <= set(methods)
@@ -231,6 +234,7 @@ def test_default_methods_name_the_rows_they_run():
     assert labels["oscar"] == "OSCAR (calibrated)" and "Hadamard" not in labels["oscar4"]
 
 
+@pytest.mark.quick
 def test_oscar_without_rotations_stops_every_cli_before_the_model_loads(monkeypatch, capsys, package_logger):
     from oscar_hf.eval import needles, passkey, retrieval
 
@@ -247,6 +251,7 @@ def test_oscar_without_rotations_stops_every_cli_before_the_model_loads(monkeypa
 
 
 @pytest.mark.parametrize("module", ["oscar_hf.eval.diagnostics.cli", "oscar_hf.eval.passkey", "oscar_hf.eval.needles"])
+@pytest.mark.quick
 def test_every_evaluation_cli_speaks_the_shared_options(module, capsys):
     import importlib
 
@@ -271,6 +276,7 @@ def test_bench_perplexity_speaks_the_shared_options(capsys, package_logger):
 
 
 # ------------------------------------------------------------------------------------------------ logging
+@pytest.mark.quick
 def test_cli_logging_shows_oscar_hf_records_and_times_steps(caplog, package_logger):
     logger = logging.getLogger("oscar_hf.eval.test")
     package_logger.handlers[:] = [h for h in package_logger.handlers if not getattr(h, "oscar_hf_cli", False)]

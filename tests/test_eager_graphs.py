@@ -39,6 +39,7 @@ def _record_segments(cache):
     return seen
 
 
+@pytest.mark.quick
 def test_an_eager_step_reads_the_same_count_tensors_every_step_and_their_values_follow_the_demotions():
     model = tiny_model("qwen3", seed=3)
     ids = torch.randint(1, 96, (2, 30))

@@ -16,6 +16,8 @@ from oscar_hf.eval.retrieval import ProbeResult, failed_methods
 
 from conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 @pytest.fixture(autouse=True)
 def package_logger():

@@ -13,7 +13,7 @@ LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 
 
 @pytest.mark.parametrize("prompt_length", [9, 30])
-@pytest.mark.parametrize("kind", ["bf16", "hadamard", "identity"])
+@pytest.mark.parametrize("kind", ["bf16", pytest.param("hadamard", marks=pytest.mark.quick), "identity"])
 def test_shared_prefill_equals_plain_generate(tiny_llama_model, kind, prompt_length):
     torch.manual_seed(4)
     prompt = torch.randint(1, tiny_llama_model.config.vocab_size, (1, prompt_length))
@@ -28,6 +28,7 @@ def test_shared_prefill_equals_plain_generate(tiny_llama_model, kind, prompt_len
     assert shared == plain and len(plain) == 20
 
 
+@pytest.mark.quick
 def test_quantized_history_changes_the_greedy_continuation(tiny_llama_model):
     # guards the test above against passing trivially: in this setup the INT2 history changes the tokens
     torch.manual_seed(4)

@@ -36,12 +36,14 @@ def test_graphed_generate_warns_and_gives_greedy_generates_tokens():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+@pytest.mark.quick
 def test_graphed_generate_refuses_graphs_on_cpu():
     model = tiny_model("llama")
     with pytest.warns(FutureWarning), pytest.raises(GraphDecodeError, match="CUDA device"):
         graphed_generate(model, torch.randint(3, 96, (1, 8)), OscarCache(model, **OPTIONS), 4, use_graphs=True)
 
 
+@pytest.mark.quick
 def test_generate_with_graphs_is_gone_with_a_pointer_to_generate():
     with pytest.raises(AttributeError, match="drop the custom_generate= argument"):
         oscar_hf.generate_with_graphs  # noqa: B018
@@ -51,6 +53,7 @@ def test_generate_with_graphs_is_gone_with_a_pointer_to_generate():
         oscar_hf.nothing_here
 
 
+@pytest.mark.quick
 def test_pinned_history_appends_the_same_codes_at_device_positions():
     config = OscarConfig.from_method("hadamard")
     plain = QuantizedHistory(2, 3, 64, 64, config, torch.device("cpu"))

@@ -39,6 +39,7 @@ def per_head_rotations(layers=(0, 1), heads: int = 3, dim: int = 16, seed: int =
     return Rotations(*tables)
 
 
+@pytest.mark.quick
 def test_config_takes_head_pairs_and_narrows_them_per_layer():
     config = OscarConfig(high_precision_heads=[(3, 1), [1, 0], (3, 1)])
     assert config.high_precision_heads == ((1, 0), (3, 1)) and config.code_widths == (2, 4)
@@ -56,6 +57,7 @@ def test_config_takes_head_pairs_and_narrows_them_per_layer():
         OscarCache(three_head_model(), high_precision_heads=[(5, 0)])
 
 
+@pytest.mark.quick
 def test_head_runs_are_maximal_runs_of_one_precision():
     assert head_runs(3, [1]) == [(0, 1, False), (1, 2, True), (2, 3, False)]
     assert head_runs(4, [2, 3]) == [(0, 2, False), (2, 4, True)]
@@ -64,7 +66,8 @@ def test_head_runs_are_maximal_runs_of_one_precision():
         head_runs(2, [2])
 
 
-@pytest.mark.parametrize("batch_kwargs", [dict(), dict(num_beams=2), dict(padded=True)],
+@pytest.mark.parametrize("batch_kwargs",
+                         [pytest.param(dict(), marks=pytest.mark.quick), dict(num_beams=2), dict(padded=True)],
                          ids=["greedy", "beams", "padded"])
 def test_a_split_layer_at_the_same_width_generates_what_an_unsplit_one_does(batch_kwargs):
     """Splitting a layer into runs of heads (here [0], [1], [2], each with its own rotation) and attending run by
@@ -155,6 +158,7 @@ def test_oscar_next_keeps_the_top_tenth_of_the_ranked_heads_at_4_bits_under_2_5_
     assert explicit.oscar_config.high_precision_heads == ((0, 0),)
 
 
+@pytest.mark.quick
 def test_a_malformed_head_ranking_is_refused_when_the_rotations_load(tmp_path):
     rotations = Rotations.hadamard([0, 1], 16)
     for bad, match in (("[[0, 1], [0, 1]]", "more than once"), ("[[0, -1]]", "pairs"), ("[0, 1]", "pairs"),

@@ -25,7 +25,7 @@ def eager_attention(query, key, value, mask, scaling):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("method", ["hadamard", "identity", "quarot"])
+@pytest.mark.parametrize("method", ["hadamard", "identity", pytest.param("quarot", marks=pytest.mark.quick)])
 def test_int2_attention_equals_dequantize_everything_and_eager(family, method):
     """Same cache contents, two attention paths: the tiered 'oscar' path vs dense dequantized K/V + eager."""
     oscar_model = tiny_model(family)
@@ -51,6 +51,7 @@ def test_int2_attention_equals_dequantize_everything_and_eager(family, method):
         assert torch.equal(a.history.key_codes[:, :, : a.history_length], b.history.key_codes[:, :, : b.history_length])
 
 
+@pytest.mark.quick
 def test_history_partial_chunking_does_not_change_the_result():
     cfg = OscarConfig.from_method("hadamard")
     history = QuantizedHistory(2, 2, 16, 16, cfg, torch.device("cpu"))
@@ -68,6 +69,7 @@ def test_history_partial_chunking_does_not_change_the_result():
     torch.testing.assert_close(whole[0], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_merging_partials_equals_attention_over_the_union():
     query, key, value = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 30, 8), torch.randn(2, 2, 30, 8)
     mask = torch.rand(2, 1, 5, 30) > 0.3
@@ -78,6 +80,7 @@ def test_merging_partials_equals_attention_over_the_union():
     torch.testing.assert_close(whole[0], eager_attention(query, key, value, mask, 0.3), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_fully_masked_rows_give_zero_not_nan():
     query, key, value = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
@@ -90,6 +93,7 @@ def test_fully_masked_rows_give_zero_not_nan():
     torch.testing.assert_close(merged_out[0, :, 0], out[0, :, 0])
 
 
+@pytest.mark.quick
 def test_softcap_is_applied_before_the_log_sum_exp():
     query, key, value = torch.randn(1, 2, 2, 8) * 10, torch.randn(1, 2, 5, 8) * 10, torch.randn(1, 2, 5, 8)
     out, lse = dense_partial(query, key, value, None, 1.0, softcap=5.0)
@@ -98,7 +102,7 @@ def test_softcap_is_applied_before_the_log_sum_exp():
     torch.testing.assert_close(out, torch.softmax(scores, -1) @ value)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("per_head", [False, pytest.param(True, marks=pytest.mark.quick)])
 def test_folding_value_rotation_into_weights_changes_nothing_but_speed(per_head):
     from oscar_hf import Rotations
     from oscar_hf.rotations.math import compose_rotation

@@ -95,7 +95,7 @@ def _assert_lse(lse, ref, tolerance):
     "dim,bits,scale_dtype,groups,rotation,dtype",
     [
         (128, 2, torch.float16, 4, "shared", torch.bfloat16),
-        (64, 2, torch.float16, 2, "per_head", torch.bfloat16),
+        pytest.param(64, 2, torch.float16, 2, "per_head", torch.bfloat16, marks=pytest.mark.quick),
         (256, 2, torch.float32, 1, "shared", torch.bfloat16),
         (128, 4, torch.float16, 4, None, torch.bfloat16),
         (128, 2, torch.bfloat16, 2, "per_head", torch.float32),
@@ -154,6 +154,7 @@ def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, g
     _check_history_partial(dim, bits, scale_dtype, groups, rotation, dtype, launch, "token-major history partial")
 
 
+@pytest.mark.quick
 def test_default_launch_follows_the_head_dim_and_rows_unless_one_is_given():
     from oscar_hf.kernels.triton.backend import TritonBackend
     from oscar_hf.kernels.triton.launch_plan import LaunchConfig
@@ -177,7 +178,7 @@ def test_default_launch_follows_the_head_dim_and_rows_unless_one_is_given():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+@pytest.mark.parametrize("mask_kind", [None, pytest.param("bool", marks=pytest.mark.quick), "additive"])
 def test_dense_partial_matches_reference(dtype, mask_kind):
     dim, groups = 128, 4
     query = _query(groups, 1, dim, dtype)
@@ -194,6 +195,7 @@ def test_dense_partial_matches_reference(dtype, mask_kind):
     _assert_lse(lse, ref_lse, lse_tol)
 
 
+@pytest.mark.quick
 def test_merge_matches_reference_and_handles_empty_partials():
     shape = (BATCH, KV_HEADS * 2, 3, 64)
     parts = []
@@ -281,7 +283,7 @@ def _run_tiered(query, keys, values, mask, history, rotations, softcap=None, lau
     "dim,groups,dtype,rotation,softcap",
     [
         (128, 4, torch.bfloat16, "shared", None),
-        (64, 2, torch.bfloat16, "per_head", None),
+        pytest.param(64, 2, torch.bfloat16, "per_head", None, marks=pytest.mark.quick),
         (256, 1, torch.bfloat16, None, None),
         (128, 4, torch.float32, "per_head", 30.0),
     ],
@@ -423,6 +425,7 @@ def test_unquantized_history_matches_reference():
     _assert_close(out, ref, TOLERANCE[torch.float32][0], "unquantized history")
 
 
+@pytest.mark.quick
 def test_split_plan_covers_every_token_once():
     from oscar_hf.kernels.triton.launch_plan import plan_splits
 

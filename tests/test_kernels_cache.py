@@ -192,6 +192,7 @@ def test_decode_path_never_synchronizes_the_host():
     assert layer.history_length > 450
 
 
+@pytest.mark.quick
 def test_history_grows_by_an_eighth():
     """Spare history capacity stays under 12.5% (amortized growth without wasting half of a long context)."""
     from oscar_hf.config import OscarConfig

@@ -192,7 +192,8 @@ def _assert_close(out, ref, tolerance, what):
 
 
 @pytest.mark.parametrize("token_major", [False, True])
-@pytest.mark.parametrize("bits,dtype", [(2, torch.bfloat16), (4, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("bits,dtype", [pytest.param(2, torch.bfloat16, marks=pytest.mark.quick), (4, torch.bfloat16),
+                                       (2, torch.float32)])
 def test_history_partial_reads_compact_pairs(bits, dtype, token_major, kernels_only):
     """One decode query per row over a compact history with a padding mask, both orientations of the dots."""
     from oscar_hf.kernels.triton.launch_plan import LaunchConfig
@@ -276,6 +277,7 @@ def test_generate_with_compact_pairs_gives_the_reference_tokens(monkeypatch):
     assert torch.equal(kernels, reference)
 
 
+@pytest.mark.quick
 def test_graph_capture_and_compile_accept_compact_pairs():
     backend = TritonBackend()
     for encoder in ("minmax", "sigma"):

@@ -51,7 +51,7 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.skipif(_nvrtc_missing(), reason="needs libnvrtc (pip install nvidia-cuda-nvrtc)")
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", [pytest.param(80, marks=pytest.mark.quick), 90])
 @pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
                                     cuda_history.CudaHistoryConfig(stages=5, magic_planes=0)])
 def test_source_compiles_without_spills(arch, config):
@@ -76,6 +76,7 @@ def _kernel_parameters(source: str) -> list[tuple[str, str]]:
     return parameters
 
 
+@pytest.mark.quick
 def test_launch_arguments_match_the_kernel_signature_in_name_type_and_order():
     with open(cuda_history.SOURCE) as f:
         declared = _kernel_parameters(f.read())
@@ -91,6 +92,7 @@ def test_launch_arguments_match_the_kernel_signature_in_name_type_and_order():
         cuda_history.kernel_arguments(**values, stride=1)
 
 
+@pytest.mark.quick
 def test_history_plan_cuts_whole_tiles_and_fills_one_wave():
     base = SplitPlan(8, 1, 128, 2, 192, 9, 512)
     config = cuda_history.CudaHistoryConfig()
@@ -107,6 +109,7 @@ def test_history_plan_cuts_whole_tiles_and_fills_one_wave():
     assert cuda_history.plan_history(base, 0, 64, 1056, config).history_splits == 0
 
 
+@pytest.mark.quick
 def test_cpu_calls_do_not_qualify():
     history = QuantizedHistory(1, 2, 64, 64, OscarConfig(), torch.device("cpu"))
     history.append(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64), None, None, ReferenceBackend())

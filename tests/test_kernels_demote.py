@@ -51,7 +51,7 @@ def _poisoned(batch, heads, tokens, dim, bits, scale_dtype):
     return codes[:, :, 2 : 2 + tokens], scale_zero[:, :, 2 : 2 + tokens]
 
 
-@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dim", [pytest.param(64, marks=pytest.mark.quick), 128, 256])
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_demote_without_rotation_is_bit_exact(dim, bits, scale_dtype):
@@ -118,6 +118,7 @@ def _assert_histories_equal(cfg, dim):
     return kernel, keys
 
 
+@pytest.mark.quick
 def test_demote_kv_writes_keys_and_values_in_one_launch():
     _assert_histories_equal(OscarConfig(scale_dtype="float16"), 128 if ON_GPU else 64)
 
@@ -136,6 +137,7 @@ def test_demote_with_hadamard_matches_reference_codes_mostly():
     assert ((got.int() - ref_codes.int()).abs() <= 1).all()
 
 
+@pytest.mark.quick
 def test_opt_in_encoder_demotes_through_the_reference():
     """`OscarConfig(encoder="lloyd")` has no kernel: the Triton backend hands it to the reference (Lloyd codes)."""
     dim, bits = 64, 2

@@ -38,7 +38,7 @@ def _history(bits, scale_dtype, dim, dtype):
 @pytest.mark.parametrize("bits,scale_dtype,dim", [(2, torch.float16, 128), (4, torch.float16, 64),
                                                   (2, torch.bfloat16, 64), (2, torch.float32, 256),
                                                   (2, COMPACT, 128), (4, COMPACT, 64)])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [pytest.param(torch.float32, marks=pytest.mark.quick), torch.bfloat16])
 def test_rows_come_back_as_the_reference_reads_them(bits, scale_dtype, dim, out_dtype):
     history = _history(bits, scale_dtype, dim, torch.float32)
     start, stop = 7, TOKENS - 3
@@ -54,6 +54,7 @@ def test_rows_come_back_as_the_reference_reads_them(bits, scale_dtype, dim, out_
         torch.testing.assert_close(got.float(), want.to(out_dtype).float(), rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_rows_outside_the_codes_are_refused():
     history = _history(2, torch.float16, 64, torch.float32)
     out = torch.empty(2, 3, 10, 64, device=DEVICE)

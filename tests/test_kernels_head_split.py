@@ -122,6 +122,7 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
     assert len(run_splits[2]) == len(run_splits[4]) == 1 and min(run_splits[4]) > max(run_splits[2]), run_splits
 
 
+@pytest.mark.quick
 def test_split_histories_go_whole_only_to_backends_that_take_them():
     """`HeadSplitBackend` calls a backend once per run unless it says it takes a split history whole."""
     from oscar_hf.head_groups import HeadSplitBackend

@@ -22,6 +22,7 @@ from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 from oscar_hf.rotations.math import hadamard_matrix  # noqa: E402
 
 
+@pytest.mark.quick
 def test_launch_device_switches_only_to_another_cuda_device(monkeypatch):
     entered = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -53,6 +54,7 @@ def _demote_and_attend(backend, device):
                                     rotation, rotation, 0.125)
 
 
+@pytest.mark.quick
 def test_every_kernel_launch_is_guarded_by_its_tensors_device(monkeypatch):
     device = kernel_device()
     guarded = []

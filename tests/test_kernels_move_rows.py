@@ -17,6 +17,8 @@ from oscar_hf.kernels.ops import _gather_rows_reference  # noqa: E402
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 from oscar_hf.kernels.triton.move_rows import move_rows  # noqa: E402
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 DEVICE = kernel_device()
 SINK, RECENT, BLOCK, DIM = 4, 11, 3, 40  # a head dim that is not a multiple of the kernel's column block
 

@@ -16,6 +16,8 @@ from oscar_hf.kernels.select import backend_for, backend_from_spec, backend_spec
 
 from conftest import cache_argument_name, forward, tiny_model
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 OPTIONS = dict(sink_tokens=4, recent_tokens=8, demote_block=8)
 
 

@@ -99,6 +99,7 @@ def _untouched_demotion(written):
     return bool(((written == 0xA5) | torch.isnan(written)).all())
 
 
+@pytest.mark.quick
 def test_the_backend_runs_one_pass_per_kind_of_call():
     """`ParallelCompile.first`: a pass (the call run once with launches compiling only) before the first call of
     each kind on a CUDA device; none on another device, with fewer than 2 threads, or for a call whose arguments
@@ -131,6 +132,7 @@ def test_the_backend_runs_one_pass_per_kind_of_call():
     assert ParallelCompile(threads=4).first("call", (), cuda, fails_when_compiling) == "ran"
 
 
+@pytest.mark.quick
 def test_call_shape_tells_apart_what_triton_specializes_on():
     """Integers: 1, multiples of 16 and the rest; tensors: dtype, device, and those classes of sizes and strides."""
     assert call_shape(1) != call_shape(2) == call_shape(3) != call_shape(32) == call_shape(4096)

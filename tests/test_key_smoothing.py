@@ -34,6 +34,7 @@ def model():
     return tiny_llama()
 
 
+@pytest.mark.quick
 def test_smoothed_keys_leave_an_unquantized_history_exact(model):
     """A history kept at full precision (`method="none"`) through smoothed transforms gives the model's own
     logits, and its dense view gives back the keys it was given; rotating the query by the key matrix instead
@@ -74,6 +75,7 @@ def test_the_simulation_follows_a_smoothed_quantized_cache(model, method, option
     assert (unsmoothed - decoded).abs().max().item() > 1e-4  # the smoothing changed what the history rounds
 
 
+@pytest.mark.quick
 def test_key_smoothing_round_trips_and_is_checked(tmp_path, model):
     _, smoothed = _smoothed(model)
     smoothed.save_pretrained(tmp_path / "r")
@@ -97,6 +99,7 @@ def test_key_smoothing_round_trips_and_is_checked(tmp_path, model):
         smoothed.check_model(smoothed.layer_ids, smoothed.head_dim, good.shape[0] + 1)
 
 
+@pytest.mark.quick
 def test_smoothing_drops_rankings_made_without_it(model):
     plain, _ = _smoothed(model)
     plain.metadata["retrieval_heads"] = "[[0, 1]]"
@@ -104,6 +107,7 @@ def test_smoothing_drops_rankings_made_without_it(model):
     assert smoothed.retrieval_heads() is None and smoothed.metadata["key_smoothing"] == "ones"
 
 
+@pytest.mark.quick
 def test_calibrated_scales_follow_the_channels_of_keys_and_queries(model):
     """Scales are sqrt(rms(k) / rms(q)) per channel, geometric mean 1 per head: a key channel made 16x larger
     (its k_proj row scaled) gets a 4x larger scale than before, relative to the others of its head."""
@@ -131,6 +135,7 @@ def test_calibrated_scales_follow_the_channels_of_keys_and_queries(model):
     torch.testing.assert_close(ratio[[channel, channel + dim // 2]], torch.full((2,), 4.0), atol=0.05, rtol=0)
 
 
+@pytest.mark.quick
 def test_the_smoothing_command_checks_its_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch):
     from oscar_hf.calibrate import smoothing
     from oscar_hf.eval import assets
@@ -210,6 +215,7 @@ def test_the_kernels_decode_smoothed_keys_like_the_reference(monkeypatch):
     assert demoted and read and torch.equal(kernels, reference)
 
 
+@pytest.mark.quick
 def test_key_rotations_are_fitted_to_the_keys_and_queries_the_history_holds():
     """With key smoothing the history holds `k / s` and the query is `q * s`: the key objective's moments are those
     of the smoothed rows, so that the rotation suits what is stored (`pipeline.smoothed_key_moments`)."""

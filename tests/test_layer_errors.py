@@ -23,13 +23,14 @@ def captured(tiny_llama_model):
     return ids, layers, logits
 
 
+@pytest.mark.quick
 def test_capture_leaves_the_model_output_unchanged(tiny_llama_model, captured):
     ids, layers, logits = captured
     assert len(layers) == 2 and layers[0].query.shape == (1, 4, 40, 32) and layers[0].key.shape == (1, 2, 40, 32)
     assert torch.allclose(logits, tiny_llama_model(ids).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("exact", ["dynamic", "none"])
+@pytest.mark.parametrize("exact", ["dynamic", pytest.param("none", marks=pytest.mark.quick)])
 def test_exact_caches_have_zero_layer_error(tiny_llama_model, captured, exact):
     _, layers, _ = captured
     cache = DynamicCache(config=tiny_llama_model.config) if exact == "dynamic" else OscarCache(
@@ -60,6 +61,7 @@ def test_oscar_replay_matches_the_simulated_attention(tiny_llama_model, captured
         assert kl == pytest.approx(e.attention_kl, rel=1e-3)
 
 
+@pytest.mark.quick
 def test_bits_per_element_counts_what_is_stored(tiny_llama_model, captured):
     _, layers, _ = captured
     dynamic = DynamicCache(config=tiny_llama_model.config)

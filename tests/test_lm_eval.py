@@ -134,6 +134,7 @@ def test_generation_runs_through_a_fresh_oscar_cache_per_call(model_and_tokenize
     assert len(out) == 3 and batched.caches_built == 2  # two batches, two fresh caches
 
 
+@pytest.mark.quick
 def test_scores_do_not_depend_on_which_token_pads_the_batch(model_and_tokenizer):
     """Rows that end in token 0 (lm-eval pads with 0), one of them the row of another request plus a 0 with
     another context length: every score still equals prefill + token-by-token decoding."""
@@ -154,6 +155,7 @@ def test_scores_do_not_depend_on_which_token_pads_the_batch(model_and_tokenizer)
         assert score == pytest.approx(decoded_loglikelihood(model, context, continuation), abs=1e-4)
 
 
+@pytest.mark.quick
 def test_an_oscar_model_arg_with_a_typo_is_rejected_before_loading_with_the_valid_ones(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ValueError, match=r"unknown model_arg 'recent_token' \(did you mean 'recent_tokens'\?\)") as e:
@@ -165,6 +167,7 @@ def test_an_oscar_model_arg_with_a_typo_is_rejected_before_loading_with_the_vali
         oscar_lm(model, tokenizer, demote_block=0)
 
 
+@pytest.mark.quick
 def test_a_model_arg_that_from_pretrained_refuses_is_rejected_with_the_valid_ones(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
     model.save_pretrained(tmp_path)
@@ -242,6 +245,7 @@ def test_a_peer_that_quantizes_whole_groups_sees_padded_first_forwards_and_the_s
     (dict(rotations="hadamard"), "rotations='hadamard': method=bf16 is a peer cache"),
     (dict(ll_mode="simulate"), "ll_mode=simulate models an OscarCache; method=bf16"),
 ])
+@pytest.mark.quick
 def test_a_peer_method_refuses_settings_only_an_oscar_cache_reads(model_and_tokenizer, options, message):
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -28,6 +28,7 @@ from conftest import LM_EVAL_TASKS, tiny_llama, tiny_tokenizer  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.quick
 def test_help_documents_every_oscar_model_arg():
     text = build_parser().format_help()
     documented = model_args_help()
@@ -45,6 +46,7 @@ def passed_model_args(command: list[str]) -> dict:
     return json.loads(command[command.index("--model_args") + 1])
 
 
+@pytest.mark.quick
 def test_the_shared_options_become_lm_eval_arguments():
     command = lm_eval_arguments(["--model", "smollm2", "--tasks", "romeo_ppl", "--limit", "2", "--no-progress"])
     assert command[:2] == ["--model", "oscar"]
@@ -68,12 +70,14 @@ def test_the_shared_options_become_lm_eval_arguments():
     (["--model", "smollm2", "--dtype", "float16", "--model_args", "dtype=bfloat16"], "disagree"),
     (["--model_args", "pretrained=smollm2", "--tasks", "x"], "required: --model"),
 ])
+@pytest.mark.quick
 def test_contradicting_or_missing_options_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         lm_eval_arguments(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_shipped_tasks_read_their_data_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     manager = TaskManager(include_path=[TASKS, LM_EVAL_TASKS], include_defaults=False)
@@ -84,6 +88,7 @@ def test_shipped_tasks_read_their_data_from_any_directory(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []  # nothing was looked for or written here
 
 
+@pytest.mark.quick
 def test_the_package_declares_lm_evals_model_entry_point():
     tomllib = pytest.importorskip("tomllib")
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:

@@ -9,6 +9,8 @@ import pytest
 
 from oscar_hf.eval.lm_eval_rows import RowIndex, rounds
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 def padded(row, length, pad):
     return list(row) + [pad] * (length - len(row))

@@ -13,6 +13,8 @@ from oscar_hf import OscarCache
 
 from conftest import cache_argument_name, tiny_model
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 SWITCH = "OscarCache: switched LlamaForCausalLM's attention implementation from 'sdpa' to 'oscar'"
 FALLBACK = "OscarCache returns dequantized K/V"
 

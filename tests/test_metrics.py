@@ -18,6 +18,8 @@ from oscar_hf.eval.diagnostics.metrics import (
     top1_agreement,
 )
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 def test_identical_inputs_give_zero_error():
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from conftest import forward, tiny_model
 LAYOUT = dict(sink_tokens=4, recent_tokens=8, demote_block=3)
 
 
+@pytest.mark.quick
 def test_config_gives_each_layer_its_width_and_rejects_bad_layer_lists():
     config = OscarConfig(high_precision_layers=[3, 1, 1])
     assert config.high_precision_layers == (1, 3) and config.code_widths == (2, 4)
@@ -34,6 +35,7 @@ def test_config_gives_each_layer_its_width_and_rejects_bad_layer_lists():
         OscarCache(tiny_model("llama", seed=1), high_precision_layers=(7,))
 
 
+@pytest.mark.quick
 def test_presets_clip_only_2_bit_rows():
     assert (OscarConfig.from_method("hadamard").key_clip_ratio, OscarConfig.from_method("hadamard").bits) == (0.96, 2)
     four = OscarConfig.from_method("hadamard", bits=4)
@@ -110,6 +112,7 @@ def test_retrieval_ranking_is_recorded_and_oscar_hifi_keeps_its_top_layers_at_4_
         OscarCache(model, rotations=loaded, method="oscar-hifi", **LAYOUT)
 
 
+@pytest.mark.quick
 def test_ranked_rotations_default_to_oscar_mixed_unless_a_row_format_is_asked_for(tmp_path):
     """Rotations that record a layer ranking give `oscar-mixed` when no method is named: sigma rows with compact
     pairs, the top tenth of the ranked layers (at least one) at 4 bits; a named method, any row-format option, or

@@ -6,19 +6,12 @@ same checks."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from model_zoo import causal_lm_families, config_value, greedy, padded_batch, tiny_config, tiny_model
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, UnsupportedModelError
-
-# ~200 families: minutes on 2 cores, and the families still wrong or crashing are not yet listed here with their
-# reasons (docs/models.md), so the sweep runs on request: OSCAR_FAMILIES=1 python -m pytest tests/test_model_families.py
-pytestmark = pytest.mark.skipif(os.environ.get("OSCAR_FAMILIES") != "1",
-                                reason="the whole-registry family sweep runs with OSCAR_FAMILIES=1")
 
 LOGIT_TOLERANCE = 1e-4  # method="none" keeps K/V unquantized: float32 rounding only
 OSCAR_OPTIONS = dict(sink_tokens=4, recent_tokens=16)
@@ -40,6 +33,33 @@ def _has_mla(model_type: str) -> bool:
 # model_type -> why OscarCache refuses the family (with UnsupportedModelError, before any forward)
 REFUSED: dict[str, str] = {model_type: MLA_REASON for model_type in causal_lm_families() if _has_mla(model_type)}
 
+# model_type -> why the family does not pass yet (docs/models.md): strict, so a fix shows as a failure to update
+KNOWN_GAPS: dict[str, str] = {
+    "gemma4_unified": "its image-block mask function indexes per-position block ids with a query index past their "
+                      "end (IndexError in `oscar_mask` and under the model's own attention alike; not yet traced)",
+    "mllama": "transformers' Mllama reads `cache.layers[i].keys` of every layer to find cached image states, and "
+              "an OSCAR layer keeps its keys in tiers, not in `keys`",
+}
+
+
+def _gap_applies(model_type: str) -> bool:
+    if model_type == "mllama":  # transformers 5.17's Mllama asks `get_seq_length` instead, which passes
+        from transformers.models.mllama import modeling_mllama
+        return hasattr(modeling_mllama, "_has_cached_cross_attention_states")
+    return True
+
+
+# the families the quick subset runs: a classic decoder, a hybrid, a model that keeps its own attention
+QUICK = ("llama", "qwen3_next", "gpt_neo")
+
+
+def _cases():
+    for model_type in causal_lm_families():
+        marks = [pytest.mark.quick] if model_type in QUICK else []
+        if model_type in KNOWN_GAPS and _gap_applies(model_type):
+            marks.append(pytest.mark.xfail(reason=KNOWN_GAPS[model_type], strict=True))
+        yield pytest.param(model_type, marks=marks)
+
 
 def dynamic_cache_run(model_type: str):
     """`(config, ids, mask, tokens, logits)` of transformers' own greedy run through `DynamicCache`, or the reason it
@@ -54,7 +74,7 @@ def dynamic_cache_run(model_type: str):
     return config, ids, mask, tokens, logits
 
 
-@pytest.mark.parametrize("model_type", causal_lm_families())
+@pytest.mark.parametrize("model_type", _cases())
 def test_family_runs_with_oscar_cache_as_with_dynamic_cache(model_type):
     reference = dynamic_cache_run(model_type)
     if isinstance(reference, str):

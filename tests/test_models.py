@@ -15,7 +15,7 @@ from conftest import VOCAB, generate, tiny_config, tiny_model
 TIERS = dict(sink_tokens=2, recent_tokens=4, demote_block=2)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.quick)])
 def test_mixed_sliding_and_global_layers(family):
     """Global layers get OSCAR tiers, sliding layers pass through in BF16; softcap (Gemma2) is honoured."""
     model = tiny_model(family)
@@ -33,6 +33,7 @@ def test_mixed_sliding_and_global_layers(family):
     model.set_attn_implementation(reference_attention)
 
 
+@pytest.mark.quick
 def test_a_sliding_only_model_builds_without_a_profile_and_is_kept_as_dynamic_cache_keeps_it(caplog):
     """Mistral-7B-v0.1's layout: every layer a window shorter than the positions. The default builds without a
     forward (there is nothing to rank or smooth), says once that nothing is stored at 2 bits, and generates as
@@ -80,17 +81,48 @@ def test_quantized_generation_runs_on_every_family():
 def unsupported_configs():
     yield "multi-head latent attention", transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=16)
-    yield "ALiBi", transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
-    yield "ALiBi", transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, alibi=True)
 
 
 @pytest.mark.parametrize("reason, config", list(unsupported_configs()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.quick
 def test_unsupported_layouts_are_refused(reason, config):
     with pytest.raises(UnsupportedModelError, match=reason):
         OscarCache(config, method="identity")
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("config", [
+    transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+    transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              alibi=True, new_decoder_architecture=False, multi_query=False),
+], ids=["bloom", "falcon-alibi"])
+def test_alibi_models_keep_their_attention_over_dequantized_kv(config, caplog):
+    """ALiBi's bias is the model's own attention's to add: the cache stores 2-bit K/V and hands that attention all
+    of them dequantized. Unquantized, that is DynamicCache through demotions (and a left-padded row); the default
+    gives finite logits. Falcon-RW's decode step crashed in the tiered attention before."""
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    implementation = model.config._attn_implementation
+    ids = torch.randint(1, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, output_scores=True, return_dict_in_generate=True,
+              pad_token_id=0)
+    ref = generate(model, ids, DynamicCache(config=model.config), **kw)
+    with caplog.at_level(logging.WARNING):
+        cache = OscarCache(model, method="none", **TIERS)
+    out = generate(model, ids, cache, **kw)
+    assert model.config._attn_implementation == implementation
+    assert cache.layers[0].history_length > 0
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), atol=1e-5, rtol=0)
+    default = OscarCache(model, **TIERS)
+    assert default.oscar_config.method == "hadamard"  # no profile can observe an attention the model computes
+    assert torch.isfinite(torch.stack(generate(model, ids, default, **kw).scores)).all()
+    with pytest.raises(UnsupportedModelError, match="computes itself"):
+        OscarCache(model, method="oscar-next")
+
+
+@pytest.mark.quick
 def test_head_dim_rules():
     odd = tiny_config("llama", head_dim=24)
     with pytest.raises(ValueError, match="power of two; this model has head_dim=24"):

@@ -27,7 +27,7 @@ FORMAT = {"number": r"\d{7}", "words": r"[a-z]+ [a-z]+ [a-z]+", "uuid": r"[0-9a-
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("distractors", [0, 2])
+@pytest.mark.parametrize("distractors", [0, pytest.param(2, marks=pytest.mark.quick)])
 def test_the_needle_sits_in_the_quantized_span_among_its_distractors(kind, distractors):
     tokenizer = char_tokenizer()
     for depth in (0.0, 0.5, 1.0):
@@ -61,11 +61,13 @@ def test_depths_order_the_needles_and_seeds_repeat():
         make_needle_probe(tokenizer, 120, 0.5, "number", distractors=3)
 
 
+@pytest.mark.quick
 def test_hits_ignore_case_and_quotes():
     assert is_hit("amber harbor lantern", 'The phrase is "Amber Harbor Lantern".')
     assert not is_hit("2651247", "The code is 265124.")
 
 
+@pytest.mark.quick
 def test_a_hit_on_two_asked_values_needs_both():
     answer = ANSWER_SEPARATOR.join(["2651247", "amber harbor lantern"])
     assert answer_values(answer) == ["2651247", "amber harbor lantern"] and answer_values("2651247") == ["2651247"]
@@ -121,6 +123,7 @@ def test_two_asked_needles_are_both_in_the_prompt_and_in_the_plural_question(kin
         make_needle_probe(tokenizer, 1500, 0.5, kind, asked=0)
 
 
+@pytest.mark.quick
 def test_the_cli_asks_for_one_or_two_needles(monkeypatch, tmp_path):
     from oscar_hf.eval import needles
 
@@ -151,6 +154,7 @@ def test_an_unquantized_cache_retrieves_exactly_what_bf16_retrieves(tiny_llama_m
     assert table[0].startswith("| method | 700 tok | total |") and len(table) == 2 + 3
 
 
+@pytest.mark.quick
 def test_lm_eval_task_generates_and_scores_the_suite(tmp_path):
     pytest.importorskip("lm_eval")
     from oscar_hf.eval.lm_eval_tasks.oscar_needles import needle_dataset, process_results
@@ -189,6 +193,7 @@ def _tiny_char_model(tiny_llama_model):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
 
 
+@pytest.mark.quick
 def test_copy_targets_are_the_answer_tokens_that_spell_the_fact():
     tokenizer = char_tokenizer()
     answer = tokenizer("It is 2651247.", add_special_tokens=False).input_ids
@@ -234,6 +239,7 @@ def test_needle_trace_sees_no_loss_without_quantization_and_a_loss_with_it(tiny_
                          OscarCache(model.config, method="none", **options), progress=False)
 
 
+@pytest.mark.quick
 def test_aligned_probes_have_lengths_a_grouping_cache_takes_and_keep_their_needles():
     tokenizer = char_tokenizer()
     for kind, distractors in (("number", 0), ("uuid", 3)):
@@ -252,6 +258,7 @@ def test_aligned_probes_have_lengths_a_grouping_cache_takes_and_keep_their_needl
         make_needle_probe(tokenizer, 1500, 0.5, "number", align=0)
 
 
+@pytest.mark.quick
 def test_a_grouping_peer_refuses_unaligned_probes_before_any_work(tiny_llama_model, monkeypatch, tmp_path):
     from oscar_hf.eval import needles, retrieval
 

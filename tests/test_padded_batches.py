@@ -37,7 +37,7 @@ def _bf16_token_bytes(model, cache):
     return layer.keys_buffer.shape[1] * (layer.keys_buffer.shape[3] + layer.values_buffer.shape[3]) * 2
 
 
-@pytest.mark.parametrize("method", ["hadamard", "none"])
+@pytest.mark.parametrize("method", [pytest.param("hadamard", marks=pytest.mark.quick), "none"])
 def test_mixed_lengths_store_about_their_solo_caches(method):
     """The issue's batch: a 2,000-token and a 100-token prompt (default tiers). Before, the sink grew to 1,964
     tokens and the batch stored what DynamicCache stores; now both rows share a 1,680-token history and the batch
@@ -87,6 +87,7 @@ def test_padded_rows_decode_like_their_solo_runs(family):
                                    rtol=0)
 
 
+@pytest.mark.quick
 def test_an_all_padding_row_does_not_keep_the_batch_in_bf16():
     """A row that is padding only (an empty prompt in a batch) leaves the other rows' layout alone: the history
     holds the long row's tokens, and the long row's logits are its solo ones."""
@@ -121,6 +122,7 @@ def test_chunked_prefill_of_padded_rows_matches_dynamic_cache():
     torch.testing.assert_close(outputs[0][real], outputs[1][real], atol=1e-5, rtol=0)
 
 
+@pytest.mark.quick
 def test_a_row_cropped_back_into_its_padding_continues_like_dynamic_cache():
     """A row whose real tokens are all cropped away is padding only; the tokens after the crop are real (found
     by tests/test_cache_properties.py: the row kept its old padding count, and decode steps, which read each row's

@@ -17,6 +17,7 @@ from oscar_hf.eval.retrieval import run_probes, summary_table
 from conftest import char_tokenizer
 
 
+@pytest.mark.quick
 def test_probe_has_the_requested_length_and_the_key_at_its_depth():
     tokenizer = char_tokenizer()
     needle = NEEDLE.format(key="12345")
@@ -49,6 +50,7 @@ def test_passkey_runs_every_method_and_scores_hits(tiny_llama_model):
     assert summary_table(results, {}).splitlines()[2].startswith("| bf16 | ")
 
 
+@pytest.mark.quick
 def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
     methods = builtin_methods(sink_tokens=4, recent_tokens=8, demote_block=4)
     ids = torch.randint(0, tiny_llama_model.config.vocab_size, (1, 40))
@@ -68,6 +70,7 @@ def test_report_round_trips_through_results_json(tiny_llama_model, tmp_path):
     assert results[1].perplexity == pytest.approx(results[1].decode_perplexity, rel=1e-5)
 
 
+@pytest.mark.quick
 def test_a_rotations_folder_drops_into_the_oscar_rows(tiny_llama_model, tmp_path):
     from oscar_hf import Rotations
     from oscar_hf.rotations.math import hadamard_matrix

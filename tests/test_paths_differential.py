@@ -197,7 +197,8 @@ def _stored(cache) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method", sorted(PRESETS))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.quick) if m == "oscar" else m
+                                    for m in sorted(PRESETS)])
 def test_every_path_stores_the_same_codes_and_pairs_from_the_same_states(method, device):
     """On CUDA the eager steps replay from CUDA graphs and the compiled ones run `reduce-overhead`."""
     torch._dynamo.reset()

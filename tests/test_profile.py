@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from oscar_hf.model_support import rotary_dim
@@ -13,6 +14,7 @@ from oscar_hf.profile import ChannelPower, InductionScores, data_free_rotations,
 from conftest import tiny_model
 
 
+@pytest.mark.quick
 def test_induction_scores_find_the_head_that_attends_to_the_token_after_the_earlier_occurrence():
     n = 16
     positions = torch.arange(2 * n)
@@ -29,6 +31,7 @@ def test_induction_scores_find_the_head_that_attends_to_the_token_after_the_earl
     assert scores[0] > 0.9 and scores[1] < 0.2  # uniform over >= n keys
 
 
+@pytest.mark.quick
 def test_smoothing_scales_balance_key_and_query_channels_per_head():
     power = ChannelPower()
     query = torch.randn(1, 4, 64, 8)
@@ -59,6 +62,7 @@ def _scales_at(positions: torch.Tensor, rotary: int) -> torch.Tensor:
     return power.scales()[0]
 
 
+@pytest.mark.quick
 def test_smoothing_scales_tied_per_rope_pair_do_not_depend_on_the_positions_measured():
     """RoPE moves a slow pair's energy between its two channels with the position; the pair's total stays. Tied
     scales from the first 256 positions match those from 4,096 positions later; per-channel ones do not."""
@@ -70,6 +74,7 @@ def test_smoothing_scales_tied_per_rope_pair_do_not_depend_on_the_positions_meas
     assert single > 0.3  # the slowest pair's channels swapped roles between the two spans
 
 
+@pytest.mark.quick
 def test_the_rotary_dim_follows_the_models_rope():
     from transformers import BloomConfig, LlamaConfig, PhiConfig
 
@@ -95,6 +100,7 @@ def test_data_free_rotations_are_deterministic_and_rank_every_layer_and_head():
     assert data_free_rotations(again, smooth_keys=False).key_smoothing == {}  # the ranking alone, where asked
 
 
+@pytest.mark.quick
 def test_the_profile_fits_the_models_position_range_and_samples_its_induction_queries():
     from oscar_hf.profile import PROFILE_TOKENS, profile_length
 
@@ -116,6 +122,7 @@ def test_the_profile_fits_the_models_position_range_and_samples_its_induction_qu
     assert not torch.equal(every.scores[0], sampled.scores[0])
 
 
+@pytest.mark.quick
 def test_a_cache_given_no_rotations_stores_the_ranked_default_on_the_models_profile():
     from oscar_hf import OscarCache
 

@@ -14,6 +14,8 @@ from oscar_hf.kernels.reference.quantize import (
     unpack_dequantize,
 )
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 def test_two_bit_packing_is_quartered_bit_exact():
     # d = 8: byte j holds elements j, j+2, j+4, j+6 at bits 0, 2, 4, 6.

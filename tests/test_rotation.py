@@ -10,6 +10,8 @@ from oscar_hf.rotations.math import (
     rotate,
 )
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256])
 def test_hadamard_is_orthogonal_symmetric_with_equal_magnitudes(n):

@@ -43,6 +43,7 @@ def assert_same(a: Rotations, b: Rotations):
 
 
 @pytest.mark.parametrize("heads", [None, 2])
+@pytest.mark.quick
 def test_zoo_round_trip_is_bit_exact_in_reference_schema(tmp_path, heads):
     rot = random_rotations(heads=heads)
     key_file, value_file = rot.save_zoo(tmp_path, "qqt_r_h_pbr", "sst_r_h_pbr")
@@ -81,6 +82,7 @@ def test_zoo_file_with_string_layer_keys_loads(tmp_path):
     assert_same(Rotations.from_zoo(key_file, value_file), rot)
 
 
+@pytest.mark.quick
 def test_safetensors_round_trip_keeps_tensors_and_metadata(tmp_path):
     rot = random_rotations(heads=2)
     assert rot.save_pretrained(tmp_path) is None  # as huggingface_hub's ModelHubMixin.save_pretrained
@@ -95,6 +97,7 @@ class Payload:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.quick
 def test_pickled_object_is_refused(tmp_path):
     raw = tmp_path / "k_rotation_raw.pt"
     with open(raw, "wb") as f:
@@ -106,6 +109,7 @@ def test_pickled_object_is_refused(tmp_path):
             load_zoo_file(str(path))
 
 
+@pytest.mark.quick
 def test_corrupt_and_wrong_files_fail_clearly(tmp_path):
     (tmp_path / "k_rotation_x.pt").write_bytes(b"not a torch file")
     (tmp_path / "v_rotation_x.pt").write_bytes(b"not a torch file")
@@ -168,6 +172,7 @@ def test_rotations_for_a_model_of_another_depth_are_refused(method):
         OscarCache(tiny_model(num_hidden_layers=8, **smollm2_like), shallow, method=method)
 
 
+@pytest.mark.quick
 def test_missing_path_and_bad_repo_ids():
     with pytest.raises(FileNotFoundError, match="not a Hub repo id"):
         resolve_rotation_folder("./no/such/../folder")
@@ -259,6 +264,7 @@ MALFORMED_SAFETENSORS = {
 
 
 @pytest.mark.parametrize("tensors, metadata, reason", MALFORMED_SAFETENSORS.values(), ids=MALFORMED_SAFETENSORS)
+@pytest.mark.quick
 def test_malformed_safetensors_fail_as_rotation_file_errors_naming_the_file(tmp_path, tensors, metadata, reason):
     folder = tmp_path / "rotations"
     write_safetensors(folder, tensors, metadata)
@@ -268,6 +274,7 @@ def test_malformed_safetensors_fail_as_rotation_file_errors_naming_the_file(tmp_
 
 
 @pytest.mark.parametrize("keep", [4, 40, -8], ids=["length cut", "header cut", "tensors cut"])
+@pytest.mark.quick
 def test_a_truncated_safetensors_file_fails_as_a_rotation_file_error_naming_it(tmp_path, keep):
     """The header of a safetensors file is JSON: cut short, it fails as a corrupt file, with the file's name."""
     folder = tmp_path / "rotations"
@@ -319,6 +326,7 @@ MALFORMED_ZOO = {
 
 
 @pytest.mark.parametrize("state, reason", MALFORMED_ZOO.values(), ids=MALFORMED_ZOO)
+@pytest.mark.quick
 def test_malformed_zoo_files_fail_as_rotation_file_errors_naming_the_file(tmp_path, state, reason):
     folder = tmp_path / "zoo"
     write_zoo(folder, state, state)  # both files: a pair of one bad rotation and one good one fails another way

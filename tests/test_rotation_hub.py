@@ -12,6 +12,8 @@ from huggingface_hub import ModelCard, ModelHubMixin
 from oscar_hf import Rotations
 from oscar_hf.rotations.card import model_card
 
+pytestmark = pytest.mark.quick  # every test here is an essential of well under a second
+
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 

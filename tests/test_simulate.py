@@ -23,6 +23,7 @@ def cached_logits(model, ids, cache, prefill, chunk):
     return torch.cat(pieces, dim=1)
 
 
+@pytest.mark.quick
 def test_history_lengths_follow_the_demotion_schedule():
     # S=4, R=8, b=3: the recent window may reach R + b - 1 = 10 tokens; the 11th triggers demotion back to 8.
     n = history_lengths(30, prefill=5, sink=4, recent=8, block=3)
@@ -43,7 +44,7 @@ def test_history_lengths_follow_the_demotion_schedule():
 
 
 @pytest.mark.parametrize("method", ["hadamard", "identity", "quarot", "none"])
-@pytest.mark.parametrize("prefill", [6, 14, 21])
+@pytest.mark.parametrize("prefill", [6, 14, pytest.param(21, marks=pytest.mark.quick)])
 def test_simulation_equals_token_by_token_decoding(tiny_llama_model, method, prefill):
     torch.manual_seed(1)
     ids = torch.randint(0, tiny_llama_model.config.vocab_size, (1, 48))
@@ -78,6 +79,7 @@ def test_simulation_batches_rows_with_their_own_prefill(tiny_llama_model):
         assert (batched[row] - alone[0]).abs().max().item() < 1e-5
 
 
+@pytest.mark.quick
 def test_simulation_restores_the_attention_implementation(tiny_llama_model):
     template = OscarCache(tiny_llama_model.config, method="hadamard", **LAYOUT)
     simulate_logits(tiny_llama_model, torch.zeros(1, 8, dtype=torch.long), template, prefill=2)

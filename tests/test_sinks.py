@@ -32,6 +32,7 @@ def _softmax_with_sinks(query, keys, values, mask, scaling, sinks):
     return (probs @ values).transpose(1, 2)
 
 
+@pytest.mark.quick
 def test_reference_tiers_with_sinks_equal_a_softmax_with_a_sink_column():
     """No history, so the tiers are the whole attention: the reference equals the written-out softmax."""
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def test_reference_tiers_with_sinks_equal_a_softmax_with_a_sink_column():
     assert not torch.allclose(got, plain)  # the sinks took probability away
 
 
-@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("q_len", [pytest.param(1, marks=pytest.mark.quick), 5])
 def test_kernels_apply_sinks_as_the_reference_does(q_len):
     """Tiers and history through the Triton kernels (the interpreter on a CPU), sinks in the merge: the reference's
     output, for a decode step and a chunk of queries."""
@@ -74,6 +75,7 @@ def test_a_decode_call_carries_its_sinks_to_the_kernels():
     _assert_close(got, want, 2e-5, "counted decode step with sinks")
 
 
+@pytest.mark.quick
 def test_a_tiny_gpt_oss_with_the_unquantized_cache_generates_as_dynamic_cache():
     """Sliding layers kept as transformers keeps them, full layers in OSCAR tiers with a history: sinks in every
     one of them."""

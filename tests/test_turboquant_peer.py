@@ -42,6 +42,7 @@ def _kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------ the quantizer
+@pytest.mark.quick
 def test_lloyd_max_centroids_of_a_standard_normal():
     expected = torch.tensor([0.2451, 0.7560, 1.3440, 2.1520])
     assert torch.allclose(gaussian_lloyd_max(3), torch.cat([-expected.flip(0), expected]), atol=1e-3)
@@ -52,6 +53,7 @@ def test_lloyd_max_centroids_of_a_standard_normal():
         gaussian_lloyd_max(9)
 
 
+@pytest.mark.quick
 def test_quantization_error_is_the_lloyd_max_distortion_and_3_bits_beat_2():
     x = torch.randn(20_000, 64, generator=torch.Generator().manual_seed(0))
     three, two = _relative_mse(x, 3), _relative_mse(x, 2)
@@ -62,6 +64,7 @@ def test_quantization_error_is_the_lloyd_max_distortion_and_3_bits_beat_2():
     assert three < two / 3
 
 
+@pytest.mark.quick
 def test_the_quantizer_keeps_dtype_and_sends_zero_vectors_to_zero():
     rotation, centroids = random_rotation(64, 0, 0), gaussian_lloyd_max(3)
     x = torch.randn(3, 64).to(torch.bfloat16)
@@ -71,6 +74,7 @@ def test_the_quantizer_keeps_dtype_and_sends_zero_vectors_to_zero():
     assert torch.isfinite(out).all() and (out[1] == 0).all()
 
 
+@pytest.mark.quick
 def test_rotations_are_orthogonal_reproducible_and_differ_per_layer():
     first = random_rotation(64, 0, 0)
     assert torch.allclose(first @ first.T, torch.eye(64), atol=1e-5)
@@ -78,11 +82,13 @@ def test_rotations_are_orthogonal_reproducible_and_differ_per_layer():
     assert not torch.allclose(first, random_rotation(64, 0, 1)) and not torch.allclose(first, random_rotation(64, 1, 0))
 
 
+@pytest.mark.quick
 def test_bits_per_element_counts_the_bf16_norm():
     assert code_bits_per_element(3, 64) == 3.25 and code_bits_per_element(2, 128) == 2.125
 
 
 # ------------------------------------------------------------------------------------------------ the cache
+@pytest.mark.quick
 def test_recent_tokens_stay_full_precision_and_older_ones_are_quantized(tiny_llama_model):
     cache = TurboQuantMSECache(tiny_llama_model, residual_length=8)
     keys, values = _kv(20, seed=1)
@@ -104,6 +110,7 @@ def test_recent_tokens_stay_full_precision_and_older_ones_are_quantized(tiny_lla
     assert cache.get_seq_length(0) == 21
 
 
+@pytest.mark.quick
 def test_what_is_stored_does_not_depend_on_when_tokens_were_demoted(tiny_llama_model):
     keys, values = _kv(28, seed=3)
     stepwise = TurboQuantMSECache(tiny_llama_model, residual_length=8, demote_block=4)
@@ -140,6 +147,7 @@ def test_scoring_from_a_replayed_prefill_equals_a_prefill_forward_and_chunks_equ
     assert (forward - unquantized).abs().max().item() > 1e-3  # the history is quantized
 
 
+@pytest.mark.quick
 def test_stored_bits_count_codes_norms_and_the_recent_window(tiny_llama_model):
     cache = TurboQuantMSECache(tiny_llama_model, residual_length=8)
     for layer_idx in range(2):
@@ -149,6 +157,7 @@ def test_stored_bits_count_codes_norms_and_the_recent_window(tiny_llama_model):
     assert bits_per_element(cache, 40, 1, 2, HEAD_DIM, bf16_model=True) == pytest.approx((32 * 3.5 + 8 * 16) / 40)
 
 
+@pytest.mark.quick
 def test_the_cache_checks_its_arguments(tiny_llama_model):
     with pytest.raises(ValueError, match="bits=9"):
         TurboQuantMSECache(tiny_llama_model, bits=9)
@@ -157,6 +166,7 @@ def test_the_cache_checks_its_arguments(tiny_llama_model):
 
 
 # ------------------------------------------------------------------------------------------------ the method row
+@pytest.mark.quick
 def test_turboquant3_is_a_peer_row_that_generates(tiny_llama_model):
     assert "turboquant3" in PEER_METHODS and "turboquant3" in default_methods()
     methods = select_methods("bf16,turboquant3")

@@ -121,8 +121,11 @@ def _merge_kernel(
         tl.store(out_rows[:, None] + offs_j[None, :], round_to(out, out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
         lse_merged = tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
-        tl.store(lo_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + qi.to(tl.int64) * sll, lse_merged,
-                 mask=row_ok & (tl.program_id(2) == 0))
+        # the first column program writes it: a branch, not a mask `row_ok & (program_id == 0)`, which Triton 3.9's
+        # interpreter types int32 and refuses
+        if tl.program_id(2) == 0:
+            tl.store(lo_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + qi.to(tl.int64) * sll, lse_merged,
+                     mask=row_ok)
 
 
 def _rotation_operand(value_rotation: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int, int]:
