@@ -111,11 +111,17 @@ class OscarCache(Cache):
                 layers[i] = oscar_layer_for(layers[i], i, layer, backend, max_cache_len)
         super().__init__(layers=layers)
         self._plan = plan  # also what `save_pretrained` records
+        # the layers the plan quantizes; every other layer is transformers' own and is asked only the Cache API
+        self._quantized = frozenset(plan.shape.oscar_layer_ids)
         self._max_cache_len = max_cache_len
         model_config = getattr(model, "config", model)
         self._model_ref = None if model is model_config else weakref.ref(model)
         self._model_config = text_config_of(model_config)
         self._warned_fallback = False
+        # whether a forward's mask was sized since the last update, and whether the updates since the last check
+        # belonged to such a forward (`_check_attended`)
+        self._mask_sized = self._forward_updates = False
+        self._foreign_attention = False  # a forward's attention was not "oscar": dequantized K/V from then on
         self.compile_decode = compile_decode
         self._step_clock = StepClock(ledger_of(self if model is model_config else model))
         if model is not model_config and plan.shape.oscar_layer_ids:  # else the model's own attention serves
@@ -146,11 +152,12 @@ class OscarCache(Cache):
     # ------------------------------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if not isinstance(layer, OscarLayer):
+        if layer_idx not in self._quantized:
             return layer.update(key_states, value_states, *args, **kwargs)
         if torch.compiler.is_compiling():
             note_traced_step()  # the compile `is_compileable` allowed is happening: its marker is left
         elif layer_idx == self.shape.oscar_layer_ids[0]:
+            self._check_attended()
             self._check_whole_forwards()
             self._step_clock.tick(key_states.shape[-2])
         if torch.compiler.is_compiling() and self.uses_oscar_attention and not layer.counts_step(key_states):
@@ -168,6 +175,8 @@ class OscarCache(Cache):
         return keys, values
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if not torch.compiler.is_compiling():
+            self._mask_sized = True  # a forward is starting (transformers sizes its masks before any update)
         if not self.uses_oscar_attention:
             self._leave_counted_decode()  # the mask must span every cached token, as `_dense_update` returns them
         return super().get_mask_sizes(query_length, layer_idx)
@@ -186,15 +195,44 @@ class OscarCache(Cache):
             self._warned_fallback = True
         return layer.dense_kv()
 
+    @property
+    def quantized_layers(self) -> list[OscarLayer]:
+        """The layers the plan quantizes (`model_support.QUANTIZED`), in order."""
+        return [self.layers[i] for i in sorted(self._quantized)]
+
     def _leave_counted_decode(self) -> None:
-        for layer in self.layers:
-            if isinstance(layer, OscarLayer):
-                layer.stop_counted_decode()
+        for layer in self.quantized_layers:
+            layer.stop_counted_decode()
+
+    def _check_attended(self) -> None:
+        """Before a forward's first update: did the last forward's attention read this cache through "oscar"? Its
+        layers' segments are still open if not (the cache was passed to another model than the one it was built
+        for, or the model left "oscar"): that attention took the BF16 tiers for every cached token. Right while no
+        history existed, so from then on the cache returns dequantized K/V, as to any other attention; wrong
+        otherwise, which is refused. Updates outside a forward (no mask sized before them) leave segments open too
+        and are not counted."""
+        forward, self._forward_updates, self._mask_sized = self._forward_updates, self._mask_sized, False
+        if not forward or self._foreign_attention or not self.uses_oscar_attention:
+            return
+        unread = [layer for layer in self.quantized_layers if layer.segment_open]
+        if not unread:
+            return
+        if any(layer.history_length for layer in unread):
+            raise RuntimeError(
+                f"the last forward through this OscarCache attended to layers {[layer.layer_idx for layer in unread]} "
+                "without the 'oscar' attention, which alone reads their quantized history: its output left that "
+                "history out. Pass an OscarCache only to the model it was built with (OscarCache(model) switches "
+                "that model's attention), or build a new one for this model.")
+        self._foreign_attention = True
+        self._warned_fallback = True  # `_dense_update`'s warning would name the wrong model's attention
+        logger.warning("OscarCache: the model running this cache does not attend with 'oscar' (it was built for "
+                       "another model, or the model's attention was switched back): it returns dequantized K/V "
+                       "from now on (correct, slow); build the cache with the model that runs it")
 
     def _check_whole_forwards(self) -> None:
         """Refuse to go on after a forward that updated some layers and not the others (an exception inside one
         layer's attention, an out-of-memory error): their tokens would no longer line up."""
-        layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        layers = self.quantized_layers
         counts = {layer.layer_idx: layer.updates for layer in layers}
         if len(set(counts.values())) <= 1:
             return
@@ -211,11 +249,10 @@ class OscarCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens of every layer, or of none: every layer is checked before any is changed."""
-        problems = [p for layer in self.layers if isinstance(layer, OscarLayer)
-                    if (p := layer.crop_problem(tokens_to_remove)) is not None]
+        problems = [p for layer in self.quantized_layers if (p := layer.crop_problem(tokens_to_remove)) is not None]
         if problems:
             raise ValueError(problems[0] if len(problems) == 1 else "; ".join(problems))
-        others = [(layer, dict(layer.__dict__)) for layer in self.layers if not isinstance(layer, OscarLayer)]
+        others = [(layer, dict(layer.__dict__)) for i, layer in enumerate(self.layers) if i not in self._quantized]
         try:
             for layer in self.layers:
                 layer.crop(tokens_to_remove)
@@ -285,12 +322,13 @@ class OscarCache(Cache):
         device = getattr(model, "device", None)
         dim = self.shape.head_dim
         return all(layer.compileable_on(device, dim, dim)
-                   if isinstance(layer, OscarLayer) and not layer.is_initialized and device is not None
-                   else layer.is_compileable for layer in self.layers)
+                   if i in self._quantized and not layer.is_initialized and device is not None
+                   else layer.is_compileable for i, layer in enumerate(self.layers))
 
     @property
     def uses_oscar_attention(self) -> bool:
-        return getattr(self._model_config, "_attn_implementation", None) == OSCAR_ATTENTION
+        return (not self._foreign_attention
+                and getattr(self._model_config, "_attn_implementation", None) == OSCAR_ATTENTION)
 
     def __deepcopy__(self, memo):
         # Share the immutable model config, master rotations and kernel backends; copy every tier.
@@ -310,6 +348,21 @@ class OscarCache(Cache):
         if model is not None:
             live_caches(model).add(clone)
         return clone
+
+    # what pickle and `torch.save` store (the layers: `OscarLayer.__getstate__`): not the model, which is held by
+    # a weak reference, nor this process's step clock
+    _PROCESS_LOCAL = ("_model_ref", "_step_clock", "_compiled_marker", "_expected_compile_seconds")
+
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in self._PROCESS_LOCAL}
+        state["_model_ref"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """An unpickled cache continues the sequences it holds with a model switched to "oscar" (the one it was
+        built with, or `use_oscar_attention(model)`); it is not tied to that model's compile bookkeeping."""
+        self.__dict__.update(state)
+        self._step_clock = StepClock(ledger_of(self))
 
     # ------------------------------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
@@ -388,8 +441,8 @@ class OscarCache(Cache):
     def nbytes(self) -> int:
         """Bytes of the stored tokens over all layers (BF16 tiers, quantized history, sliding layers)."""
         total = 0
-        for layer in self.layers:
-            if isinstance(layer, OscarLayer):
+        for i, layer in enumerate(self.layers):
+            if i in self._quantized:
                 total += layer.nbytes()
             elif layer.is_initialized and layer.keys is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
@@ -397,7 +450,7 @@ class OscarCache(Cache):
 
     def bits_per_element(self) -> float:
         """Stored bits per cached K/V element of the quantized (full-attention) layers, BF16 tiers included."""
-        layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        layers = self.quantized_layers
         elements = sum(layer.num_elements() for layer in layers)
         return 8.0 * sum(layer.nbytes() for layer in layers) / elements if elements else 0.0
 
@@ -411,10 +464,7 @@ def _own_attention(model) -> str | None:
     if model is getattr(model, "config", model):
         return None
     reason = own_attention_reason(model.config)
-    # transformers' own flag for a model whose layers call the AttentionInterface (GIT's accepts the switch and
-    # computes its scores itself all the same)
-    compatible = getattr(model, "is_backend_compatible", lambda: True)()
-    if reason is None and not (compatible and takes_oscar_attention(model)):
+    if reason is None and not takes_oscar_attention(model):
         reason = "its layers do not call transformers' AttentionInterface"
     return reason
 

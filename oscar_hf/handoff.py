@@ -156,6 +156,14 @@ def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: Hist
         _FOR_READERS[reader] = segment
 
 
+def without_segment(tensor):
+    """`tensor`, or an alias of its storage without the segment `publish_segment` attached to it (a segment holds
+    the layer's close callback: the buffer that `update` returned whole must pickle without it)."""
+    if isinstance(tensor, torch.Tensor) and "_oscar_segment" in getattr(tensor, "__dict__", {}):
+        return tensor.detach()
+    return tensor
+
+
 def take_segment(key_states: torch.Tensor, attention_kwargs: dict,
                  layer_idx: int | None = None) -> HistorySegment | UpdateRequest | None:
     """The segment (or update request) published for this attention call of layer `layer_idx`, or None (another

@@ -40,7 +40,7 @@ from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
 from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, counted_bf16_capacity, history_capacity
 from oscar_hf.demotion import demotion_index, time_order_index, tokens_to_demote
-from oscar_hf.handoff import HistorySegment, layer_handle
+from oscar_hf.handoff import HistorySegment, layer_handle, without_segment
 from oscar_hf.head_groups import HeadSplitBackend
 from oscar_hf.history import HeadSplitHistory, make_history
 from oscar_hf.kernels.interface import Backend
@@ -100,6 +100,29 @@ class OscarLayer(CacheLayerMixin):
             setattr(clone, name, copy.deepcopy(value, memo))
         clone.handle = layer_handle(clone)  # a copy is a layer of its own
         return clone
+
+    # what pickle and `torch.save` store: the tokens and settings, host-counted, without what belongs to this
+    # process (the handle's entry in the layer table, the kernel backends, a counted step's device state)
+    _PROCESS_LOCAL = ("handle", "backend", "op_backend", "attention_backend", "op_attention_backend")
+
+    def __getstate__(self) -> dict:
+        if self.counted is not None:  # leave this layer's counted decode (and a compiled step's graph) alone
+            clone = copy.deepcopy(self)
+            clone.stop_counted_decode()
+            return clone.__getstate__()
+        state = {k: without_segment(v) for k, v in self.__dict__.items() if k not in self._PROCESS_LOCAL}
+        state["_compileable_answers"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """An unpickled layer selects its kernel backend for its device again (a `backend=` given to the cache is
+        not stored)."""
+        self.__dict__.update(state)
+        self.backend = None
+        self._backend_compiles = True
+        self.handle = layer_handle(self)
+        if self.is_initialized:
+            self._attach_backends()
 
     def _clear(self) -> None:
         self.keys_buffer = self.values_buffer = None
@@ -182,6 +205,10 @@ class OscarLayer(CacheLayerMixin):
         self.history = make_history(self.config, batch, heads, key_dim, value_dim, self.dtype, self.device)
         self.keys_buffer = key_states.new_empty((batch, heads, self._steady_capacity(), key_dim))
         self.values_buffer = value_states.new_empty((batch, heads, self._steady_capacity(), value_dim))
+        self._attach_backends()
+        self.is_initialized = True
+
+    def _attach_backends(self) -> None:
         if self.backend is None:
             self.backend = backend_for(self.device, self.config.history_chunk)
         self.op_backend = OpBackend(self.backend)
@@ -189,7 +216,6 @@ class OscarLayer(CacheLayerMixin):
         split = isinstance(self.history, HeadSplitHistory)
         self.attention_backend = HeadSplitBackend(self.backend) if split else self.backend
         self.op_attention_backend = HeadSplitBackend(self.op_backend) if split else self.op_backend
-        self.is_initialized = True
 
     def _steady_capacity(self) -> int:
         cfg = self.config

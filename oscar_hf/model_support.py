@@ -39,6 +39,7 @@ OWN_ATTENTION_FAMILIES = {
                  "after the first read",
     "doge": "its attention mask carries a bias computed from every cached value",
     "jetmoe": "its query heads read the KV heads repeated, not grouped (a mixture of attention heads)",
+    "git": "its layers compute their scores themselves, though it accepts an attention implementation",
     "inkling2_text": "its sink logits are computed per token",
     "inkling2_loop_text": "its sink logits are computed per token",
 }

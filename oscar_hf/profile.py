@@ -134,7 +134,10 @@ def random_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
 def profile_length(model, tokens: int = PROFILE_TOKENS) -> int:
     """The random sequence's length for `model`: `tokens`, or half the model's position range if that is shorter
     (the sequence is fed twice)."""
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    config = model.config.get_text_config()
+    # the position table's length under each name families give it (Whisper's decoder: max_target_positions)
+    ranges = [getattr(config, name, None) for name in ("max_position_embeddings", "max_target_positions")]
+    positions = min((r for r in ranges if r), default=None)
     # RoBERTa-style positions start after the padding index (2): leave them room
     return min(tokens, (positions - 2) // 2) if positions else tokens
 

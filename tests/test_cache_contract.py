@@ -161,3 +161,63 @@ def test_folding_is_refused_while_a_cache_on_the_model_holds_tokens():
     live.reset()
     OscarCache(model, method="hadamard", fold_value_rotation=True)
     assert not torch.equal(model.model.layers[0].self_attn.v_proj.weight, weights)
+
+
+@pytest.mark.quick
+def test_a_cache_passed_to_another_model_gives_its_tokens_or_refuses(caplog):
+    """A cache built for model A and passed to model B of the same shape, still on SDPA: B's attention never reads
+    the history through "oscar". From a fresh cache the prefill saw every token in the BF16 tiers, so the cache
+    notices at the next forward and returns dequantized K/V from then on: DynamicCache's tokens (the logits were
+    0.64 apart before). A cache whose history B's attention left out is refused."""
+    from conftest import VOCAB, cache_argument_name, generate
+
+    a, b = tiny_model("llama"), tiny_model("llama")
+    b.load_state_dict(a.state_dict())
+    b.set_attn_implementation("sdpa")
+    ids = torch.randint(1, VOCAB, (2, 60), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=12, output_scores=True, return_dict_in_generate=True)
+    want = generate(b, ids, DynamicCache(config=b.config), **kw)
+    cache = OscarCache(a, method="none", **TIERS)
+    got = generate(b, ids, cache, **kw)
+    assert cache.layers[0].history_length > 0
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-5, rtol=0)
+    assert any("does not attend with 'oscar'" in r.getMessage() for r in caplog.records)
+
+    cache = OscarCache(a, method="none", **TIERS)
+    forward(a, ids, cache)  # A's own prefill: the history holds tokens
+    step = dict(input_ids=ids[:, :1], use_cache=True)
+    b(**step, **{cache_argument_name(b): cache})  # no mask: SDPA reads the tiers alone, leaving the history out
+    with pytest.raises(RuntimeError, match="without the 'oscar' attention"):  # noticed at the next forward
+        b(**step, **{cache_argument_name(b): cache})
+
+
+@pytest.mark.quick
+@torch.no_grad()
+def test_a_filled_cache_pickles_and_continues_as_the_original(tmp_path):
+    """`torch.save` / pickle of a filled cache (history, left padding, counted decode running) round-trips, as a
+    filled DynamicCache does: the loaded copy continues with the original's tokens and logits, and the original
+    is unchanged (it failed on a weak reference before)."""
+    import copy
+    import pickle
+
+    from conftest import VOCAB
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    out = forward(model, ids, cache, attention_mask=mask)
+    token = out.logits[:, -1:].argmax(-1)
+    mask = torch.cat([mask, torch.ones_like(token)], 1)
+    forward(model, token, cache, attention_mask=mask)  # a decode step: counted decode from here on
+    assert cache.layers[0].history_length > 0 and cache.layers[0].counted is not None
+    path = tmp_path / "cache.pt"
+    torch.save(cache, path)
+    copies = [torch.load(path, weights_only=False), pickle.loads(pickle.dumps(cache)), copy.deepcopy(cache)]
+    assert cache.layers[0].counted is not None  # pickling left the original's counted decode running
+    mask = torch.cat([mask, torch.ones_like(token)], 1)
+    want = forward(model, token, cache, attention_mask=mask).logits
+    for other in copies:
+        torch.testing.assert_close(forward(model, token, other, attention_mask=mask).logits, want, atol=0, rtol=0)
