@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the new architectures (docs/models.md): the sink kernels on CUDA, then
+# One device call for the new architectures (docs/models.md): the sink kernels and CUDA-graph replay on CUDA, then
 # `bench.architectures` for the given models. Usage: bench/gpu_architectures.sh OUT_DIR MODELS [ROWS] [CACHES]
 # Qwen3.5's linear attention takes flash-linear-attention's kernels when installed (transformers' torch fallback
 # otherwise): carry its wheels (.whl) and put them on PYTHONPATH first.
@@ -12,6 +12,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers; from transformers.utils import is_flash_linear_attention_available as f; print(torch.__version__, triton.__version__, transformers.__version__, 'fla', f())" | tee -a "$out/gpu.txt"
 if [[ ${TESTS:-1} == 1 ]]; then
-  python3 -m pytest -q -rs --tb=short tests/test_sinks.py 2>&1 | tee "$out/tests.log"
+  # the sink kernels, and the every-path differential test's CUDA-graph replay of Qwen3-Next, Gemma 4 and gpt-oss
+  python3 -m pytest -q -rs --tb=short tests/test_sinks.py tests/test_architectures.py -k "sinks or graph" 2>&1 \
+    | tee "$out/tests.log"
 fi
 python3 -m bench.architectures --models "$models" --rows "$rows" --caches "$caches" 2>&1 | tee "$out/bench-${models//,/_}.log"

@@ -157,8 +157,8 @@ class OscarCache(Cache):
         if torch.compiler.is_compiling():
             note_traced_step()  # the compile `is_compileable` allowed is happening: its marker is left
         elif layer_idx == self.shape.oscar_layer_ids[0]:
-            self._check_attended()
             self._check_whole_forwards()
+            self._check_attended()
             self._step_clock.tick(key_states.shape[-2])
         if torch.compiler.is_compiling() and self.uses_oscar_attention and not layer.counts_step(key_states):
             if layer.readers:  # their attention would find the request, not tiers to read
@@ -205,24 +205,18 @@ class OscarCache(Cache):
             layer.stop_counted_decode()
 
     def _check_attended(self) -> None:
-        """Before a forward's first update: did the last forward's attention read this cache through "oscar"? Its
-        layers' segments are still open if not (the cache was passed to another model than the one it was built
-        for, or the model left "oscar"): that attention took the BF16 tiers for every cached token. Right while no
-        history existed, so from then on the cache returns dequantized K/V, as to any other attention; wrong
-        otherwise, which is refused. Updates outside a forward (no mask sized before them) leave segments open too
-        and are not counted."""
+        """Before a forward's first update: did the last forward, the first this cache saw, attend through
+        "oscar"? If the cache was passed to another model than the one it was built with (one still on SDPA, say),
+        every layer's segment is still open, and that attention took the BF16 tiers for every cached token: right,
+        since no token had reached the history, so the cache returns dequantized K/V from then on, as to any other
+        attention. Checked only while no layer holds history or decodes counted: an `update` outside a forward
+        after a forward that an exception stopped looks the same, and is right in the same way."""
         forward, self._forward_updates, self._mask_sized = self._forward_updates, self._mask_sized, False
         if not forward or self._foreign_attention or not self.uses_oscar_attention:
             return
-        unread = [layer for layer in self.quantized_layers if layer.segment_open]
-        if not unread:
+        layers = self.quantized_layers
+        if not all(layer.segment_open and layer.counted is None and not layer.history_length for layer in layers):
             return
-        if any(layer.history_length for layer in unread):
-            raise RuntimeError(
-                f"the last forward through this OscarCache attended to layers {[layer.layer_idx for layer in unread]} "
-                "without the 'oscar' attention, which alone reads their quantized history: its output left that "
-                "history out. Pass an OscarCache only to the model it was built with (OscarCache(model) switches "
-                "that model's attention), or build a new one for this model.")
         self._foreign_attention = True
         self._warned_fallback = True  # `_dense_update`'s warning would name the wrong model's attention
         logger.warning("OscarCache: the model running this cache does not attend with 'oscar' (it was built for "

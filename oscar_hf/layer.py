@@ -496,8 +496,11 @@ class OscarLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.counted is not None:
-            if query_length == 1:  # a counted step reads no mask: any fixed width serves
-                return self.counted.capacity, 0
+            if query_length == 1:
+                # a counted step reads no mask, so any width fixed while counting serves (one compiled graph): the
+                # capacity in positions, which is at least every position held, since mask functions may index
+                # per-position data by it (Gemma 4 Unified's image blocks)
+                return self.counted.capacity + self.history.capacity, 0
             self._refresh_host_counts()  # a multi-token forward is coming: it will leave counted decode
         return self.length + query_length, 0
 

@@ -164,12 +164,11 @@ def test_folding_is_refused_while_a_cache_on_the_model_holds_tokens():
 
 
 @pytest.mark.quick
-def test_a_cache_passed_to_another_model_gives_its_tokens_or_refuses(caplog):
-    """A cache built for model A and passed to model B of the same shape, still on SDPA: B's attention never reads
-    the history through "oscar". From a fresh cache the prefill saw every token in the BF16 tiers, so the cache
-    notices at the next forward and returns dequantized K/V from then on: DynamicCache's tokens (the logits were
-    0.64 apart before). A cache whose history B's attention left out is refused."""
-    from conftest import VOCAB, cache_argument_name, generate
+def test_a_fresh_cache_passed_to_another_model_gives_its_tokens(caplog):
+    """A cache built for model A and passed, fresh, to model B of the same shape, still on SDPA: B's attention never
+    reads the history through "oscar". Its prefill saw every token in the BF16 tiers, so the cache notices at the
+    next forward and returns dequantized K/V from then on: DynamicCache's tokens (the logits were 0.64 apart)."""
+    from conftest import VOCAB, generate
 
     a, b = tiny_model("llama"), tiny_model("llama")
     b.load_state_dict(a.state_dict())
@@ -183,13 +182,6 @@ def test_a_cache_passed_to_another_model_gives_its_tokens_or_refuses(caplog):
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-5, rtol=0)
     assert any("does not attend with 'oscar'" in r.getMessage() for r in caplog.records)
-
-    cache = OscarCache(a, method="none", **TIERS)
-    forward(a, ids, cache)  # A's own prefill: the history holds tokens
-    step = dict(input_ids=ids[:, :1], use_cache=True)
-    b(**step, **{cache_argument_name(b): cache})  # no mask: SDPA reads the tiers alone, leaving the history out
-    with pytest.raises(RuntimeError, match="without the 'oscar' attention"):  # noticed at the next forward
-        b(**step, **{cache_argument_name(b): cache})
 
 
 @pytest.mark.quick

@@ -35,8 +35,6 @@ REFUSED: dict[str, str] = {model_type: MLA_REASON for model_type in causal_lm_fa
 
 # model_type -> why the family does not pass yet (docs/models.md): strict, so a fix shows as a failure to update
 KNOWN_GAPS: dict[str, str] = {
-    "gemma4_unified": "its image-block mask function indexes per-position block ids with a query index past their "
-                      "end (IndexError in `oscar_mask` and under the model's own attention alike; not yet traced)",
     "mllama": "transformers' Mllama reads `cache.layers[i].keys` of every layer to find cached image states, and "
               "an OSCAR layer keeps its keys in tiers, not in `keys`",
 }
