@@ -242,21 +242,16 @@ class OscarCache(Cache):
         )
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens of every layer, or of none: every layer is checked before any is changed."""
+        """Drop the newest tokens of every layer, or of none where the refusal comes first: the OSCAR layers are
+        checked before any layer changes (they cannot fail after), and transformers' own layers crop first, so the
+        first of them to refuse (a sliding window already past its size, a recurrent state) leaves every layer as
+        it was, as it does in DynamicCache."""
         problems = [p for layer in self.quantized_layers if (p := layer.crop_problem(tokens_to_remove)) is not None]
         if problems:
             raise ValueError(problems[0] if len(problems) == 1 else "; ".join(problems))
-        others = [(layer, dict(layer.__dict__)) for i, layer in enumerate(self.layers) if i not in self._quantized]
-        try:
-            for layer in self.layers:
-                layer.crop(tokens_to_remove)
-        except Exception:
-            # transformers' own layers replace their tensors when cropping (never edit them in place), so their
-            # attributes from before are the state from before; the OSCAR layers were checked and cannot fail
-            for layer, state in others:
-                layer.__dict__.clear()
-                layer.__dict__.update(state)
-            raise
+        kept = [layer for i, layer in enumerate(self.layers) if i not in self._quantized]
+        for layer in kept + self.quantized_layers:
+            layer.crop(tokens_to_remove)
 
     @property
     def is_compileable(self) -> bool:
