@@ -26,7 +26,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-from oscar_hf.handoff import HistorySegment, UpdateRequest, layer_of, take_segment
+from oscar_hf.handoff import HistorySegment, UpdateRequest, forget_reader_segments, layer_of, take_segment
 from oscar_hf.kernels.reference.attention import add_sinks, causal_mask, dense_partial
 from oscar_hf.model_support import UnsupportedModelError, text_config_of
 
@@ -262,6 +262,7 @@ def oscar_attention(model, hook: AttentionHook | None = None) -> Iterator[None]:
     """Within the block `model` runs the "oscar" attention, every call of it seen by `hook` (module docstring);
     both restored afterwards."""
     previous = switch_to_oscar_attention(model)
+    forget_reader_segments()
     modules = list(model.modules()) if hook is not None else []
     for module in modules:  # the attention function is handed its module, whichever arguments the layers pass
         setattr(module, HOOK_ATTRIBUTE, hook)

@@ -29,7 +29,7 @@ from oscar_hf.compile_policy import (
     note_traced_step,
 )
 from oscar_hf.config import OscarConfig, checked_bool, checked_int, read_json_file
-from oscar_hf.handoff import UpdateRequest, publish_segment
+from oscar_hf.handoff import UpdateRequest, forget_reader_segments, publish_segment
 from oscar_hf.kernels.interface import Backend
 from oscar_hf.layer import OscarLayer, oscar_layer_for
 from oscar_hf.model_support import attention_shape, own_attention_reason, text_config_of, transformers_cache_layers
@@ -154,6 +154,8 @@ class OscarCache(Cache):
         layer = self.layers[layer_idx]
         if layer_idx not in self._quantized:
             return layer.update(key_states, value_states, *args, **kwargs)
+        if layer_idx == self.shape.oscar_layer_ids[0]:
+            forget_reader_segments()
         if torch.compiler.is_compiling():
             note_traced_step()  # the compile `is_compileable` allowed is happening: its marker is left
         elif layer_idx == self.shape.oscar_layer_ids[0]:

@@ -145,6 +145,12 @@ def layer_of(handle: torch.Tensor):
 _FOR_READERS: dict[int, HistorySegment] = {}
 
 
+def forget_reader_segments() -> None:
+    """Drop what a forward stopped by an exception left for its readers, before the next forward publishes (a
+    cache's first layer) or a forward without a cache runs (`attention.oscar_attention`)."""
+    _FOR_READERS.clear()
+
+
 def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: HistorySegment | UpdateRequest) -> None:
     """Make `segment` reach the attention function on every transformers release, and the attention of every
     layer that reads this layer's K/V (`HistorySegment.readers`)."""
