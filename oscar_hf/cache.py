@@ -111,8 +111,11 @@ class OscarCache(Cache):
                 layers[i] = oscar_layer_for(layers[i], i, layer, backend, max_cache_len)
         super().__init__(layers=layers)
         self._plan = plan  # also what `save_pretrained` records
-        # the layers the plan quantizes; every other layer is transformers' own and is asked only the Cache API
-        self._quantized = frozenset(plan.shape.oscar_layer_ids)
+        # the layers the plan quantizes, in order and as a set (read on every update); every other layer is
+        # transformers' own and is asked only the Cache API
+        self._quantized_ids = tuple(plan.shape.oscar_layer_ids)
+        self._quantized = frozenset(self._quantized_ids)
+        self._shares_kv = bool(plan.shape.kv_sources)  # layers read others' tiers (`handoff._FOR_READERS`)
         self._max_cache_len = max_cache_len
         model_config = getattr(model, "config", model)
         self._model_ref = None if model is model_config else weakref.ref(model)
@@ -154,11 +157,12 @@ class OscarCache(Cache):
         layer = self.layers[layer_idx]
         if layer_idx not in self._quantized:
             return layer.update(key_states, value_states, *args, **kwargs)
-        if layer_idx == self.shape.oscar_layer_ids[0]:
+        first = layer_idx == self._quantized_ids[0]
+        if first and self._shares_kv:
             forget_reader_segments()
         if torch.compiler.is_compiling():
             note_traced_step()  # the compile `is_compileable` allowed is happening: its marker is left
-        elif layer_idx == self.shape.oscar_layer_ids[0]:
+        elif first:
             self._check_whole_forwards()
             self._check_attended()
             self._step_clock.tick(key_states.shape[-2])
@@ -200,7 +204,7 @@ class OscarCache(Cache):
     @property
     def quantized_layers(self) -> list[OscarLayer]:
         """The layers the plan quantizes (`model_support.QUANTIZED`), in order."""
-        return [self.layers[i] for i in sorted(self._quantized)]
+        return [self.layers[i] for i in self._quantized_ids]
 
     def _leave_counted_decode(self) -> None:
         for layer in self.quantized_layers:

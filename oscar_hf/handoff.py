@@ -29,6 +29,7 @@ from oscar_hf.demotion import padded_starts
 from oscar_hf.kernels.interface import Backend, DecodeCall, HistoryTensors
 
 SEGMENT_ARGUMENT = "oscar_segment"
+SEGMENT_ATTRIBUTE = "_oscar_segment"  # on the key tensor `update` returned (every release: module docstring)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: Hist
     attention_kwargs = attention_kwargs_of_update(update_kwargs)
     if attention_kwargs is not None:
         attention_kwargs[SEGMENT_ARGUMENT] = segment
-    key_states._oscar_segment = segment
+    setattr(key_states, SEGMENT_ATTRIBUTE, segment)
     for reader in getattr(segment, "readers", ()):
         _FOR_READERS[reader] = segment
 
@@ -165,7 +166,7 @@ def publish_segment(key_states: torch.Tensor, update_kwargs: dict, segment: Hist
 def without_segment(tensor):
     """`tensor`, or an alias of its storage without the segment `publish_segment` attached to it (a segment holds
     the layer's close callback: the buffer that `update` returned whole must pickle without it)."""
-    if isinstance(tensor, torch.Tensor) and "_oscar_segment" in getattr(tensor, "__dict__", {}):
+    if isinstance(tensor, torch.Tensor) and SEGMENT_ATTRIBUTE in getattr(tensor, "__dict__", {}):
         return tensor.detach()
     return tensor
 
@@ -177,5 +178,5 @@ def take_segment(key_states: torch.Tensor, attention_kwargs: dict,
     for_reader = _FOR_READERS.pop(layer_idx, None) if _FOR_READERS else None
     segment = attention_kwargs.pop(SEGMENT_ARGUMENT, None)
     if segment is None:
-        segment = getattr(key_states, "_oscar_segment", None)
+        segment = getattr(key_states, SEGMENT_ATTRIBUTE, None)
     return segment if segment is not None else for_reader

@@ -82,13 +82,15 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
         return CachePlan(config, None, "identity", shape, (None,) * len(shape.layer_kinds), recorded_clip_ratios,
                          False)
     source = rotations if rotations is not None else config.rotation
-    if own_attention is not None and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
+    # a ranked preset on Hadamard rotations: the model's own profile ranks it
+    profile_ranks = _ranks(config) and (rotations is None or _named(rotations, "hadamard"))
+    if own_attention is not None and profile_ranks:
         raise UnsupportedModelError(
             f"method={config.method!r} ranks layers or heads from a profile of the model's attention, which this "
             f"model computes itself ({own_attention}); use method='hadamard' (its default), or rotations that "
             "record a ranking")
     profiled = None
-    if weights and _ranks(config) and (rotations is None or _named(rotations, "hadamard")):
+    if weights and profile_ranks:
         try:
             profiled = data_free_rotations(model)
         except UnobservedLayersError as error:
@@ -99,7 +101,6 @@ def plan_cache(model, rotations, method: str | None, config: OscarConfig | None,
             config = OscarConfig.from_method("hadamard", **options)
             source = rotations if rotations is not None else config.rotation
     if profiled is not None:
-        # a ranked preset on Hadamard rotations: the model's own profile ranks it
         resolved, source = resolve_rotations(profiled, shape, hub_options), "hadamard"
         # once per process and method: an evaluation builds a cache per prompt
         logger.info_once("OscarCache: method=%r on data-free rotations: Hadamard, keys smoothed and layers and KV "
