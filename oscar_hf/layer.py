@@ -465,12 +465,35 @@ class OscarLayer(CacheLayerMixin):
             move_rows(buffers, index, 0, after)
 
     # ------------------------------------------------------------------------------------------ views
+    # transformers' layers hold their K/V in `keys`/`values`, and a model may read them there (Mllama on
+    # transformers >= 5.24 checks every layer's `keys` for cached image states): it gets every token's K/V
+    # dequantized, which is correct for any reader, at the cost of dequantizing the history on each read
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.dense_kv()[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: None) -> None:  # `CacheLayerMixin.__init__` clears it; the tiers are the storage
+        if value is not None:
+            raise AttributeError("an OSCAR layer's keys are stored in its tiers; `keys` is a read-only view")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.dense_kv()[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError("an OSCAR layer's values are stored in its tiers; `values` is a read-only view")
+
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All cached K/V in the model basis and dtype, history dequantized: `[B, Hkv, length, d]`.
 
-        The slow but exact fallback for attention implementations other than 'oscar'.
+        The slow but exact fallback for attention implementations other than 'oscar'. A read: in counted decode
+        it takes the counts from the device (a synchronization) and the decode goes on counted.
         """
-        self.stop_counted_decode()
+        if self.counted is not None:
+            self._refresh_host_counts()
         keys, values = self.keys_buffer[:, :, : self.bf16_length], self.values_buffer[:, :, : self.bf16_length]
         if not self.history_length:
             return keys, values

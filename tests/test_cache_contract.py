@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from oscar_hf import OscarCache
 from oscar_hf.compat import positive_crop_refused
 
-from conftest import forward, tiny_model
+from conftest import forward, generate, tiny_model
 
 TIERS = dict(sink_tokens=4, recent_tokens=8, demote_block=2)
 
@@ -213,3 +213,38 @@ def test_a_filled_cache_pickles_and_continues_as_the_original(tmp_path):
     want = forward(model, token, cache, attention_mask=mask).logits
     for other in copies:
         torch.testing.assert_close(forward(model, token, other, attention_mask=mask).logits, want, atol=0, rtol=0)
+
+
+def _length(keys):
+    return None if keys is None else keys.shape[2]
+
+
+@pytest.mark.quick
+def test_a_model_that_reads_layer_keys_gets_every_token_and_changes_nothing():
+    """transformers >= 5.24's Mllama reads `cache.layers[i].keys` in every forward. An OSCAR layer answers with every
+    token's K/V in time order, history dequantized (unquantized here: DynamicCache's, up to the float rounding of one
+    forward over the whole sequence against token-by-token steps), and the read, made
+    before each layer's update while decode counts on the device, leaves the tokens as they were."""
+    model = tiny_model("llama", seed=5)
+    ids = torch.randint(1, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    runs, reads = [], []
+    for read in (False, True):
+        cache = OscarCache(model, method="none", **TIERS)
+        hook = model.model.layers[1].register_forward_pre_hook(
+            lambda module, args: reads.append(_length(cache.layers[1].keys)) if read else None)
+        try:
+            with torch.no_grad():
+                runs.append(generate(model, ids, cache, max_new_tokens=12))
+        finally:
+            hook.remove()
+    assert torch.equal(runs[0], runs[1])
+    assert reads == [None] + list(range(30, 30 + 11))  # nothing before the prefill, then every cached token
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        forward(model, runs[1][:, :-1], dense)
+    layer = cache.layers[1]
+    assert layer.history_length > 0
+    torch.testing.assert_close(layer.keys, dense.layers[1].keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(layer.values, dense.layers[1].values, rtol=0, atol=1e-6)
+    with pytest.raises(AttributeError, match="read-only"):
+        layer.keys = layer.keys

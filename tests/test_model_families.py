@@ -34,17 +34,7 @@ def _has_mla(model_type: str) -> bool:
 REFUSED: dict[str, str] = {model_type: MLA_REASON for model_type in causal_lm_families() if _has_mla(model_type)}
 
 # model_type -> why the family does not pass yet (docs/models.md): strict, so a fix shows as a failure to update
-KNOWN_GAPS: dict[str, str] = {
-    "mllama": "transformers' Mllama reads `cache.layers[i].keys` of every layer to find cached image states, and "
-              "an OSCAR layer keeps its keys in tiers, not in `keys`",
-}
-
-
-def _gap_applies(model_type: str) -> bool:
-    if model_type == "mllama":  # transformers 5.17's Mllama asks `get_seq_length` instead, which passes
-        from transformers.models.mllama import modeling_mllama
-        return hasattr(modeling_mllama, "_has_cached_cross_attention_states")
-    return True
+KNOWN_GAPS: dict[str, str] = {}
 
 
 # the families the quick subset runs: a classic decoder, a hybrid, a model that keeps its own attention
@@ -54,7 +44,7 @@ QUICK = ("llama", "qwen3_next", "gpt_neo")
 def _cases():
     for model_type in causal_lm_families():
         marks = [pytest.mark.quick] if model_type in QUICK else []
-        if model_type in KNOWN_GAPS and _gap_applies(model_type):
+        if model_type in KNOWN_GAPS:
             marks.append(pytest.mark.xfail(reason=KNOWN_GAPS[model_type], strict=True))
         yield pytest.param(model_type, marks=marks)
 
