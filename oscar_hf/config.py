@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_hf.kernels.reference.quantize import COMPACT, ENCODERS
+from oscar_hf.kernels.format import RowFormat
+from oscar_hf.kernels.reference.quantize import CODE_SLICES, COMPACT, ENCODERS
 
 # The presets: complete `OscarConfig`s, named by their `method` field (built below the class as `PRESETS`)
 PRESET_NAMES = ("oscar", "oscar-mixed", "oscar-hifi", "oscar-next", "hadamard", "quarot", "clip", "identity", "none")
@@ -99,7 +100,8 @@ class OscarConfig:
             keeps `sink_tokens` real tokens.
         recent_tokens: most recent tokens kept in BF16.
         demote_block: demotion granularity in tokens during decode.
-        bits: code width of the history, 2 (4 codes per byte) or 4 (2 codes per byte).
+        bits: code width of the history: 2 (4 codes per byte), 3 (bit-sliced: a 2-bit and a 1-bit plane) or 4
+            (2 codes per byte). The stored format of a row is `row_format` (`kernels.format.RowFormat`).
         key_clip_ratio / value_clip_ratio: per-row symmetric clip at the order statistic
             `sort(|x|)[int(ratio * head_dim)]`; `None` disables clipping. The presets clip only at 2 bits
             (`from_method` with `bits=4` gives None unless the ratios are passed too).
@@ -119,7 +121,7 @@ class OscarConfig:
         high_precision_heads: (layer, KV head) pairs stored like a high-precision layer, the rest of their layer
             at `bits`: the layer's history is kept as runs of adjacent KV heads, one width each
             (`head_groups`). Heads of a layer in `high_precision_layers` are high-precision already.
-        high_precision_bits: code width of those layers and heads, 2 or 4.
+        high_precision_bits: code width of those layers and heads, 2, 3 or 4 (`high_precision_format`).
         high_precision_layer_share / high_precision_head_share: without explicit `high_precision_layers` (or
             heads), this share of the full-attention layers (of their KV heads) is taken from the top of the
             rotations' retrieval ranking (at least one; rotations without a ranking are refused).
@@ -164,9 +166,7 @@ class OscarConfig:
             object.__setattr__(self, name, checked_ratio(name, getattr(self, name)))
         checked_bool("quantize", self.quantize)
         checked_str("encoder", self.encoder, ENCODERS)
-        if self.scale_dtype == torch.uint8 and self.encoder == "lloyd":
-            raise ValueError("encoder='lloyd' refines float (scale, zero) pairs; compact pairs take 'minmax' or "
-                             "'sigma'")
+        self.row_format  # noqa: B018 -- the format checks that its fields make one (compact pairs and lloyd do not)
         object.__setattr__(self, "high_precision_layers", _checked_layers(self.high_precision_layers))
         object.__setattr__(self, "high_precision_heads", _checked_heads(self.high_precision_heads))
 
@@ -193,16 +193,31 @@ class OscarConfig:
         own = tuple(pair for pair in self.high_precision_heads if pair[0] == layer_idx)
         return self if own == self.high_precision_heads else dataclasses.replace(self, high_precision_heads=own)
 
-    def high_precision(self) -> "OscarConfig":
-        """The settings of high-precision rows: `high_precision_bits`-bit min-max codes without clipping (a clip that
+    @property
+    def row_format(self) -> RowFormat:
+        """How an ordinary history row is stored."""
+        return RowFormat(self.bits, self.encoder, self.scale_dtype, self.key_clip_ratio, self.value_clip_ratio)
+
+    @property
+    def high_precision_format(self) -> RowFormat:
+        """How a high-precision row is stored: `high_precision_bits`-bit min-max codes without clipping (a clip that
         suits 2-bit rows cuts tails that wider codes keep, and retrieval reads them; the sigma grid would saturate
         them too), with float16 (scale, zero) pairs where the others are compact: the GPU kernel of wide rows reads
         float16 pairs at a higher bandwidth than compact ones (`docs/performance.md`), and a 4-bit row's pair is a
         small part of its bytes."""
         pairs = torch.float16 if self.scale_dtype == COMPACT else self.scale_dtype
-        return dataclasses.replace(self, bits=self.high_precision_bits, key_clip_ratio=None, value_clip_ratio=None,
-                                   encoder="minmax" if self.encoder == "sigma" else self.encoder, scale_dtype=pairs,
-                                   high_precision_layers=(), high_precision_heads=())
+        return RowFormat(self.high_precision_bits, "minmax" if self.encoder == "sigma" else self.encoder, pairs)
+
+    def with_format(self, row_format: RowFormat) -> "OscarConfig":
+        """These settings with ordinary rows stored as `row_format`."""
+        return dataclasses.replace(self, bits=row_format.bits, encoder=row_format.encoder,
+                                   scale_dtype=row_format.pair_dtype, key_clip_ratio=row_format.key_clip_ratio,
+                                   value_clip_ratio=row_format.value_clip_ratio)
+
+    def high_precision(self) -> "OscarConfig":
+        """The settings of high-precision rows: these, with `high_precision_format` for every row."""
+        return dataclasses.replace(self.with_format(self.high_precision_format), high_precision_layers=(),
+                                   high_precision_heads=())
 
     def high_precision_kv_heads(self, layer_idx: int) -> tuple[int, ...]:
         """The KV heads of layer `layer_idx` listed in `high_precision_heads` (empty for a high-precision layer,
@@ -249,10 +264,15 @@ class OscarConfig:
         return cls.from_dict(read_json_file(json_file_path, "OscarConfig.to_json_file"))
 
     @property
+    def row_formats(self) -> tuple[RowFormat, ...]:
+        """The row formats some layer stores: ordinary rows, and high-precision rows where layers or heads are."""
+        high = self.high_precision_layers or self.high_precision_heads
+        return (self.row_format, self.high_precision_format) if high else (self.row_format,)
+
+    @property
     def code_widths(self) -> tuple[int, ...]:
         """The code widths some layer stores."""
-        high = self.high_precision_layers or self.high_precision_heads
-        return tuple(sorted({self.bits, self.high_precision_bits} if high else {self.bits}))
+        return tuple(sorted({row_format.bits for row_format in self.row_formats}))
 
 
 def _checked_share(name: str, value) -> float:
@@ -276,11 +296,13 @@ def _checked_scale_dtype(value) -> torch.dtype:
 
 
 def _checked_bits(name: str, value) -> int:
-    """`value` if it is the int 2 or 4, the code widths OscarCache stores."""
+    """`value` if it is one of the code widths OscarCache stores (`CODE_SLICES`: 2, 3 or 4)."""
+    *most, last = sorted(CODE_SLICES)
+    widths = f"{', '.join(map(str, most))} or {last}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}={value!r}: expected the int 2 or 4, got {type(value).__name__}")
-    if value not in (2, 4):
-        raise ValueError(f"{name}={value!r}: OscarCache stores 2-bit or 4-bit codes")
+        raise ValueError(f"{name}={value!r}: expected the int {widths}, got {type(value).__name__}")
+    if value not in CODE_SLICES:
+        raise ValueError(f"{name}={value!r}: OscarCache stores codes of {widths} bits")
     return int(value)
 
 

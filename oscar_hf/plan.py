@@ -214,10 +214,10 @@ def _top_share(config: OscarConfig, ranking: list | None, share: float, units: i
 
 def _check_config(config: OscarConfig, shape) -> None:
     """ValueError (or UnsupportedModelError) unless `config` fits the model's attention shape."""
-    for bits in config.code_widths:
-        if config.quantize and shape.head_dim % (8 // bits):
-            raise UnsupportedModelError(f"head_dim={shape.head_dim} is not a multiple of {8 // bits}, the codes "
-                                        f"packed per byte at {bits} bits")
+    for row_format in config.row_formats:
+        problem = row_format.unpackable(shape.head_dim) if config.quantize else None
+        if problem:
+            raise UnsupportedModelError(problem)
     unknown = sorted(set(config.high_precision_layers) - set(shape.oscar_layer_ids))
     if unknown:
         raise ValueError(f"high_precision_layers {unknown} are not full-attention layers of this model; those "

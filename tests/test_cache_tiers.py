@@ -218,8 +218,8 @@ def test_generate_after_switching_attention_continues_the_cache(method):
 
 @pytest.mark.quick
 def test_config_validation_messages():
-    with pytest.raises(ValueError, match="bits=3"):
-        OscarConfig(bits=3)
+    with pytest.raises(ValueError, match="bits=5"):
+        OscarConfig(bits=5)
     with pytest.raises(ValueError, match="recent_tokens=-1"):
         OscarConfig(recent_tokens=-1)
     with pytest.raises(ValueError, match="key_clip_ratio=1.5"):
@@ -250,7 +250,7 @@ def test_an_option_of_another_type_is_refused_with_the_type_expected(option, exp
 
 
 @pytest.mark.parametrize("option, expected", [
-    (dict(bits=2.0), "bits=2.0: expected the int 2 or 4, got float"),
+    (dict(bits=2.0), "bits=2.0: expected the int 2, 3 or 4, got float"),
     (dict(max_cache_len=50.5), "max_cache_len=50.5: expected an int, got float"),
     (dict(max_cache_len=1e30), "max_cache_len=1e+30: expected an int, got float"),
     (dict(max_cache_len=10**18), f"max_cache_len={10**18}: expected an int from 1 to 2147483648"),

@@ -225,7 +225,7 @@ def test_a_config_file_naming_another_file_is_refused(tmp_path):
     ("oscar_config", [], "a dict"),
     ("oscar_config.quantize", "false", "a bool"),
     ("oscar_config.quantize", None, "a bool"),
-    ("oscar_config.bits", 2.0, "the int 2 or 4"),
+    ("oscar_config.bits", 2.0, "the int 2, 3 or 4"),
     ("oscar_config.sink_tokens", True, "an int"),
     ("oscar_config.recent_tokens", 10**18, "an int from 0 to 2147483648"),
     ("oscar_config.key_clip_ratio", True, "a float"),

@@ -29,8 +29,8 @@ def test_config_gives_each_layer_its_width_and_rejects_bad_layer_lists():
     for bad in (3, [-1], ["0"]):
         with pytest.raises(ValueError, match="high_precision_layers"):
             OscarConfig(high_precision_layers=bad)
-    with pytest.raises(ValueError, match="high_precision_bits=3"):
-        OscarConfig(high_precision_bits=3)
+    with pytest.raises(ValueError, match="high_precision_bits=5"):
+        OscarConfig(high_precision_bits=5)
     with pytest.raises(ValueError, match=r"high_precision_layers \[7\] are not full-attention layers"):
         OscarCache(tiny_model("llama", seed=1), high_precision_layers=(7,))
 

@@ -38,7 +38,9 @@ quantize exactly as if they were not there:
 
 Packing is "split-planar": with `c = 8 // bits` codes per byte and `n = d // c`, byte j holds elements
 j, j+n, ..., j+(c-1)n at bit offsets 0, bits, ..., (c-1)*bits. At 2 bits that is the OSCAR reference's
-"quartered" layout: byte j = q[j] | q[j+d/4] << 2 | q[j+d/2] << 4 | q[j+3d/4] << 6.
+"quartered" layout: byte j = q[j] | q[j+d/4] << 2 | q[j+d/2] << 4 | q[j+3d/4] << 6. A width that does not divide 8
+is bit-sliced (`CODE_SLICES`): 3-bit codes are their low 2 bits packed as 2-bit codes (bytes [0, d/4)) followed by
+their top bit packed as 1-bit codes (bytes [d/4, 3d/8): byte j bit m holds element j + m*d/8).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ VALUE_LIMIT = 2.0**56  # see the module docstring (saturation); 256 squares of 2
 ENCODERS = ("minmax", "lloyd", "sigma")
 LLOYD_ITERATIONS = 6
 # step of the MSE-optimal uniform quantizer of a unit Gaussian with 2**bits levels (Max 1960)
-GAUSSIAN_UNIFORM_STEP = {2: 0.9957, 4: 0.3352}
+GAUSSIAN_UNIFORM_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352}
 
 
 def clip_index(ratio: float | None, head_dim: int) -> int | None:
@@ -229,23 +231,53 @@ def lloyd_refine(
     return best_codes, best_scale_zero
 
 
+# the code widths a history stores, each as the slices its bits are packed in, low bits first: a width that divides
+# 8 is one split-planar slice; 3 bits are the low 2 bits as a 2-bit block then the top bit as a 1-bit block
+# (bit-sliced), so a kernel reads a 3-bit row as a 2-bit row plus one bit plane
+CODE_SLICES = {2: (2,), 3: (2, 1), 4: (4,)}
+
+
+def code_slices(bits: int) -> tuple[int, ...]:
+    if bits not in CODE_SLICES:
+        raise ValueError(f"bits={bits!r}: the history stores codes of {sorted(CODE_SLICES)} bits")
+    return CODE_SLICES[bits]
+
+
+def codes_per_group(bits: int) -> int:
+    """The head_dim multiple `bits`-bit codes pack at: the most codes any of its slices puts in a byte."""
+    return max(8 // width for width in code_slices(bits))
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes `[..., d]` into bytes `[..., d * bits // 8]` (split-planar layout, see module doc)."""
-    per_byte = 8 // bits
+    """Pack uint8 codes `[..., d]` into bytes `[..., d * bits // 8]` (split-planar slices, see module doc)."""
     d = codes.shape[-1]
-    if d % per_byte:
-        raise ValueError(f"head_dim={d} is not a multiple of {per_byte} codes per byte")
-    planes = codes.reshape(*codes.shape[:-1], per_byte, d // per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    return (planes << shifts[:, None]).sum(dim=-2).to(torch.uint8)
+    if d % codes_per_group(bits):
+        raise ValueError(f"head_dim={d} is not a multiple of {codes_per_group(bits)}, the codes packed per byte at "
+                         f"{bits} bits")
+    blocks, shift = [], 0
+    for width in code_slices(bits):
+        per_byte = 8 // width
+        part = (codes.to(torch.int32) >> shift) & (2**width - 1)
+        planes = part.reshape(*codes.shape[:-1], per_byte, d // per_byte)
+        shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * width
+        blocks.append((planes << shifts[:, None]).sum(dim=-2).to(torch.uint8))
+        shift += width
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack_codes`: bytes `[..., n]` to uint8 codes `[..., n * 8 // bits]`."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    planes = (packed.to(torch.int32)[..., None, :] >> shifts[:, None]) & (2**bits - 1)
-    return planes.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+    d = packed.shape[-1] * 8 // bits
+    codes, start, shift = None, 0, 0
+    for width in code_slices(bits):
+        per_byte = 8 // width
+        block = packed[..., start : start + d // per_byte].to(torch.int32)
+        shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * width
+        part = ((block[..., None, :] >> shifts[:, None]) & (2**width - 1)).reshape(*packed.shape[:-1], d)
+        codes = part << shift if codes is None else codes | (part << shift)
+        start += d // per_byte
+        shift += width
+    return codes.to(torch.uint8)
 
 
 def dequantize_rows(codes: torch.Tensor, scale_zero: torch.Tensor, bits: int | None = None) -> torch.Tensor:
