@@ -27,7 +27,6 @@ from oscar_hf.head_groups import head_runs
 from oscar_hf.kernels.interface import DemoteCall, HeadRun, HeadSplitTensors, HistoryTensors, heads_of
 from oscar_hf.kernels.ops import write_rows_eagerly  # also registers torch.ops.oscar_hf
 from oscar_hf.kernels.reference.attention import history_rows
-from oscar_hf.kernels.reference.quantize import row_bytes
 from oscar_hf.rotations.math import rotate
 
 
@@ -182,24 +181,24 @@ class QuantizedHistory(_History):
     def __init__(self, batch: int, num_heads: int, key_dim: int, value_dim: int, config: OscarConfig,
                  device: torch.device):
         self.key_dim, self.value_dim, self.config = key_dim, value_dim, config
+        self.format = config.row_format
         super().__init__(batch, num_heads, device)
 
     @property
     def bits(self) -> int:
-        return self.config.bits
+        return self.format.bits
 
     def _layout(self) -> dict:
-        bits, sdt = self.config.bits, self.config.scale_dtype
+        pairs = self.format.pair_dtype
         return {
-            "key_codes": ((self.key_dim * bits // 8,), torch.uint8),
-            "key_scale_zero": ((2,), sdt),
-            "value_codes": ((self.value_dim * bits // 8,), torch.uint8),
-            "value_scale_zero": ((2,), sdt),
+            "key_codes": ((self.format.code_bytes(self.key_dim),), torch.uint8),
+            "key_scale_zero": ((2,), pairs),
+            "value_codes": ((self.format.code_bytes(self.value_dim),), torch.uint8),
+            "value_scale_zero": ((2,), pairs),
         }
 
     def token_bytes(self) -> int:
-        cfg = self.config
-        return row_bytes(self.key_dim, cfg.bits, cfg.scale_dtype) + row_bytes(self.value_dim, cfg.bits, cfg.scale_dtype)
+        return self.format.row_bytes(self.key_dim) + self.format.row_bytes(self.value_dim)
 
     def kernel_buffers(self) -> tuple:
         return self.key_codes, self.value_codes, self.key_scale_zero, self.value_scale_zero
@@ -208,7 +207,7 @@ class QuantizedHistory(_History):
         if not self.length:
             return None
         return HistoryTensors(self.key_codes, self.value_codes, self.key_scale_zero, self.value_scale_zero,
-                              self.length, self.config.bits, self.device_length)
+                              self.length, self.format.bits, self.device_length)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, key_rotation, value_rotation, backend,
                advance: torch.Tensor | None = None, after: torch.Tensor | None = None,
@@ -218,18 +217,17 @@ class QuantizedHistory(_History):
         n = keys.shape[2]
         if n == 0:
             return None
-        cfg = self.config
+        f = self.format
+        stored_as = (key_rotation, value_rotation, f.key_clip_ratio, f.value_clip_ratio, f.bits, f.encoder)
         if advance is not None:
             # counted decode: one kernel quantizes the block straight into the buffers, only when it is demoted
             # (`advance` > 0, decided on the device)
-            call = DemoteCall(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio, cfg.value_clip_ratio,
-                              cfg.bits, cfg.encoder, self.key_codes, self.key_scale_zero, self.value_codes,
+            call = DemoteCall(keys, values, *stored_as, self.key_codes, self.key_scale_zero, self.value_codes,
                               self.value_scale_zero, only_if=advance)
             return backend.demote_kv_at(call, at, after)
         out = self._targets(n)
-        backend.demote_kv(DemoteCall(keys, values, key_rotation, value_rotation, cfg.key_clip_ratio,
-                                     cfg.value_clip_ratio, cfg.bits, cfg.encoder, out["key_codes"],
-                                     out["key_scale_zero"], out["value_codes"], out["value_scale_zero"]))
+        backend.demote_kv(DemoteCall(keys, values, *stored_as, out["key_codes"], out["key_scale_zero"],
+                                     out["value_codes"], out["value_scale_zero"]))
         return self._commit(n, out)
 
     def prepare_staging(self, n: int) -> None:

@@ -18,11 +18,12 @@ from oscar_hf.kernels.reference.quantize import (
     COMPACT,
     ENCODERS,
     code_slices,
+    code_bytes,
     codes_per_group,
     dequantize_rows,
-    pair_bytes,
-    quantize_rows,
     pack_codes,
+    quantize_rows,
+    row_bytes,
     unpack_codes,
 )
 
@@ -55,11 +56,11 @@ class RowFormat:
     # ------------------------------------------------------------------------------------------ bytes
     def code_bytes(self, dim: int) -> int:
         """Bytes of a row's `dim` packed codes."""
-        return dim * self.bits // 8
+        return code_bytes(dim, self.bits)
 
     def row_bytes(self, dim: int) -> int:
         """Bytes of one row: its packed codes and its (scale, zero) pair."""
-        return self.code_bytes(dim) + pair_bytes(self.pair_dtype)
+        return row_bytes(dim, self.bits, self.pair_dtype)
 
     def bits_per_element(self, dim: int) -> float:
         return 8.0 * self.row_bytes(dim) / dim

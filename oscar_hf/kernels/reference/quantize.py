@@ -312,7 +312,12 @@ def fake_quantize(
     return dequantize_rows(*quantize_rows(x, bits, clip_ratio, scale_dtype, encoder), bits)
 
 
+def code_bytes(dim: int, bits: int) -> int:
+    """Bytes of `dim` packed codes of `bits` bits (a multiple of `codes_per_group(bits)`)."""
+    return dim * bits // 8
+
+
 def row_bytes(dim: int, bits: int, scale_dtype: torch.dtype) -> int:
     """Bytes one history row (one token of one KV head, keys or values) stores: `dim` codes of `bits` bits and its
     (scale, zero) pair."""
-    return dim * bits // 8 + pair_bytes(scale_dtype)
+    return code_bytes(dim, bits) + pair_bytes(scale_dtype)
