@@ -17,6 +17,7 @@ from transformers.utils import logging
 
 from oscar_hf.eval.assets import SMOLLM2_ALIASES, SMOLLM2_PROVENANCE, load_model
 from oscar_hf.eval.cli_options import add_model_arguments, add_progress_argument, resolve_device, resolve_dtype
+from oscar_hf.kernels.reference.quantize import CODE_SLICES
 from oscar_hf.rotations.rotations import DEFAULT_CLIP_BITS
 
 logger = logging.get_logger(__name__)
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lowest clip ratio searched (every order statistic from there up to no clip)")
     clip.add_argument("--encoder", default="minmax", choices=["minmax", "lloyd"],
                       help="the cache's row encoder the clip search assumes (OscarConfig.encoder; recorded)")
-    clip.add_argument("--clip-bits", type=int, choices=(2, 4), default=2,
+    clip.add_argument("--clip-bits", type=int, choices=sorted(CODE_SLICES), default=2,
                       help="code width the clip search measures (caches of another width ignore the ratios)")
     clip.add_argument("--key-clip-ratio", type=float, default=0.96,
                       help="key clip ratio without a search (default 0.96)")

@@ -55,6 +55,11 @@ def _require(module: str, package: str) -> None:
         raise ImportError(f"this baseline needs `{package}` (pip install {package}); it is imported lazily") from e
 
 
+# uniform 3-bit rows at TurboQuant 3-bit's bits per element: the Gaussian-optimal grid of 8 levels with one-byte
+# (scale, zero) pairs, unclipped (the sigma grid saturates the tails itself)
+_K3V3 = dict(bits=3, encoder="sigma", scale_dtype="compact")
+
+
 def _quantized(backend: str, **options) -> Callable:
     def build(model):
         _require("optimum.quanto" if backend == "quanto" else "hqq", "optimum-quanto" if backend == "quanto" else "hqq")
@@ -141,6 +146,12 @@ def builtin_methods(rotations: str | None = None, **oscar_options) -> dict[str, 
                _oscar("oscar-hifi", rotations, **oscar_options), oscar=True),
         Method("oscar-next", f"OSCAR-next ({ranked}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
                "KV heads by retrieval ranking at 4 bits)", _oscar("oscar-next", rotations, **oscar_options), oscar=True),
+        Method("hadamard3", "OSCAR 3-bit (Hadamard; K3V3 sigma rows, one-byte scale and zero: 3.25 bits/element at "
+               "head_dim 64, TurboQuant 3-bit's budget)",
+               _oscar("hadamard", **{**oscar_options, **_K3V3}), oscar=True),
+        Method("oscar-next3", f"OSCAR-next ({ranked}; 2-bit sigma rows, one-byte scale and zero, the top tenth of the "
+               "KV heads by retrieval ranking at 3 bits)",
+               _oscar("oscar-next", rotations, **{**oscar_options, "high_precision_bits": 3}), oscar=True),
         Method("hadamard4", "OSCAR 4-bit (Hadamard)", _oscar("hadamard", **{**oscar_options, "bits": 4}), oscar=True),
         Method("oscar4", f"OSCAR 4-bit ({given})", _oscar("oscar", rotations, **{**oscar_options, "bits": 4}),
                oscar=True),
