@@ -152,9 +152,9 @@ class _History:
                 setattr(self, name, fn(buffer[:, :, : self.length]).contiguous())
                 self.batch = getattr(self, name).shape[0]
 
-    def nbytes(self) -> int:
-        """Bytes of the stored tokens (not of spare capacity)."""
-        return self.batch * self.num_heads * self.length * self.token_bytes()
+    def nbytes(self, length: int | None = None) -> int:
+        """Bytes of the stored tokens (not of spare capacity): the first `length` (default: the host's count)."""
+        return self.batch * self.num_heads * (self.length if length is None else length) * self.token_bytes()
 
     def token_bytes(self) -> int:
         """Bytes one token of one KV head stores, keys and values together."""
@@ -331,8 +331,8 @@ class HeadSplitHistory:
             history.map_batch(fn)
         self.batch = self.parts[0][2].batch
 
-    def nbytes(self) -> int:
-        return sum(history.nbytes() for history in self._histories())
+    def nbytes(self, length: int | None = None) -> int:
+        return sum(history.nbytes(length) for history in self._histories())
 
     def allocated_nbytes(self) -> int:
         return sum(history.allocated_nbytes() for history in self._histories())

@@ -236,11 +236,16 @@ class OscarLayer(CacheLayerMixin):
     def batch_size(self) -> int:
         return self.keys_buffer.shape[0] if self.is_initialized else 0
 
+    def counts(self) -> tuple[int, int, int]:
+        """(tokens, BF16 rows, history rows). In counted decode the device holds them: this reads them there (a
+        synchronization) and changes nothing; a compiled step reads the host's numbers of when counting began."""
+        if self.counted is not None and not torch.compiler.is_compiling():
+            return self.counted.host_counts(self)
+        return self.length, self.bf16_length, (self.history.length if self.history is not None else 0)
+
     @property
     def history_length(self) -> int:
-        if self.counted is not None and not torch.compiler.is_compiling():
-            self._refresh_host_counts()
-        return self.history.length if self.history is not None else 0
+        return self.counts()[2]
 
     @property
     def sink_length(self) -> int:
@@ -617,21 +622,18 @@ class OscarLayer(CacheLayerMixin):
         store under a BF16 model)."""
         if not self.is_initialized:
             return 0
-        if self.counted is not None:
-            self._refresh_host_counts()
+        _, bf16_rows, history_rows = self.counts()
         batch, heads, _, key_dim = self.keys_buffer.shape
         element = (tier_dtype or self.keys_buffer.dtype).itemsize
         per_token = batch * heads * (key_dim + self.values_buffer.shape[3]) * element
-        return per_token * self.bf16_length + self.history.nbytes()
+        return per_token * bf16_rows + self.history.nbytes(history_rows)
 
     def num_elements(self) -> int:
         """K and V elements of the logical tokens (what a dense cache would store)."""
         if not self.is_initialized:
             return 0
-        if self.counted is not None:
-            self._refresh_host_counts()
         b, h, _, dk = self.keys_buffer.shape
-        return self.length * b * h * (dk + self.values_buffer.shape[3])
+        return self.counts()[0] * b * h * (dk + self.values_buffer.shape[3])
 
     def allocated_nbytes(self) -> int:
         if not self.is_initialized:
@@ -640,10 +642,10 @@ class OscarLayer(CacheLayerMixin):
         return sum(b.numel() * b.element_size() for b in buffers) + self.history.allocated_nbytes()
 
     def __repr__(self) -> str:
-        if self.counted is not None:
-            self._refresh_host_counts()
-        return (f"OscarLayer(idx={self.layer_idx}, tokens={self.length}, sink={self.sink_length}, "
-                f"history={self.history_length}, bf16={self.bf16_length})")
+        tokens, bf16_rows, history_rows = self.counts()
+        sink = self.sink_size if history_rows else 0
+        return (f"OscarLayer(idx={self.layer_idx}, tokens={tokens}, sink={sink}, history={history_rows}, "
+                f"bf16={bf16_rows})")
 
 
 class OscarHybridLayer(LinearAttentionLayer, OscarLayer):

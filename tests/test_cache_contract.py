@@ -248,3 +248,26 @@ def test_a_model_that_reads_layer_keys_gets_every_token_and_changes_nothing():
     torch.testing.assert_close(layer.values, dense.layers[1].values, rtol=0, atol=1e-6)
     with pytest.raises(AttributeError, match="read-only"):
         layer.keys = layer.keys
+
+
+def test_reading_a_layer_in_counted_decode_changes_nothing():
+    """The device holds the counts during counted decode; `repr`, `history_length`, `nbytes` and `num_elements` read
+    them there and leave the host's numbers as they were (issue 57: reading the layer changed it). What they say is
+    what the host holds once counted decode stops."""
+    model = tiny_model("llama", seed=4)
+    generator = torch.Generator().manual_seed(0)
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    with torch.no_grad():
+        forward(model, torch.randint(1, 96, (2, 25), generator=generator), cache)
+    k = torch.randn(2, 2, 1, 16, generator=generator)
+    for _ in range(6):
+        for i in range(len(cache.layers)):
+            cache.update(k, k, i)
+    layer = cache.layers[0]
+    assert layer.counted is not None
+    host = (layer.length, layer.bf16_length, layer.history.length)
+    read = (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements())
+    assert (layer.length, layer.bf16_length, layer.history.length) == host
+    layer.stop_counted_decode()
+    assert (layer.length, layer.bf16_length, layer.history.length) != host  # the steps moved the counts
+    assert (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements()) == read

@@ -191,15 +191,15 @@ class CacheOperations(RuleBasedStateMachine):
         bits = 8 * MODEL.dtype.itemsize if self.method == "none" else self.oscar.oscar_config.bits
         pair_bits = 0 if self.method == "none" else 32  # a float16 (scale, zero) per row of K and of V
         for layer in self.oscar.layers:
-            layer.nbytes()  # refreshes host counts after counted decode
             if not layer.is_initialized:
                 continue
+            tokens, bf16_rows, history_rows = layer.counts()  # the device's, during counted decode
             assert layer.sink_length <= TIERS["sink_tokens"]
-            assert layer.history_length + layer.bf16_length == layer.length  # sink and recent are the BF16 tiers
+            assert history_rows + bf16_rows == tokens  # sink and recent are the BF16 tiers
             b, h, _, dk = layer.keys_buffer.shape
             dv = layer.values_buffer.shape[3]
-            bf16 = layer.bf16_length * (dk + dv) * layer.keys_buffer.element_size()
-            history = layer.history_length * ((dk + dv) * bits + 2 * pair_bits) // 8
+            bf16 = bf16_rows * (dk + dv) * layer.keys_buffer.element_size()
+            history = history_rows * ((dk + dv) * bits + 2 * pair_bits) // 8
             expected += b * h * (bf16 + history)
         assert self.oscar.nbytes() == expected
 
