@@ -2,7 +2,8 @@
 
 Contract (`demote_rows`): for each input pair (keys, values) `[B, H, n, d]` (model dtype, model basis, any strides
 with a unit last stride), write
-- `codes` `[B, H, n, d * bits / 8]` uint8: split-planar packed codes of `clip(x @ R)`,
+- `codes` `[B, H, n, d * bits / 8]` uint8: split-planar packed codes of `clip(x @ R)` (3 bits: bit-sliced,
+  `reference.quantize.CODE_SLICES`),
 - `scale_zero` `[B, H, n, 2]` (float16 / bfloat16 / float32, or uint8: compact pairs): the pair of each row,
 exactly as `oscar_hf.quantize.quantize_pack(rotate(x, R), ...)` defines them. R is `[d, d]` (one per layer),
 `[H, d, d]` (one per KV head) or None (identity); it is applied in float32 (IEEE products, fp32 accumulation).
@@ -78,6 +79,20 @@ def _compact_pair(scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
+def _store_packed(c_rows, q, col0: tl.constexpr, row_ok, D: tl.constexpr, WIDTH: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    """Pack int32 codes `q` [BLOCK_T, D] of `WIDTH` bits split-planar (`reference.quantize.pack_codes`) and store
+    them at bytes [col0, col0 + D * WIDTH / 8) of the rows `c_rows` [BLOCK_T, 1]."""
+    per_byte: tl.constexpr = 8 // WIDTH
+    nbytes: tl.constexpr = D // per_byte
+    planes = tl.reshape(q, (BLOCK_T, per_byte, nbytes))
+    shifts = tl.arange(0, per_byte) * WIDTH
+    packed = tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
+    offs_c = col0 + tl.arange(0, nbytes)
+    tl.store(c_rows + offs_c[None, :], packed, mask=row_ok[:, None])
+
+
+@triton.jit
 def _demote_tensor(
     x_ptr, sxb, sxh, sxt,
     r_ptr, srh, srk,
@@ -147,15 +162,14 @@ def _demote_tensor(
     q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
 
-    per_byte: tl.constexpr = 8 // BITS
-    nbytes: tl.constexpr = D // per_byte
-    planes = tl.reshape(q, (BLOCK_T, per_byte, nbytes))
-    shifts = tl.arange(0, per_byte) * BITS
-    packed = tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
-    offs_c = tl.arange(0, nbytes)
     c_base = c_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
     out_t = (o0 + offs_t).to(tl.int64)
-    tl.store(c_base + out_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
+    c_rows = c_base + out_t[:, None] * sct
+    if BITS == 3:  # bit-sliced: the low 2 bits as 2-bit codes, then the top bit as 1-bit codes
+        _store_packed(c_rows, q & 3, 0, row_ok, D, 2, BLOCK_T)
+        _store_packed(c_rows, q >> 2, D // 4, row_ok, D, 1, BLOCK_T)
+    else:
+        _store_packed(c_rows, q, 0, row_ok, D, BITS, BLOCK_T)
     z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + out_t * szt
     if COMPACT_PAIRS:
         tl.store(z_base, scale_code.to(tl.uint8), mask=row_ok)
