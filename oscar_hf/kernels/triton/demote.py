@@ -79,17 +79,13 @@ def _compact_pair(scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
-def _store_packed(c_rows, q, col0: tl.constexpr, row_ok, D: tl.constexpr, WIDTH: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
-    """Pack int32 codes `q` [BLOCK_T, D] of `WIDTH` bits split-planar (`reference.quantize.pack_codes`) and store
-    them at bytes [col0, col0 + D * WIDTH / 8) of the rows `c_rows` [BLOCK_T, 1]."""
+def _pack(q, WIDTH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """int32 codes `q` [BLOCK_T, D] of `WIDTH` bits packed split-planar (`reference.quantize.pack_codes`): uint8
+    [BLOCK_T, D * WIDTH / 8]."""
     per_byte: tl.constexpr = 8 // WIDTH
-    nbytes: tl.constexpr = D // per_byte
-    planes = tl.reshape(q, (BLOCK_T, per_byte, nbytes))
+    planes = tl.reshape(q, (BLOCK_T, per_byte, D // per_byte))
     shifts = tl.arange(0, per_byte) * WIDTH
-    packed = tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
-    offs_c = col0 + tl.arange(0, nbytes)
-    tl.store(c_rows + offs_c[None, :], packed, mask=row_ok[:, None])
+    return tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
 
 
 @triton.jit
@@ -162,14 +158,18 @@ def _demote_tensor(
     q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
 
+    if BITS == 3:  # bit-sliced: the low 2 bits as 2-bit codes, then the top bit as 1-bit codes
+        packed = _pack(q & 3, 2, D, BLOCK_T)
+        top_packed = _pack(q >> 2, 1, D, BLOCK_T)
+    else:
+        packed = _pack(q, BITS, D, BLOCK_T)
+    offs_c = tl.arange(0, packed.shape[1])
     c_base = c_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
     out_t = (o0 + offs_t).to(tl.int64)
-    c_rows = c_base + out_t[:, None] * sct
-    if BITS == 3:  # bit-sliced: the low 2 bits as 2-bit codes, then the top bit as 1-bit codes
-        _store_packed(c_rows, q & 3, 0, row_ok, D, 2, BLOCK_T)
-        _store_packed(c_rows, q >> 2, D // 4, row_ok, D, 1, BLOCK_T)
-    else:
-        _store_packed(c_rows, q, 0, row_ok, D, BITS, BLOCK_T)
+    tl.store(c_base + out_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
+    if BITS == 3:
+        offs_top = packed.shape[1] + tl.arange(0, top_packed.shape[1])
+        tl.store(c_base + out_t[:, None] * sct + offs_top[None, :], top_packed, mask=row_ok[:, None])
     z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + out_t * szt
     if COMPACT_PAIRS:
         tl.store(z_base, scale_code.to(tl.uint8), mask=row_ok)
