@@ -100,6 +100,9 @@ def _assert_lse(lse, ref, tolerance):
         (128, 4, torch.float16, 4, None, torch.bfloat16),
         (128, 2, torch.bfloat16, 2, "per_head", torch.float32),
         (64, 4, torch.float32, 4, "shared", torch.float32),
+        (128, 3, torch.float16, 4, "shared", torch.bfloat16),
+        (64, 3, torch.uint8, 2, None, torch.bfloat16),
+        (64, 3, torch.float32, 2, "per_head", torch.float32),
     ],
 )
 def test_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype):
@@ -142,6 +145,8 @@ def test_history_partial_other_launch_configs(block_n, asm_unpack):
         (256, 2, torch.float32, 1, None, torch.bfloat16, 8, 2),
         (64, 2, torch.float16, 4, "per_head", torch.bfloat16, 8, 1),
         (64, 2, torch.float16, 3, "per_head", torch.bfloat16, 8, 1),  # SmolLM2's GQA group of 3
+        (128, 3, torch.float16, 4, "shared", torch.bfloat16, 8, 2),
+        (64, 3, torch.bfloat16, 2, "per_head", torch.float32, 16, 4),
     ],
 )
 def test_token_major_history_partial_matches_reference(dim, bits, scale_dtype, groups, rotation, dtype, block_m,
@@ -345,10 +350,11 @@ def test_token_major_decode_step_and_prefill_chunk_match_reference():
         _assert_close(got, ref, TOLERANCE["dense"][0], f"token-major tiered attention, {q_len} queries")
 
 
-def test_decode_step_without_mask_and_with_4bit_history():
-    rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared", bits=4)
+@pytest.mark.parametrize("bits", [3, 4])
+def test_decode_step_without_mask_and_with_a_wider_history(bits):
+    rotations, history, query, keys, values = _tiered_case(128, 4, 1, torch.bfloat16, "shared", bits=bits)
     out, ref = _run_tiered(query, keys, values, None, history, rotations)
-    _assert_close(out, ref, TOLERANCE["dense"][0], "decode step, 4 bits")
+    _assert_close(out, ref, TOLERANCE["dense"][0], f"decode step, {bits} bits")
 
 
 @pytest.mark.parametrize("explicit_mask", [False, True])
@@ -387,6 +393,7 @@ def test_chunked_prefill_in_larger_row_blocks_matches_reference(token_major, blo
     (128, 4, torch.bfloat16, "shared", 2, torch.float16, None),
     (64, 2, torch.bfloat16, "per_head", 4, torch.uint8, None),
     (128, 4, torch.float32, "per_head", 2, torch.float32, 30.0),
+    (64, 2, torch.bfloat16, "shared", 3, torch.float16, None),
 ])
 def test_chunked_prefill_over_a_history_dequantized_in_pieces_matches_reference(monkeypatch, dim, groups, dtype,
                                                                                   rotation, bits, scale_dtype,

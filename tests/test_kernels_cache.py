@@ -76,6 +76,25 @@ def test_a_4_bit_layer_beside_a_2_bit_one_generates_the_reference_tokens():
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("options,widths", [
+    (dict(bits=3), [[(0, 2, 3)], [(0, 2, 3)]]),  # one run of both KV heads: the layer is not split
+    (dict(high_precision_bits=3, high_precision_heads=((0, 1), (1, 0)), scale_dtype="compact"),
+     [[(0, 1, 2), (1, 2, 3)], [(0, 1, 3), (1, 2, 2)]]),
+], ids=["3-bit layers", "3-bit heads beside 2-bit ones"])
+def test_a_3_bit_history_generates_the_reference_tokens(options, widths):
+    """3-bit codes demoted and read by the kernels, prefill and counted decode: whole layers, and runs of KV heads
+    beside 2-bit ones with compact pairs."""
+    model = _tiny_model(DEVICE, seed=3)
+    ids, mask = _left_padded_batch([44, 37], model.config.vocab_size, DEVICE)
+    options = dict(sink_tokens=4, recent_tokens=16, demote_block=4, **options)
+    got, cache = _generate(model, ids, mask, TritonBackend(), 10, **options)
+    ref, _ = _generate(model, ids, mask, ReferenceBackend(), 10, **options)
+    runs = [[(start, stop, part.config.bits) for start, stop, part in layer.history.parts]
+            if hasattr(layer.history, "parts") else [(0, 2, layer.history.config.bits)] for layer in cache.layers]
+    assert runs == widths and cache.layers[1].history_length > 0
+    assert torch.equal(got, ref)
+
+
 def test_a_layer_split_by_kv_heads_generates_the_reference_tokens():
     """4-bit and 2-bit runs of KV heads in one layer (`high_precision_heads`), compact pairs and the sigma grid on
     the 2-bit run: every run through the kernels, prefill and counted decode."""

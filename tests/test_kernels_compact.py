@@ -104,7 +104,7 @@ def _assert_compact_rows_match(codes, pairs, ref_codes, ref_pairs, bits):
 
 
 @pytest.mark.parametrize("encoder", ["minmax", "sigma"])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_demote_writes_the_reference_compact_pairs(bits, encoder):
     dim = 64
     x = _rows(BATCH, HEADS, TOKENS, dim)
@@ -115,7 +115,7 @@ def test_demote_writes_the_reference_compact_pairs(bits, encoder):
         _assert_compact_rows_match(codes, pairs, ref_codes, ref_pairs, bits)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_demote_compact_pairs_of_extreme_rows_like_the_reference(bits):
     """Min-max rows at finite extremes (`conftest.extreme_rows`): scales beyond the largest scale code saturate
     at code 255, their zero points at 0 or 255, in the kernel as in the reference."""
@@ -193,7 +193,7 @@ def _assert_close(out, ref, tolerance, what):
 
 @pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("bits,dtype", [pytest.param(2, torch.bfloat16, marks=pytest.mark.quick), (4, torch.bfloat16),
-                                       (2, torch.float32)])
+                                       (2, torch.float32), (3, torch.bfloat16)])
 def test_history_partial_reads_compact_pairs(bits, dtype, token_major, kernels_only):
     """One decode query per row over a compact history with a padding mask, both orientations of the dots."""
     from oscar_hf.kernels.triton.launch_plan import LaunchConfig
@@ -211,7 +211,7 @@ def test_history_partial_reads_compact_pairs(bits, dtype, token_major, kernels_o
     assert (lse - ref_lse).abs().max().item() <= lse_tol
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_tiered_and_counted_decode_read_compact_pairs(bits, kernels_only):
     """A decode step over sink | compact history | recent through `tiered_attention` (with left-padding row
     starts) and through the counted `decode_attention` (lengths on the device)."""

@@ -212,8 +212,8 @@ def test_history_partials_match_triton_on_a_pinned_history_and_in_a_graph(config
 
 @gpu
 def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
-    """A softcap, more than 8 rows per KV head, or a history under `min_history_bytes`: the Triton kernel runs the
-    history."""
+    """A softcap, more than 8 rows per KV head, a history under `min_history_bytes`, or 3-bit codes: the Triton
+    kernel runs the history."""
     from oscar_hf.kernels.triton.backend import TritonBackend
 
     rotations, history, query, (keys, values) = _case(128, 4, 3, False)
@@ -225,3 +225,8 @@ def test_unsupported_or_small_calls_fall_back_to_triton(monkeypatch):
     always.tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1, softcap=30.0)
     small = TritonBackend(cuda_history_config=replace(cuda_history.CudaHistoryConfig(), min_history_bytes=9 << 20))
     small.tiered_attention(one, k1, v1, None, history, SINK, *rotations, 0.1)  # 8.6 MB of history
+    rotations, history, query, (keys, values) = _case(128, 4, 1, False, config=OscarConfig(bits=3))
+    history = history.kernel_view()
+    out = always.tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)
+    ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, 0.1)
+    assert _relative(out, ref) < 1.5e-2

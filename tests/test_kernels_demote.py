@@ -18,7 +18,13 @@ from oscar_hf.config import OscarConfig  # noqa: E402
 from oscar_hf.history import QuantizedHistory  # noqa: E402
 from oscar_hf.kernels.interface import DemoteCall  # noqa: E402
 from oscar_hf.kernels.reference.backend import ReferenceBackend  # noqa: E402
-from oscar_hf.kernels.reference.quantize import quantize_pack, quantize_rows, unpack_codes, unpack_dequantize  # noqa: E402
+from oscar_hf.kernels.reference.quantize import (  # noqa: E402
+    GAUSSIAN_UNIFORM_STEP,
+    quantize_pack,
+    quantize_rows,
+    unpack_codes,
+    unpack_dequantize,
+)
 from oscar_hf.kernels.triton.interpreter import kernel_device  # noqa: E402
 from oscar_hf.rotations.math import hadamard_matrix, rotate  # noqa: E402
 
@@ -52,7 +58,7 @@ def _poisoned(batch, heads, tokens, dim, bits, scale_dtype):
 
 
 @pytest.mark.parametrize("dim", [pytest.param(64, marks=pytest.mark.quick), 128, 256])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_demote_without_rotation_is_bit_exact(dim, bits, scale_dtype):
     x = _rows(BATCH, HEADS, TOKENS, dim, torch.bfloat16 if dim != 128 else torch.float32)
@@ -119,8 +125,9 @@ def _assert_histories_equal(cfg, dim):
 
 
 @pytest.mark.quick
-def test_demote_kv_writes_keys_and_values_in_one_launch():
-    _assert_histories_equal(OscarConfig(scale_dtype="float16"), 128 if ON_GPU else 64)
+@pytest.mark.parametrize("bits", [2, 3])
+def test_demote_kv_writes_keys_and_values_in_one_launch(bits):
+    _assert_histories_equal(OscarConfig(bits=bits, scale_dtype="float16"), 128 if ON_GPU else 64)
 
 
 def test_demote_with_hadamard_matches_reference_codes_mostly():
@@ -149,7 +156,7 @@ def test_opt_in_encoder_demotes_through_the_reference():
 
 
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_sigma_encoder_in_the_kernel_differs_from_the_reference_only_at_rounding_ties(dim, bits, scale_dtype):
     """The row's mean and standard deviation sum in another order than torch's: a code may differ by one where the
@@ -169,7 +176,7 @@ def test_sigma_encoder_in_the_kernel_differs_from_the_reference_only_at_rounding
     if mismatch.any():
         xd = x.double()
         mean = xd.mean(-1, keepdim=True)
-        scale = (xd - mean).square().mean(-1, keepdim=True).sqrt() * {2: 0.9957, 4: 0.3352}[bits]
+        scale = (xd - mean).square().mean(-1, keepdim=True).sqrt() * GAUSSIAN_UNIFORM_STEP[bits]
         position = (xd - mean) / scale + (2**bits - 1) / 2 + 0.5
         assert ((position - position.round()).abs()[mismatch] < 1e-3).all()
     ulp = torch.finfo(scale_dtype).eps
@@ -246,7 +253,7 @@ def _extreme_rows(dim, dtype):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_demote_saturates_extreme_rows_exactly_like_the_reference(bits, scale_dtype, dtype):
@@ -262,7 +269,7 @@ def test_demote_saturates_extreme_rows_exactly_like_the_reference(bits, scale_dt
         assert torch.isfinite(unpack_dequantize(codes, scale_zero, bits)).all()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_sigma_kernel_saturates_extreme_rows_like_the_reference(bits, scale_dtype):
     """Sigma's mean and deviation sum in another order than torch's: on extreme rows too, codes may differ by one

@@ -37,7 +37,8 @@ def _history(bits, scale_dtype, dim, dtype):
 
 @pytest.mark.parametrize("bits,scale_dtype,dim", [(2, torch.float16, 128), (4, torch.float16, 64),
                                                   (2, torch.bfloat16, 64), (2, torch.float32, 256),
-                                                  (2, COMPACT, 128), (4, COMPACT, 64)])
+                                                  (2, COMPACT, 128), (4, COMPACT, 64), (3, torch.float16, 128),
+                                                  (3, COMPACT, 64)])
 @pytest.mark.parametrize("out_dtype", [pytest.param(torch.float32, marks=pytest.mark.quick), torch.bfloat16])
 def test_rows_come_back_as_the_reference_reads_them(bits, scale_dtype, dim, out_dtype):
     history = _history(bits, scale_dtype, dim, torch.float32)

@@ -33,7 +33,29 @@ def test_four_bit_packing_is_halved_bit_exact():
     assert torch.equal(unpack_codes(expected, 4), codes)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+def test_three_bit_packing_is_a_two_bit_block_then_a_top_bit_block():
+    # d = 8: bytes 0-1 hold the low 2 bits as the 2-bit layout does; byte 2 bit m holds the top bit of element m
+    codes = torch.tensor([[0, 5, 2, 7, 4, 3, 6, 1]], dtype=torch.uint8)
+    low = [c & 3 for c in codes[0].tolist()]  # 0, 1, 2, 3, 0, 3, 2, 1
+    top = [c >> 2 for c in codes[0].tolist()]  # 0, 1, 0, 1, 1, 0, 1, 0
+    expected = torch.tensor([[low[0] | low[2] << 2 | low[4] << 4 | low[6] << 6,
+                              low[1] | low[3] << 2 | low[5] << 4 | low[7] << 6,
+                              sum(t << m for m, t in enumerate(top))]], dtype=torch.uint8)
+    assert expected.tolist() == [[0b10001000, 0b01111101, 0b01011010]]
+    assert torch.equal(pack_codes(codes, 3), expected)
+    assert torch.equal(unpack_codes(expected, 3), codes)
+
+
+def test_three_bit_top_bits_are_split_planar_over_eighths():
+    # d = 16: the top-bit byte j (bytes 4, 5) holds elements j, j + 2, ..., j + 14 at bits 0..7
+    codes = torch.zeros(1, 16, dtype=torch.uint8)
+    codes[0, 3] = 4  # eighth 1, element 1 of it: byte 1 of the block, bit 1
+    codes[0, 14] = 4  # eighth 7, element 0: byte 0 of the block, bit 7
+    packed = pack_codes(codes, 3)
+    assert packed.tolist() == [[0, 0, 0, 0, 1 << 7, 1 << 1]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pack_unpack_round_trip_on_random_codes(bits):
     codes = torch.randint(0, 2**bits, (3, 5, 128), dtype=torch.uint8)
     packed = pack_codes(codes, bits)

@@ -1,9 +1,12 @@
-"""Packed quantization codes inside the kernels: 2- and 4-bit planes as exact small-integer values, and the
+"""Packed quantization codes inside the kernels: 2-, 3- and 4-bit planes as exact small-integer values, and the
 per-row (scale, zero) words (float pairs, or compact one-byte codes: `quantize`, 7).
 
-Layout (`oscar_hf.quantize.pack_codes`): a row of D codes is packed as quarters, quarter c (elements
+Layout (`reference.quantize.pack_codes`): a row of D codes is packed as quarters, quarter c (elements
 [c*D/4, (c+1)*D/4)) at bit 2c of bytes [0, D/4) for 2 bits, and at bit 4*(c//2) of bytes [0, D/4) (c even) or
-[D/4, D/2) (c odd) for 4 bits. Planes are centred (code - 2^(bits-1), and the zero point likewise) so that value sums stay small.
+[D/4, D/2) (c odd) for 4 bits. 3 bits are the 2-bit layout plus a top-bit block: the top bit of element e is bit
+e // (D/8) of byte D/4 + e % (D/8), so quarter c's first half (eighth 2c) is at bit 2c and its second half (eighth
+2c + 1) at bit 2c + 1 of bytes [D/4, 3D/8). Planes are centred (code - 2^(bits-1), and the zero point likewise) so
+that value sums stay small.
 """
 
 from __future__ import annotations
@@ -26,16 +29,39 @@ PAIR_WORDS = {torch.float16: torch.int32, torch.bfloat16: torch.int32, torch.flo
 
 
 @triton.jit
+def load_code_bytes(rows, cols, ok, QW: tl.constexpr, BITS: tl.constexpr):
+    """The packed bytes `code_plane` takes, (lo_bytes, hi_bytes), for quarter positions `cols` (w in [0, D/4))
+    of the rows starting at `rows` (uint8 pointers; `cols`, `rows` and the mask `ok` broadcast to the tile).
+
+    2 bits: bytes [0, D/4) twice. 4 bits: bytes [0, D/4) and [D/4, D/2). 3 bits: bytes [0, D/4) and, for each w,
+    its top-bit byte D/4 + w % (D/8) shifted right by one in the quarter's second half, so that every quarter c
+    finds its top bit at bit 2c (module docstring)."""
+    lo_bytes = tl.load(rows + cols, mask=ok, other=0)
+    if BITS == 4:
+        return lo_bytes, tl.load(rows + cols + QW, mask=ok, other=0)
+    elif BITS == 3:
+        HALF: tl.constexpr = QW // 2
+        top_bytes = tl.load(rows + QW + cols % HALF, mask=ok, other=0)
+        return lo_bytes, top_bytes >> (cols >= HALF).to(tl.uint8)
+    else:
+        return lo_bytes, lo_bytes
+
+
+@triton.jit
 def code_plane(lo_bytes, hi_bytes, c: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
     """Codes of quarter `c` (elements [c*D/4, (c+1)*D/4)) from the packed bytes minus the centre 2^(BITS-1), as
     exact `DT` values (centred codes keep the value accumulators small: see `attention._quant_split`).
 
     2 bits: every quarter lives in bytes [0, D/4) at shift 2c. 4 bits: quarters 0, 2 in bytes [0, D/4), quarters
-    1, 3 in bytes [D/4, D/2), at shift 0 (quarters 0, 1) or 4 (quarters 2, 3).
+    1, 3 in bytes [D/4, D/2), at shift 0 (quarters 0, 1) or 4 (quarters 2, 3). 3 bits: the 2-bit plane plus 4
+    times bit 2c of the aligned top-bit bytes (`load_code_bytes`).
     """
     CENTER: tl.constexpr = 1 << (BITS - 1)
     if BITS == 2:
         return (((lo_bytes >> (2 * c)) & 3).to(tl.int32) - CENTER).to(DT)
+    elif BITS == 3:
+        code = ((lo_bytes >> (2 * c)) & 3) | (((hi_bytes >> (2 * c)) & 1) << 2)
+        return (code.to(tl.int32) - CENTER).to(DT)
     else:
         if c % 2 == 0:
             return (((lo_bytes >> (4 * (c // 2))) & 15).to(tl.int32) - CENTER).to(DT)
@@ -190,11 +216,13 @@ def folded_key_offset(q0, q1, q2, q3, q_sum, AXIS: tl.constexpr = 1):
 
 @triton.jit
 def code_planes(lo_bytes, hi_bytes, BITS: tl.constexpr, DT: tl.constexpr, ASM_UNPACK: tl.constexpr):
+    """The four quarters' centred codes (`code_plane`) from `load_code_bytes`'s bytes; `ASM_UNPACK` takes the
+    inline-PTX unpacking for 2 and 4 bits (3 bits have none: the shifts and masks of `code_plane`)."""
     if ASM_UNPACK and BITS == 4:
         q0, q2 = unpack4_asm(lo_bytes)
         q1, q3 = unpack4_asm(hi_bytes)
         return q0, q1, q2, q3
-    elif ASM_UNPACK:
+    elif ASM_UNPACK and BITS == 2:
         return unpack2_asm(lo_bytes)
     else:
         return (code_plane(lo_bytes, hi_bytes, 0, BITS, DT), code_plane(lo_bytes, hi_bytes, 1, BITS, DT),

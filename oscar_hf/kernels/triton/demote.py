@@ -2,7 +2,8 @@
 
 Contract (`demote_rows`): for each input pair (keys, values) `[B, H, n, d]` (model dtype, model basis, any strides
 with a unit last stride), write
-- `codes` `[B, H, n, d * bits / 8]` uint8: split-planar packed codes of `clip(x @ R)`,
+- `codes` `[B, H, n, d * bits / 8]` uint8: split-planar packed codes of `clip(x @ R)` (3 bits: bit-sliced,
+  `reference.quantize.CODE_SLICES`),
 - `scale_zero` `[B, H, n, 2]` (float16 / bfloat16 / float32, or uint8: compact pairs): the pair of each row,
 exactly as `oscar_hf.quantize.quantize_pack(rotate(x, R), ...)` defines them. R is `[d, d]` (one per layer),
 `[H, d, d]` (one per KV head) or None (identity); it is applied in float32 (IEEE products, fp32 accumulation).
@@ -78,6 +79,16 @@ def _compact_pair(scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
+def _pack(q, WIDTH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """int32 codes `q` [BLOCK_T, D] of `WIDTH` bits packed split-planar (`reference.quantize.pack_codes`): uint8
+    [BLOCK_T, D * WIDTH / 8]."""
+    per_byte: tl.constexpr = 8 // WIDTH
+    planes = tl.reshape(q, (BLOCK_T, per_byte, D // per_byte))
+    shifts = tl.arange(0, per_byte) * WIDTH
+    return tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
+
+
+@triton.jit
 def _demote_tensor(
     x_ptr, sxb, sxh, sxt,
     r_ptr, srh, srk,
@@ -147,15 +158,18 @@ def _demote_tensor(
     q = tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), levels).to(tl.int32)
 
-    per_byte: tl.constexpr = 8 // BITS
-    nbytes: tl.constexpr = D // per_byte
-    planes = tl.reshape(q, (BLOCK_T, per_byte, nbytes))
-    shifts = tl.arange(0, per_byte) * BITS
-    packed = tl.sum(planes << shifts[None, :, None], axis=1).to(tl.uint8)
-    offs_c = tl.arange(0, nbytes)
+    if BITS == 3:  # bit-sliced: the low 2 bits as 2-bit codes, then the top bit as 1-bit codes
+        packed = _pack(q & 3, 2, D, BLOCK_T)
+        top_packed = _pack(q >> 2, 1, D, BLOCK_T)
+    else:
+        packed = _pack(q, BITS, D, BLOCK_T)
+    offs_c = tl.arange(0, packed.shape[1])
     c_base = c_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
     out_t = (o0 + offs_t).to(tl.int64)
     tl.store(c_base + out_t[:, None] * sct + offs_c[None, :], packed, mask=row_ok[:, None])
+    if BITS == 3:
+        offs_top = packed.shape[1] + tl.arange(0, top_packed.shape[1])
+        tl.store(c_base + out_t[:, None] * sct + offs_top[None, :], top_packed, mask=row_ok[:, None])
     z_base = z_ptr + b.to(tl.int64) * szb + h.to(tl.int64) * szh + out_t * szt
     if COMPACT_PAIRS:
         tl.store(z_base, scale_code.to(tl.uint8), mask=row_ok)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from oscar_hf.kernels.interface import HistoryTensors
-from oscar_hf.kernels.triton.codes import PAIR_WORDS, SCALE_DTYPES, code_planes, scale_zero
+from oscar_hf.kernels.triton.codes import PAIR_WORDS, SCALE_DTYPES, code_planes, load_code_bytes, scale_zero
 from oscar_hf.kernels.triton.common import launch, launch_device
 
 BLOCK_TOKENS = 64  # history rows per program
@@ -34,12 +34,8 @@ def _dequantize_kernel(codes_ptr, scb, sch, sct, words_ptr, swb, swh, swt, out_p
     ok = offs_t < n
     offs_w = tl.arange(0, QW)
     token = (start + offs_t).to(tl.int64)
-    rows = codes_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch + token[:, None] * sct + offs_w[None, :]
-    lo = tl.load(rows, mask=ok[:, None], other=0)
-    if BITS == 4:
-        hi = tl.load(rows + QW, mask=ok[:, None], other=0)
-    else:
-        hi = lo
+    rows = codes_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch + token[:, None] * sct
+    lo, hi = load_code_bytes(rows, offs_w[None, :], ok[:, None], QW, BITS)
     q0, q1, q2, q3 = code_planes(lo, hi, BITS, tl.float32, False)
     word = tl.load(words_ptr + b.to(tl.int64) * swb + h.to(tl.int64) * swh + token * swt, mask=ok, other=0)
     scale, zero = scale_zero(word, SZ_DT, BITS)
@@ -58,7 +54,7 @@ def dequantize_rows(codes: torch.Tensor, scale_zero_pairs: torch.Tensor, bits: i
     `[B, H, N, 2]` (float pairs or compact codes) into `out` `[B, H, n, D]` (float16, bfloat16 or float32, unit
     stride along D); returns `out`."""
     batch, heads, n, dim = out.shape
-    if bits not in (2, 4) or codes.shape[-1] * 8 // bits != dim or dim % 4 or dim & (dim - 1):
+    if bits not in (2, 3, 4) or codes.shape[-1] * 8 // bits != dim or dim % 4 or dim & (dim - 1):
         raise ValueError(f"dequantize_rows: {bits}-bit codes of {codes.shape[-1]} bytes do not give rows of {dim}")
     if start < 0 or start + n > codes.shape[2] or codes.shape[:2] != (batch, heads):
         raise ValueError(f"dequantize_rows: rows [{start}, {start + n}) of codes {tuple(codes.shape)} do not fit "

@@ -23,7 +23,7 @@ class LaunchConfig:
     block_n_history: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    asm_unpack: bool = True  # 2- and 4-bit codes to float16 by inline PTX (GPU, 16-bit queries; ignored elsewhere)
+    asm_unpack: bool = True  # 2- and 4-bit codes to float16 by inline PTX (GPU, 16-bit queries; else shifts)
     programs_per_sm: int = 4  # stage-1 programs to aim for per multiprocessor (sets the split count)
     # Dense-tier keys per tile. Its pipelined K/V tiles set the kernel's shared memory for every program (history
     # programs included), so smaller tiles let more programs share an SM.

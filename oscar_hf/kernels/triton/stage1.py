@@ -1,4 +1,4 @@
-"""Stage 1 of the tiered attention: split-K partials over the BF16 tiers and the packed INT2/INT4 history.
+"""Stage 1 of the tiered attention: split-K partials over the BF16 tiers and the packed 2-, 3- or 4-bit history.
 
 Contract (`attention_partials`): for queries `[B, Hq, Lq, D]` (model basis) and, optionally, their rotated copy
 `q @ R_K` (float32), write one partial per (query row, split): the softmax-normalized output (float32, `D`) and the
@@ -56,6 +56,7 @@ from oscar_hf.kernels.triton.codes import (
     code_planes,
     folded_key_offset,
     key_planes,
+    load_code_bytes,
     scale_zero,
 )
 from oscar_hf.kernels.triton.common import launch, launch_device
@@ -233,19 +234,13 @@ def _tile_scale_zero(kz_base, szt, vz_base, swt, offs_n, tok_ok, SZ_DT: tl.const
 @triton.jit
 def _code_bytes(base, stride, offs_n, tok_ok, offs_w, QW: tl.constexpr, BITS: tl.constexpr,
                 TOKENS_AS_ROWS: tl.constexpr):
-    """The tile's packed code bytes [0, D/4) and, for 4 bits, [D/4, D/2) (`code_plane`), as [N, D/4] tiles
-    (`TOKENS_AS_ROWS`) or [D/4, N]; 2-bit codes return the first twice."""
+    """The tile's packed code bytes (`codes.load_code_bytes`) as [N, D/4] tiles (`TOKENS_AS_ROWS`) or [D/4, N]."""
     if TOKENS_AS_ROWS:
-        ptrs = base + offs_n[:, None].to(tl.int64) * stride + offs_w[None, :]
-        ok = tok_ok[:, None]
+        return load_code_bytes(base + offs_n[:, None].to(tl.int64) * stride, offs_w[None, :], tok_ok[:, None],
+                               QW, BITS)
     else:
-        ptrs = base + offs_n[None, :].to(tl.int64) * stride + offs_w[:, None]
-        ok = tok_ok[None, :]
-    lo_bytes = tl.load(ptrs, mask=ok, other=0)
-    if BITS == 4:
-        return lo_bytes, tl.load(ptrs + QW, mask=ok, other=0)
-    else:
-        return lo_bytes, lo_bytes
+        return load_code_bytes(base + offs_n[None, :].to(tl.int64) * stride, offs_w[:, None], tok_ok[None, :],
+                               QW, BITS)
 
 
 @triton.jit
