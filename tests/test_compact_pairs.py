@@ -20,7 +20,7 @@ from oscar_hf.kernels.reference.quantize import (
 from conftest import forward, tiny_model
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("encoder", ["minmax", "sigma"])
 def test_compact_pairs_cost_a_few_percent_of_error_and_two_bytes(bits, encoder):
     torch.manual_seed(0)
