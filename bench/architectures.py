@@ -8,8 +8,9 @@
 - `gpt_oss`: gpt-oss-20b's shape (24 layers, 64 query and 8 KV heads of 64, learned sinks, sliding windows of 128
   in every other layer, 32 experts, bf16 instead of MXFP4).
 
-Each row prefills `context` random tokens per sequence through `generate` in chunks of 8,192 (the linear layers'
-states and the attention layers' K/V, as a job fills them), then times 16 decode steps of a second `generate` call
+Each row prefills `context` random tokens per sequence through `generate` in chunks of `--prefill-chunk` (8,192;
+the linear layers' states and the attention layers' K/V, as a job fills them; gpt-oss's eager attention holds a
+chunk's float32 scores for every head, 16 GiB at 8,192 tokens against 32k, which an 80 GB card cannot spare), then times 16 decode steps of a second `generate` call
 after a 6-token warm-up (`harness.decode_step`: median ms per step). Caches (`--caches`): `oscar`
 (`OscarCache(model, compile_decode=True)`, the data-free default: `generate` compiles its step where every layer of
 the model's plan allows it), `dynamic` (`DynamicCache(config=...)`, eager, SDPA), `static` (`StaticCache`, which
@@ -70,14 +71,14 @@ def new_cache(kind: str, model, context: int):
     return StaticCache(config=model.config, max_cache_len=context + 64)
 
 
-def row(model, name: str, kind: str, context: int, batch: int) -> dict:
+def row(model, name: str, kind: str, context: int, batch: int, chunk: int) -> dict:
     torch._dynamo.reset()
     empty_cache()
     base = allocated()
     reset_peak()
     began = time.perf_counter()
     cache = new_cache(kind, model, context)
-    fill_by_prefill(model, cache, batch, context)
+    fill_by_prefill(model, cache, batch, context, chunk)
     sync()
     prefill_s = time.perf_counter() - began
     held = cache_gb(cache)
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3_5,gpt_oss")
     parser.add_argument("--rows", default="32768x1,32768x8,100000x8", help="context x batch, comma-separated")
     parser.add_argument("--caches", default="oscar,dynamic")
+    parser.add_argument("--prefill-chunk", type=int, default=harness.PREFILL_CHUNK,
+                        help="tokens per prefill chunk (generate's prefill_chunk_size)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     harness.DEVICE = "cpu" if args.smoke else "cuda"
@@ -112,7 +115,7 @@ def main() -> None:
         for context, batch in rows:
             for kind in args.caches.split(","):
                 try:
-                    r = row(model, name, kind, context, batch)
+                    r = row(model, name, kind, context, batch, args.prefill_chunk)
                     print(f"| {name} | {kind} | {context // 1024}k / {batch} | {r['step_ms']:.2f} | "
                           f"{r['cache_GB']:.2f} | {r['peak_GB']:.1f} | {r['prefill_s']:.1f} | "
                           f"{r['first_call_s']:.1f} |", flush=True)

@@ -169,12 +169,12 @@ def fill_static(model, batch, context):
 PREFILL_CHUNK = 8192  # the job-throughput rows that prefill through `generate` feed prompts in chunks of this
 
 
-def fill_by_prefill(model, cache, batch, context):
+def fill_by_prefill(model, cache, batch, context, chunk: int = PREFILL_CHUNK):
     """`cache` holding `context` random prompt tokens per sequence, put there by a `generate` call's chunked prefill
-    (`prefill_chunk_size=PREFILL_CHUNK`, one new token), as a job that serves real prompts fills it."""
+    (`prefill_chunk_size=chunk`, one new token), as a job that serves real prompts fills it."""
     ids = torch.randint(10, 1000, (batch, context), device=DEVICE)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                   prefill_chunk_size=PREFILL_CHUNK, **{cache_argument_name(model): cache})
+                   prefill_chunk_size=chunk, **{cache_argument_name(model): cache})
     return cache
 
 
