@@ -3,8 +3,8 @@
 After a prefill, a layer's single-token forwards run here. The BF16 buffers have a fixed capacity
 C = S + R + b (sink, recent window, demotion block; `counted_bf16_capacity`) and the history a fixed capacity; the
 counts that change from step to step (BF16 rows in use, history rows, tokens) are device tensors. The layer owns
-the buffers (it allocates them for counted decode, `OscarLayer.start_counted_decode`, and is the only one that
-replaces them); a `CountedDecode` holds the counts and writes into the layer's buffers in place. A step
+the buffers and is the only one that writes them; a `CountedDecode` holds the counts, says where a step writes and
+whether it demotes, and advances the counts. A step
 1. writes the new token's K/V at BF16 row `rows` (an `index_copy_` at a device position);
 2. attends through `kernels.ops.decode_attention`, which reads both counts on the device;
 3. settles: the b oldest recent rows (for left-padded rows, `OscarLayer.demoted_rows`) are quantized into
@@ -61,7 +61,7 @@ def counted_bf16_capacity(sink: int, recent: int, block: int) -> int:
     return sink + recent + block
 
 
-def _static(*tensors: torch.Tensor) -> None:
+def mark_static(*tensors: torch.Tensor) -> None:
     """Tell dynamo these tensors keep their address (cudagraphs then neither copy them nor re-record)."""
     if torch.compiler.is_compiling():
         return
@@ -75,10 +75,12 @@ ROWS, TOKENS, DROPPED = 0, 1, 2  # the entries of `CountedDecode.counts`
 
 class CountedDecode:
     """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`),
-    over the layer's BF16 buffers, which the layer has sized `counted_bf16_capacity` rows."""
+    over the layer's BF16 buffers, which the layer has sized `counted_bf16_capacity` rows. It reads the layer once,
+    here; from then on the layer asks it where to write and whether to demote, and writes its buffers itself."""
 
     def __init__(self, layer, reserve: int, bucket: bool = True):
         cfg = layer.config
+        self.layer_idx = layer.layer_idx
         self.sink, self.recent, self.block = layer.sink_size, cfg.recent_tokens, cfg.demote_block
         self.capacity = counted_bf16_capacity(self.sink, self.recent, self.block)
         if layer.keys_buffer.shape[2] != self.capacity or layer.values_buffer.shape[2] != self.capacity:
@@ -93,16 +95,20 @@ class CountedDecode:
         self.bucket = bucket
         self.eager_steps = 0
         self.warned_dropped = False
-        layer.history.pin(history_capacity(self.history_start, reserve, self.block, bucket))
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         # what eager steps' attention reads (`segment_counts`): valid while `_segment_fresh`
         self._stored = torch.zeros(1, dtype=torch.int32, device=device)
         self._starts = None if layer.row_start is None else (
             torch.zeros_like(layer.row_start, dtype=torch.int32), torch.zeros_like(layer.row_start, dtype=torch.int32))
         self._segment_fresh = False
-        layer.history.prepare_staging(self.block)
-        _static(layer.keys_buffer, layer.values_buffer, self.counts, self.window, layer.key_rotation,
-                layer.query_rotation, layer.value_rotation, layer.row_start, *layer.history.static_tensors())
+
+    def history_capacity(self) -> int:
+        """The history capacity these steps need (`history_capacity` of the tokens stored when they began)."""
+        return history_capacity(self.history_start, self.reserve, self.block, self.bucket)
+
+    def static_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of its own a compiled step reads at fixed addresses."""
+        return self.counts, self.window
 
     @property
     def rows(self) -> torch.Tensor:
@@ -114,54 +120,62 @@ class CountedDecode:
         """Tokens cached (int64, 0-d), as `get_seq_length` gives them."""
         return self.counts[TOKENS].long()
 
-    def update(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
+    # ------------------------------------------------------------------------------------------ a step
+    def book_step(self, history_capacity: int) -> bool:
+        """Count one more token on the host (an eager step; a compiled one drops the mirror, as it changes the
+        counts where the host cannot follow). True when the history, of `history_capacity` rows, must first grow
+        (`grow`): eager steps can grow it, compiled steps cannot."""
         if torch.compiler.is_compiling():
-            self.mirror = None  # a compiled step changes the counts where the host cannot follow
-        else:
-            self.eager_steps += 1
-            if self.mirror is not None:
-                self.mirror[ROWS] += 1
-                self.mirror[TOKENS] += 1
-            if self.history_start + self.eager_steps + self.block > layer.history.capacity - self.block:
-                self.reserve *= 2  # eager steps can grow the history; the next compile sees the new shapes
-                layer.history.length = self.host_counts(layer)[2]  # `pin` keeps the rows stored so far
-                layer.history.pin(history_capacity(self.history_start, self.reserve, self.block, self.bucket))
-                _static(*layer.history.static_tensors())
-        position = self.rows.long()
-        layer.keys_buffer.index_copy_(2, position, key_states)
-        layer.values_buffer.index_copy_(2, position, value_states)
+            self.mirror = None
+            return False
+        self.eager_steps += 1
+        if self.mirror is not None:
+            self.mirror[ROWS] += 1
+            self.mirror[TOKENS] += 1
+        return self.history_start + self.eager_steps + self.block > history_capacity - self.block
+
+    def grow(self) -> int:
+        """The history capacity to grow to (twice the reserve; the next compile sees the new shapes)."""
+        self.reserve *= 2
+        return self.history_capacity()
+
+    def position(self) -> torch.Tensor:
+        """The BF16 row the step's token goes to (long `[1]`, on the device)."""
+        return self.rows.long()
+
+    def stepped(self) -> None:
+        """The step's token is written: one more BF16 row and one more token."""
         self.counts[ROWS : TOKENS + 1].add_(1)
-        return layer.keys_buffer, layer.values_buffer
 
-    def settle(self, layer, backend, after: torch.Tensor | None = None) -> None:
-        """Demote the window's oldest `block` rows once it holds R + b (see the module docstring); `after`: the
-        step's attention output, which the history write must follow (`kernels.ops.write_rows`)."""
-        if not torch.compiler.is_compiling() and not self._settle_on_host(layer):
-            return
-        rows = self.rows
-        full = (rows - self.sink >= self.recent + self.block).to(torch.int32)
-        advance = full * self.block
-        stored = self.history_count()
-        keys, values, sink_rows = layer.demoted_rows(stored, self.block, full)
-        dropped = layer.history.append(keys, values, layer.key_rotation, layer.value_rotation, backend,
-                                       advance=advance, after=after, at=stored)
-        layer.move_tiers(sink_rows, self._window() + advance.long(), after=dropped)
-        # the demoted rows leave the BF16 buffer whether the history kept them or not
-        self.counts[ROWS : ROWS + 1].sub_(advance)
-        self.counts[DROPPED : DROPPED + 1].add_(dropped)
-        self._segment_fresh = False
-
-    def _settle_on_host(self, layer) -> bool:
-        """An eager step's settle, decided on the host: False where the window is not full (the device's demotion
-        would be a no-op), else True after booking the demotion in the mirror (the device path then runs, and its
-        own decision agrees)."""
+    def demotes(self, history_capacity: int) -> bool:
+        """Whether the step's close may demote: always in a compiled step (the device decides), and in an eager
+        one only where the window is full, after booking the demotion in the mirror (the device's own decision
+        then agrees), so that the other steps skip a no-op demotion and window shift."""
+        if torch.compiler.is_compiling():
+            return True
         rows, tokens, dropped = self._mirrored()
         if rows - self.sink < self.recent + self.block:
             return False
         self.mirror[ROWS] -= self.block
-        if not block_fits(tokens - rows - dropped, self.block, layer.history.capacity):
+        if not block_fits(tokens - rows - dropped, self.block, history_capacity):
             self.mirror[DROPPED] += self.block
         return True
+
+    def demotion(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(full, advance, stored), int32 `[1]` each, on the device: whether the window holds R + b, the rows a
+        demotion then moves (`block` or 0), and the history rows stored before it (where they go)."""
+        full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)
+        return full, full * self.block, self.history_count()
+
+    def window_rows(self, advance: torch.Tensor) -> torch.Tensor:
+        """The recent window's BF16 rows after a demotion of `advance` rows (long `[R]`)."""
+        return self._window() + advance.long()
+
+    def demoted(self, advance: torch.Tensor, dropped: torch.Tensor) -> None:
+        """The demotion moved `advance` rows out of the BF16 buffer, and the history dropped `dropped` of them."""
+        self.counts[ROWS : ROWS + 1].sub_(advance)
+        self.counts[DROPPED : DROPPED + 1].add_(dropped)
+        self._segment_fresh = False
 
     def _mirrored(self) -> list[int]:
         """The host's copy of `counts`, read from the device once if compiled steps dropped it."""
@@ -204,12 +218,12 @@ class CountedDecode:
         """The rows' padding changed in place (a beam reorder): refresh what `segment_counts` keeps."""
         self._segment_fresh = False
 
-    def host_counts(self, layer) -> tuple[int, int, int]:
+    def host_counts(self) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped
         demoted tokens (compiled steps cannot grow it)."""
         if self.mirror is None and torch.compiler.is_compiling():
             raise RuntimeError(
-                f"layer {layer.layer_idx}: this compiled forward needs the cache's length on the host (a forward of "
+                f"layer {self.layer_idx}: this compiled forward needs the cache's length on the host (a forward of "
                 "several tokens builds its mask from it), and after compiled decode steps only the device holds it. "
                 "Run this forward eagerly, or through generate with OscarCache(..., compile_decode=True): generate "
                 "builds the mask outside the forward for a cache that says it is compileable.")
@@ -218,5 +232,5 @@ class CountedDecode:
             self.warned_dropped = True
             logger.warning(
                 "layer %d: the history was full and %d demoted tokens were dropped (compiled decode steps cannot "
-                "grow it); pass OscarCache(..., max_cache_len=<prompt + new tokens>)", layer.layer_idx, dropped)
+                "grow it); pass OscarCache(..., max_cache_len=<prompt + new tokens>)", self.layer_idx, dropped)
         return tokens, rows, tokens - rows - dropped

@@ -38,7 +38,8 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 
 from oscar_hf.compat import positive_crop_refused
 from oscar_hf.config import OscarConfig
-from oscar_hf.counted_decode import DECODE_RESERVE, CountedDecode, counted_bf16_capacity, history_capacity
+from oscar_hf.counted_decode import (DECODE_RESERVE, CountedDecode, counted_bf16_capacity, history_capacity,
+                                     mark_static)
 from oscar_hf.demotion import demotion_index, time_order_index, tokens_to_demote
 from oscar_hf.handoff import HistorySegment, layer_handle, without_segment
 from oscar_hf.head_groups import HeadSplitBackend
@@ -240,7 +241,7 @@ class OscarLayer(CacheLayerMixin):
         """(tokens, BF16 rows, history rows). In counted decode the device holds them: this reads them there (a
         synchronization) and changes nothing; a compiled step reads the host's numbers of when counting began."""
         if self.counted is not None and not torch.compiler.is_compiling():
-            return self.counted.host_counts(self)
+            return self.counted.host_counts()
         return self.length, self.bf16_length, (self.history.length if self.history is not None else 0)
 
     @property
@@ -262,7 +263,7 @@ class OscarLayer(CacheLayerMixin):
             if self.segment_open:  # the previous update's segment was never consumed: settle it as its close would
                 self._close_counted(None)
             if self.counts_step(key_states):
-                return self.counted.update(self, key_states, value_states)
+                return self._counted_update(key_states, value_states)
             self.stop_counted_decode()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -284,6 +285,19 @@ class OscarLayer(CacheLayerMixin):
         self.length += new
         self.unsettled += new
         return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
+
+    def _counted_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A device-counted step's write: the token at the BF16 row the counts give (the whole buffers returned)."""
+        counted = self.counted
+        if counted.book_step(self.history.capacity):
+            self.history.length = counted.host_counts()[2]  # `pin` keeps the rows stored so far
+            self.history.pin(counted.grow())
+            mark_static(*self.history.static_tensors())
+        position = counted.position()
+        self.keys_buffer.index_copy_(2, position, key_states)
+        self.values_buffer.index_copy_(2, position, value_states)
+        counted.stepped()
+        return self.keys_buffer, self.values_buffer
 
     def counts_step(self, key_states: torch.Tensor) -> bool:
         """Whether `update(key_states)` is a device-counted decode step (one token per row, same batch)."""
@@ -353,7 +367,16 @@ class OscarLayer(CacheLayerMixin):
         history rows it overwrites). The mask and query are not read: a counted step has neither padding to learn
         nor a decode step to warm."""
         self.segment_open = False
-        self.counted.settle(self, self.op_backend, after=output)
+        counted = self.counted
+        if not counted.demotes(self.history.capacity):
+            return
+        full, advance, stored = counted.demotion()
+        keys, values, sink_rows = self.demoted_rows(stored, counted.block, full)
+        dropped = self.history.append(keys, values, self.key_rotation, self.value_rotation, self.op_backend,
+                                      advance=advance, after=output, at=stored)
+        # the demoted rows leave the BF16 buffer whether the history kept them or not
+        self.move_tiers(sink_rows, counted.window_rows(advance), after=dropped)
+        counted.demoted(advance, dropped)
 
     # ------------------------------------------------------------------------------------------ counted decode
     def start_counted_decode(self, attention_mask: torch.Tensor | None = None) -> None:
@@ -366,7 +389,12 @@ class OscarLayer(CacheLayerMixin):
         # counted decode writes into these buffers in place; their capacity is fixed while it runs
         cfg = self.config
         self._resize_buffers(counted_bf16_capacity(self.sink_size, cfg.recent_tokens, cfg.demote_block), zeroed=True)
-        self.counted = CountedDecode(self, self._decode_reserve(), bucket=self.max_cache_len is None)
+        counted = CountedDecode(self, self._decode_reserve(), bucket=self.max_cache_len is None)
+        self.history.pin(counted.history_capacity())
+        self.history.prepare_staging(cfg.demote_block)
+        mark_static(self.keys_buffer, self.values_buffer, *counted.static_tensors(), self.key_rotation,
+                    self.query_rotation, self.value_rotation, self.row_start, *self.history.static_tensors())
+        self.counted = counted
 
     def note_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Read each row's left padding from `attention_mask` (its leading masked columns).
@@ -399,7 +427,7 @@ class OscarLayer(CacheLayerMixin):
             self.unsettled += 1
 
     def _refresh_host_counts(self) -> None:
-        self.length, self.bf16_length, self.history.length = self.counted.host_counts(self)
+        self.length, self.bf16_length, self.history.length = self.counted.host_counts()
 
     def _pending_demotion(self) -> tuple[int | None, int]:
         """(sink size, tokens to demote) that settling the unsettled tokens would give, changing nothing: the rule
