@@ -4,13 +4,14 @@
 # BEFORE: a folder holding the earlier `oscar_hf` package (made here with `git archive <commit> oscar_hf | tar -x -C
 # .before`, ignored, and carried). Rows: 32k/1 and 100k/8, `python -m bench.generate` (random-weight Qwen3-8B,
 # caches filled by `update`); CACHES defaults to oscar-default (what `OscarCache(model)` stores) and oscar (uniform rows).
+# ROUNDS (default 2): before/after pairs, one after the other.
 set -o pipefail
 out=${1:?usage: bench/gpu_before_after.sh OUT_DIR BEFORE [CACHES]}
 before=${2:?before}
 caches=${3:-oscar-default,oscar}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for tree in before after; do
     root=$PWD; [[ $tree == before ]] && root=$PWD/$before
     # the benchmark scripts are today's; the package is the tree's

@@ -24,7 +24,11 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 from oscar_hf import OscarCache, use_oscar_attention
 from oscar_hf.compat import cache_argument_name
 from oscar_hf.config import OscarConfig
-from oscar_hf.counted_decode import DECODE_RESERVE, history_capacity
+
+try:
+    from oscar_hf.history import DECODE_RESERVE, history_capacity
+except ImportError:  # a package from before they moved there (bench/gpu_before_after.sh runs today's bench on it)
+    from oscar_hf.counted_decode import DECODE_RESERVE, history_capacity
 from oscar_hf.history import QuantizedHistory
 from oscar_hf.kernels.interface import Backend, DemoteCall
 from oscar_hf.kernels.reference.backend import ReferenceBackend

@@ -31,7 +31,8 @@ from oscar_hf.compile_policy import (
 from oscar_hf.config import OscarConfig, checked_bool, checked_int, read_json_file
 from oscar_hf.handoff import UpdateRequest, forget_reader_segments, publish_segment
 from oscar_hf.kernels.interface import Backend
-from oscar_hf.layer import OscarLayer, oscar_layer_for
+from oscar_hf.hybrid_layer import oscar_layer_for
+from oscar_hf.layer import OscarLayer
 from oscar_hf.model_support import attention_shape, own_attention_reason, text_config_of, transformers_cache_layers
 from oscar_hf.plan import NAMED_ROTATIONS, live_caches, plan_cache
 from oscar_hf.rotations import Rotations
@@ -64,7 +65,7 @@ class OscarCache(Cache):
             the same function with any cache, up to rounding the rotated weights.
         max_cache_len: tokens the cache will hold at most (prompt and generated), as for `StaticCache`: decode
             steps run with fixed buffers (`counted_decode`), and a history sized for this many tokens lets every
-            step of a compiled `generate` replay one graph. Default: room for `counted_decode.DECODE_RESERVE`
+            step of a compiled `generate` replay one graph. Default: room for `history.DECODE_RESERVE`
             more history tokens than the prompt left (eager steps grow it; compiled steps cannot). At most
             `config.MAX_TOKENS`.
         compile_decode: whether transformers' `generate` may compile the decode step (on a GPU, or where its

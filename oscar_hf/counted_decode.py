@@ -2,15 +2,16 @@
 
 After a prefill, a layer's single-token forwards run here. The BF16 buffers have a fixed capacity
 C = S + R + b (sink, recent window, demotion block; `counted_bf16_capacity`) and the history a fixed capacity; the
-counts that change from step to step (BF16 rows in use, history rows, tokens) are device tensors. The layer owns
-the buffers and is the only one that writes them; a `CountedDecode` holds the counts, says where a step writes and
-whether it demotes, and advances the counts. A step
+counts that change from step to step (BF16 rows in use, history rows, tokens) are device tensors. The layer's
+`tiers.Tiers` own the buffers and are the only ones to write them; a `CountedDecode` holds the counts and tells
+the tiers where a step writes and what it demotes. A step
 1. writes the new token's K/V at BF16 row `rows` (an `index_copy_` at a device position);
 2. attends through `kernels.ops.decode_attention`, which reads both counts on the device;
-3. settles: the b oldest recent rows (for left-padded rows, `OscarLayer.demoted_rows`) are quantized into
+3. settles: the b oldest recent rows (for left-padded rows, those `Tiers.demote` picks) are quantized into
    history rows `[history, history + b)` every step, and the counts advance only when the window is full (the
-   decode rule of `demotion.tokens_to_demote`, decided on the device). Otherwise it is a no-op: history rows beyond the count are never read. The window shifts down by b
-   the same way (an `index_select` whose source moves by b only when demoting).
+   decode rule of `demotion.tokens_to_demote`, decided on the device). Otherwise it is a no-op: history rows
+   beyond the count are never read. The window shifts down by b the same way (an `index_select` whose source
+   moves by b only when demoting).
 So the host state is the same before every step, and one compiled graph, or one captured CUDA graph, serves every
 phase of the demotion cycle.
 
@@ -38,22 +39,12 @@ import torch
 from transformers.utils import logging
 
 from oscar_hf.demotion import padded_starts
+from oscar_hf.handoff import HistorySegment
+from oscar_hf.history import history_capacity
+from oscar_hf.host_counts import HostCounts
 from oscar_hf.kernels.interface import block_fits
 
 logger = logging.get_logger(__name__)
-
-DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
-CAPACITY_BUCKET = 4096  # history capacities are multiples of this, so prompts of similar length share one graph
-
-
-def history_capacity(tokens: int, reserve: int, block: int, bucket: bool = True) -> int:
-    """The history capacity counted decode uses for `tokens` stored plus `reserve` to come: with two demotion
-    blocks of slack, rounded up to `CAPACITY_BUCKET` unless `bucket` is False (an exact `max_cache_len`); in
-    buckets a compiled step's buffers keep their shapes across prompts of similar length, and its graph is reused
-    instead of recompiled."""
-    needed = tokens + reserve + 2 * block
-    return -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET if bucket else needed
-
 
 def counted_bf16_capacity(sink: int, recent: int, block: int) -> int:
     """Rows of the BF16 buffers during counted decode: the sink, the recent window and the block that fills it
@@ -74,23 +65,26 @@ ROWS, TOKENS, DROPPED = 0, 1, 2  # the entries of `CountedDecode.counts`
 
 
 class CountedDecode:
-    """The device counts and index tensors of one layer's counted decode (`OscarLayer.start_counted_decode`),
-    over the layer's BF16 buffers, which the layer has sized `counted_bf16_capacity` rows. It reads the layer once,
-    here; from then on the layer asks it where to write and whether to demote, and writes its buffers itself."""
+    """One layer's counted decode over its `tiers` (`OscarLayer.start_counted_decode`), whose BF16 buffers are
+    sized `counted_bf16_capacity` rows: the device counts and index tensors, what a step writes where, and its
+    demotion. The tiers write their buffers; this says which rows."""
 
-    def __init__(self, layer, reserve: int, bucket: bool = True):
-        cfg = layer.config
-        self.layer_idx = layer.layer_idx
-        self.sink, self.recent, self.block = layer.sink_size, cfg.recent_tokens, cfg.demote_block
+    counted = True  # a counting mode (`host_counts.HostCounts` is the other)
+
+    def __init__(self, tiers, length: int, bf16_length: int, reserve: int, bucket: bool = True):
+        cfg = tiers.config
+        self.tiers = tiers
+        self.layer_idx = tiers.layer_idx
+        self.sink, self.recent, self.block = tiers.sink_size, cfg.recent_tokens, cfg.demote_block
         self.capacity = counted_bf16_capacity(self.sink, self.recent, self.block)
-        if layer.keys_buffer.shape[2] != self.capacity or layer.values_buffer.shape[2] != self.capacity:
-            raise ValueError(f"layer {layer.layer_idx}: counted decode needs BF16 buffers of {self.capacity} rows, "
-                             f"got {layer.keys_buffer.shape[2]} and {layer.values_buffer.shape[2]} (resize them "
+        if tiers.keys_buffer.shape[2] != self.capacity or tiers.values_buffer.shape[2] != self.capacity:
+            raise ValueError(f"layer {self.layer_idx}: counted decode needs BF16 buffers of {self.capacity} rows, "
+                             f"got {tiers.keys_buffer.shape[2]} and {tiers.values_buffer.shape[2]} (resize them "
                              "first: OscarLayer.start_counted_decode)")
-        self.device = device = layer.keys_buffer.device
-        self.counts = torch.tensor([layer.bf16_length, layer.length, 0], dtype=torch.int32, device=device)
-        self.mirror: list[int] | None = [layer.bf16_length, layer.length, 0]  # `counts` on the host, or None
-        self.history_start = layer.history_length
+        self.device = device = tiers.keys_buffer.device
+        self.counts = torch.tensor([bf16_length, length, 0], dtype=torch.int32, device=device)
+        self.mirror: list[int] | None = [bf16_length, length, 0]  # `counts` on the host, or None
+        self.history_start = tiers.history.length
         self.reserve = reserve
         self.bucket = bucket
         self.eager_steps = 0
@@ -98,9 +92,93 @@ class CountedDecode:
         self.window = torch.arange(self.sink, self.sink + self.recent, device=device)
         # what eager steps' attention reads (`segment_counts`): valid while `_segment_fresh`
         self._stored = torch.zeros(1, dtype=torch.int32, device=device)
-        self._starts = None if layer.row_start is None else (
-            torch.zeros_like(layer.row_start, dtype=torch.int32), torch.zeros_like(layer.row_start, dtype=torch.int32))
+        row_start = tiers.row_start
+        self._starts = None if row_start is None else (
+            torch.zeros_like(row_start, dtype=torch.int32), torch.zeros_like(row_start, dtype=torch.int32))
         self._segment_fresh = False
+        self.unclosed = False  # a step's write not closed yet (`append`, `close`)
+
+    # ------------------------------------------------------------------------------------------ the mode
+    def seq_length(self) -> torch.Tensor:
+        """Tokens cached, a 0-d device tensor (as `StaticLayer` gives it): reading it neither synchronizes nor
+        changes a compiled step."""
+        return self.tokens
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """A counted step reads no mask, so any width fixed while counting serves (one compiled graph): the
+        capacity in positions, which is at least every position held, since mask functions may index
+        per-position data by it (Gemma 4 Unified's image blocks). A forward of several tokens, which leaves
+        counted decode, gets the host's width."""
+        if query_length == 1:
+            return self.capacity + self.tiers.history.capacity, 0
+        return self.host_counts()[0] + query_length, 0
+
+    def takes(self, key_states: torch.Tensor) -> bool:
+        """Whether an update of `key_states` is a counted step (one token per row, same batch)."""
+        return key_states.shape[-2] == 1 and key_states.shape[0] == self.tiers.batch_size
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A step's write: the token at the BF16 row the counts give; the whole buffers returned (the segment's
+        `dense_length` rows are in use). The step is open until `close`."""
+        self.unclosed = True
+        tiers, history = self.tiers, self.tiers.history
+        if self.book_step(history.capacity):
+            history.pin(self.grow(), stored=self.host_counts()[2])
+            mark_static(*history.static_tensors())
+        tiers.write_at(self.rows.long(), key_states, value_states)
+        self.counts[ROWS : TOKENS + 1].add_(1)
+        return tiers.keys_buffer, tiers.values_buffer
+
+    def settle(self, backends, room=None) -> None:
+        """Close a step no attention closed (an `update` outside a forward), as its close would have."""
+        if self.unclosed:
+            self.close(None, backends, room)
+
+    def close(self, attention_mask, backends, room=None, output: torch.Tensor | None = None) -> None:
+        """A step's attention is done: its demotion, after `output` (the attention that read the history rows it
+        overwrites). The mask is not read (a counted step has no padding to learn), nor `room` (the history
+        capacity was fixed when counting began)."""
+        self.unclosed = False
+        if not self.demotes(self.tiers.history.capacity):
+            return
+        full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)  # the window holds R + b
+        advance, stored = full * self.block, self.history_count()
+        window = self._window() + advance.long()
+        dropped = self.tiers.demote(stored, self.block, window, backends.op, full, advance=advance, after=output,
+                                    at=stored)
+        self.counts[ROWS : ROWS + 1].sub_(advance)
+        self.counts[DROPPED : DROPPED + 1].add_(dropped)
+        self._segment_fresh = False
+
+    def segment(self, backends, **fields) -> HistorySegment:
+        """The history layout a step's attention reads (`handoff.HistorySegment`; `fields`: the layer's)."""
+        tiers = self.tiers
+        stored, dense_start, history_start = self.segment_counts(tiers.row_start)
+        return HistorySegment(history=tiers.history.counted_view(stored), backend=backends.op_attention,
+                              sink_length=self.sink, query_rotation=tiers.query_rotation,
+                              value_rotation=tiers.value_rotation, counted=True, dense_start=dense_start,
+                              dense_length=self.rows, history_start=history_start, **fields)
+
+    def host_view(self) -> HostCounts:
+        """The counts as host counting would hold them, changing nothing (the counts read on the device: a
+        synchronization); a step no attention closed is an unsettled token there."""
+        tokens, rows, history = self.host_counts()
+        return HostCounts(self.tiers, tokens, rows, unsettled=int(self.unclosed), history_rows=history)
+
+    def to_host(self) -> HostCounts:
+        """The hand-over back to host counting (before a multi-token forward, a batch operation, a crop, ...): the
+        history's host and device counts set from the device's, which host-counted appends then write at."""
+        tokens, rows, history = self.host_counts()
+        self.tiers.history.set_length(history)
+        return HostCounts(self.tiers, tokens, rows, unsettled=int(self.unclosed))
+
+    def reorder_in_place(self, beam_idx: torch.Tensor) -> bool:
+        """Reorder the rows in place where the batch keeps its size (True), keeping every address."""
+        if beam_idx.shape[0] != self.tiers.batch_size:
+            return False
+        self.tiers.reorder_in_place(beam_idx)
+        self._segment_fresh = False
+        return True
 
     def history_capacity(self) -> int:
         """The history capacity these steps need (`history_capacity` of the tokens stored when they began)."""
@@ -139,14 +217,6 @@ class CountedDecode:
         self.reserve *= 2
         return self.history_capacity()
 
-    def position(self) -> torch.Tensor:
-        """The BF16 row the step's token goes to (long `[1]`, on the device)."""
-        return self.rows.long()
-
-    def stepped(self) -> None:
-        """The step's token is written: one more BF16 row and one more token."""
-        self.counts[ROWS : TOKENS + 1].add_(1)
-
     def demotes(self, history_capacity: int) -> bool:
         """Whether the step's close may demote: always in a compiled step (the device decides), and in an eager
         one only where the window is full, after booking the demotion in the mirror (the device's own decision
@@ -160,22 +230,6 @@ class CountedDecode:
         if not block_fits(tokens - rows - dropped, self.block, history_capacity):
             self.mirror[DROPPED] += self.block
         return True
-
-    def demotion(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(full, advance, stored), int32 `[1]` each, on the device: whether the window holds R + b, the rows a
-        demotion then moves (`block` or 0), and the history rows stored before it (where they go)."""
-        full = (self.rows - self.sink >= self.recent + self.block).to(torch.int32)
-        return full, full * self.block, self.history_count()
-
-    def window_rows(self, advance: torch.Tensor) -> torch.Tensor:
-        """The recent window's BF16 rows after a demotion of `advance` rows (long `[R]`)."""
-        return self._window() + advance.long()
-
-    def demoted(self, advance: torch.Tensor, dropped: torch.Tensor) -> None:
-        """The demotion moved `advance` rows out of the BF16 buffer, and the history dropped `dropped` of them."""
-        self.counts[ROWS : ROWS + 1].sub_(advance)
-        self.counts[DROPPED : DROPPED + 1].add_(dropped)
-        self._segment_fresh = False
 
     def _mirrored(self) -> list[int]:
         """The host's copy of `counts`, read from the device once if compiled steps dropped it."""
@@ -213,10 +267,6 @@ class CountedDecode:
                     kept.copy_(fresh)
             self._segment_fresh = True
         return (self._stored, *((None, None) if row_start is None else self._starts))
-
-    def rows_changed(self) -> None:
-        """The rows' padding changed in place (a beam reorder): refresh what `segment_counts` keeps."""
-        self._segment_fresh = False
 
     def host_counts(self) -> tuple[int, int, int]:
         """(tokens, BF16 rows, history rows), read from the device; warns once when a full history dropped

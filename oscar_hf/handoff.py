@@ -27,6 +27,7 @@ import torch
 from oscar_hf.compat import attention_kwargs_of_update
 from oscar_hf.demotion import padded_starts
 from oscar_hf.kernels.interface import Backend, DecodeCall, HistoryTensors
+from oscar_hf.model_support import UnsupportedModelError
 
 SEGMENT_ARGUMENT = "oscar_segment"
 SEGMENT_ATTRIBUTE = "_oscar_segment"  # on the key tensor `update` returned (every release: module docstring)
@@ -108,6 +109,24 @@ class HistorySegment:
         for. `output` `[B, 1, Hq, D]`: a counted step's attention output, which the step's demotion (its history
         write) must follow."""
         self.on_close(attention_mask, query=query, output=output)
+
+
+def after_every_reader(close: Callable[..., None], layer_idx: int, readers: tuple[int, ...]) -> Callable[..., None]:
+    """`close`, run at the last of the 1 + len(readers) closes of one segment of layer `layer_idx`: its demotion
+    rewrites the tiers that the layers reading its K/V (`readers`) attend to after it."""
+    left = [1 + len(readers)]
+
+    def close_after_last_read(attention_mask, *, query=None, output=None):
+        if left[0] == 0:  # the tiers it read had been rewritten by the first close's demotion
+            raise UnsupportedModelError(
+                f"layer {layer_idx}'s attention read the cache twice in one forward (as DiffLlama's differential "
+                "attention does): OscarCache demotes after a layer's attention, so the second read saw moved tiers; "
+                "this model is not supported")
+        left[0] -= 1
+        if left[0] == 0:
+            close(attention_mask, query=query, output=output)
+
+    return close_after_last_read
 
 
 @dataclass(frozen=True)

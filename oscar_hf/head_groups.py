@@ -13,10 +13,12 @@ history's reads are per run (`kernels.interface.HeadSplitTensors`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from oscar_hf.kernels.interface import DecodeCall, HeadSplitTensors, decode_by_runs, heads_of
+from oscar_hf.kernels.ops import OpBackend
 
 
 def head_runs(num_heads: int, high: Iterable[int]) -> list[tuple[int, int, bool]]:
@@ -68,3 +70,24 @@ class HeadSplitBackend:
         if not isinstance(call.history, HeadSplitTensors) or getattr(self.inner, "decodes_split_histories", False):
             return decode(call)
         return decode_by_runs(decode, call)
+
+
+@dataclass(frozen=True)
+class LayerBackends:
+    """The backends one layer calls, built from its kernel backend (`layer_backends`): `plain` demotes on the host
+    path, `op` demotes in a counted step (through the custom ops while `torch.compile` traces,
+    `kernels.ops.OpBackend`), `attention` and `op_attention` attend (run by run over a history split by KV
+    heads)."""
+
+    plain: object
+    op: OpBackend
+    attention: object
+    op_attention: object
+
+
+def layer_backends(backend, split: bool) -> LayerBackends:
+    """`LayerBackends` of kernel backend `backend` for a layer whose history is split by KV heads where `split`."""
+    op = OpBackend(backend)
+    if split:
+        return LayerBackends(backend, op, HeadSplitBackend(backend), HeadSplitBackend(op))
+    return LayerBackends(backend, op, backend, op)

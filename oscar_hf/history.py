@@ -29,6 +29,32 @@ from oscar_hf.kernels.ops import write_rows_eagerly  # also registers torch.ops.
 from oscar_hf.kernels.reference.attention import history_rows
 from oscar_hf.rotations.math import rotate
 
+DECODE_RESERVE = 8192  # history tokens a layer makes room for when decoding starts, unless told otherwise
+CAPACITY_BUCKET = 4096  # history capacities are multiples of this, so prompts of similar length share one graph
+
+
+def history_capacity(tokens: int, reserve: int, block: int, bucket: bool = True) -> int:
+    """The history capacity counted decode uses for `tokens` stored plus `reserve` to come: with two demotion
+    blocks of slack, rounded up to `CAPACITY_BUCKET` unless `bucket` is False (an exact `max_cache_len`); in
+    buckets a compiled step's buffers keep their shapes across prompts of similar length, and its graph is reused
+    instead of recompiled."""
+    needed = tokens + reserve + 2 * block
+    return -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET if bucket else needed
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRoom:
+    """The history room counted decode makes (`counted_decode`; `OscarCache(max_cache_len)`): `DECODE_RESERVE`
+    tokens beyond those stored, capacities in buckets; with `max_cache_len`, exactly up to it."""
+
+    max_cache_len: int | None = None
+
+    def reserve(self, tokens: int) -> tuple[int, bool]:
+        """(history tokens to make room for beyond the `tokens` cached, whether capacities come in buckets)."""
+        if self.max_cache_len is None:
+            return DECODE_RESERVE, True
+        return max(self.max_cache_len - tokens, 1), False
+
 
 def _grown(buffer: torch.Tensor | None, used: int, needed: int, shape_tail: tuple, dtype, device, batch, heads):
     """`buffer` with room for `needed` tokens along dim 2 (reallocated and copied when too small)."""
@@ -61,8 +87,11 @@ class _History:
         buffer = getattr(self, self._names[0])
         return buffer.shape[2] if buffer is not None else 0
 
-    def pin(self, capacity: int) -> None:
-        """Allocate room for `capacity` tokens now and track the length on the device from here on."""
+    def pin(self, capacity: int, stored: int | None = None) -> None:
+        """Allocate room for `capacity` tokens now and track the length on the device from here on. `stored`: the
+        tokens stored so far, where the host's count trails them (counted decode counts on the device); kept."""
+        if stored is not None:
+            self.length = stored
         self._reserve(max(capacity - self.length, 0))
         if self.device_length is None:
             self.device_length = torch.tensor([self.length], dtype=torch.int32, device=self.device)
@@ -126,9 +155,11 @@ class _History:
         """Every stored buffer (what an in-place batch reorder rewrites)."""
         return [getattr(self, name) for name in self._names]
 
-    def sync_device_length(self) -> None:
-        """Set the device copy of the length from the host's (host-counted appends write at it)."""
-        self.device_length.fill_(self.length)
+    def set_length(self, stored: int) -> None:
+        """Set the host's count and its device copy to `stored` (back from counted decode, which counted on the
+        device; host-counted appends write at the device copy)."""
+        self.length = stored
+        self.device_length.fill_(stored)
 
     def static_tensors(self) -> list[torch.Tensor]:
         """The buffers and staging blocks a compiled step reads and writes in place."""
@@ -165,8 +196,9 @@ class _History:
         raise NotImplementedError
 
     def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]`."""
-        return history_rows(self.kernel_view(), start, end)
+        """float32 rotated keys and values of tokens [start, end): `[B, H, end - start, d]` (`end` is not checked
+        against the host's count: in counted decode the device keeps it)."""
+        return history_rows(HistoryTensors(*self.kernel_buffers(), end, self.bits), start, end)
 
     def allocated_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (getattr(self, n) for n in self._names) if b is not None)
@@ -304,13 +336,13 @@ class HeadSplitHistory:
     def capacity(self) -> int:
         return self.parts[0][2].capacity
 
-    def pin(self, capacity: int) -> None:
+    def pin(self, capacity: int, stored: int | None = None) -> None:
         for history in self._histories():
-            history.pin(capacity)
+            history.pin(capacity, stored)
 
-    def sync_device_length(self) -> None:
+    def set_length(self, stored: int) -> None:
         for history in self._histories():
-            history.sync_device_length()
+            history.set_length(stored)
 
     def reserve(self, extra: int) -> None:
         for history in self._histories():
@@ -370,11 +402,16 @@ class HeadSplitHistory:
         return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
 
 
+def splits_by_heads(config: OscarConfig) -> bool:
+    """Whether a layer with settings `config` keeps its history split by KV heads (`HeadSplitHistory`)."""
+    return config.quantize and bool(config.high_precision_heads)
+
+
 def make_history(config: OscarConfig, batch: int, num_heads: int, key_dim: int, value_dim: int,
                  dtype: torch.dtype, device: torch.device) -> _History | HeadSplitHistory:
     """The history of one layer with settings `config` (`OscarConfig.for_layer`)."""
     if not config.quantize:
         return FullPrecisionHistory(batch, num_heads, key_dim, value_dim, dtype, device)
-    if config.high_precision_heads:
+    if splits_by_heads(config):
         return HeadSplitHistory(batch, num_heads, key_dim, value_dim, config, device)
     return QuantizedHistory(batch, num_heads, key_dim, value_dim, config, device)

@@ -251,9 +251,10 @@ def test_a_model_that_reads_layer_keys_gets_every_token_and_changes_nothing():
 
 
 def test_reading_a_layer_in_counted_decode_changes_nothing():
-    """The device holds the counts during counted decode; `repr`, `history_length`, `nbytes` and `num_elements` read
-    them there and leave the host's numbers as they were (issue 57: reading the layer changed it). What they say is
-    what the host holds once counted decode stops."""
+    """The device holds the counts during counted decode; `repr`, `history_length`, `nbytes`, `num_elements` and
+    `counts` read them there and change nothing: neither the counting mode, nor its counts, nor the history's own
+    count (issue 57: reading the layer changed it). What they say is what host counting holds once counted decode
+    stops."""
     model = tiny_model("llama", seed=4)
     generator = torch.Generator().manual_seed(0)
     cache = OscarCache(model, method="hadamard", **TIERS)
@@ -265,9 +266,9 @@ def test_reading_a_layer_in_counted_decode_changes_nothing():
             cache.update(k, k, i)
     layer = cache.layers[0]
     assert layer.counted is not None
-    host = (layer.length, layer.bf16_length, layer.history.length)
-    read = (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements())
-    assert (layer.length, layer.bf16_length, layer.history.length) == host
+    counted, counts, stored = layer.counted, layer.counted.counts.clone(), layer.history.length
+    read = (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements(), layer.counts())
+    assert layer.counted is counted and torch.equal(counted.counts, counts) and layer.history.length == stored
     layer.stop_counted_decode()
-    assert (layer.length, layer.bf16_length, layer.history.length) != host  # the steps moved the counts
-    assert (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements()) == read
+    assert layer.counted is None and layer.history.length != stored  # the steps demoted tokens
+    assert (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements(), layer.counts()) == read

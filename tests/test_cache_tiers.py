@@ -18,7 +18,7 @@ def ids_of(batch, length, seed=0):
 
 def layout(cache):
     layer = cache.layers[0]
-    return layer.sink_length, layer.history_length, layer.bf16_length - layer.sink_length
+    return layer.sink_length, layer.history_length, layer.counts()[1] - layer.sink_length
 
 
 @pytest.mark.parametrize("length, expected", [

@@ -227,9 +227,9 @@ def test_a_compiled_step_reads_seven_tensors_of_each_layer():
     name = cache_argument_name(model)
     _decode(model, ids, cache, 3, lambda token, c: compiled_forward(input_ids=token, use_cache=True, **{name: c}))
     layer = {n.split(".layers[1].", 1)[1] for n in guarded if ".layers[1]." in n}
-    assert layer - {"key_rotation", "value_rotation"} == {
-        "keys_buffer", "values_buffer", "counted.counts", "history.key_codes", "history.key_scale_zero",
-        "history.value_codes", "history.value_scale_zero"}
+    assert layer - {"tiers.key_rotation", "tiers.value_rotation"} == {
+        "tiers.keys_buffer", "tiers.values_buffer", "mode.counts", "tiers.history.key_codes",
+        "tiers.history.key_scale_zero", "tiers.history.value_codes", "tiers.history.value_scale_zero"}
 
 
 @pytest.mark.parametrize("options", [dict(do_sample=False),
@@ -388,7 +388,7 @@ def test_a_compiled_step_that_fills_the_history_drops_blocks_and_warns(caplog):
 
 
 def test_prompts_of_similar_length_reuse_the_compiled_step():
-    """History capacities come in buckets (`counted_decode.CAPACITY_BUCKET`): a new prompt length meets the same
+    """History capacities come in buckets (`history.CAPACITY_BUCKET`): a new prompt length meets the same
     buffer shapes, so the compiled step is replayed, not recompiled."""
     torch._dynamo.reset()
     model = tiny_model("llama", seed=1)

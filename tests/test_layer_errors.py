@@ -72,7 +72,7 @@ def test_bits_per_element_counts_what_is_stored(tiny_llama_model, captured):
     replay_layer_errors(layers, oscar, prefill=10, progress=False)
     # 40 tokens: 4 sink + 28 history... the window ends with 8 <= recent <= 10 tokens in BF16
     layer = oscar.layers[0]
-    bf16_tokens, history = layer.bf16_length, layer.history_length
+    _, bf16_tokens, history = layer.counts()
     expected = (bf16_tokens * 16 + history * (2 + 2 * 16 / 32)) / 40  # INT2 codes + fp16 (scale, zero) per row
     assert bits_per_element(oscar, 40, 1, 2, 32, bf16_model=True) == pytest.approx(expected)
 

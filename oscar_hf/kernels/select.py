@@ -94,3 +94,35 @@ def backend_from_spec(spec: str) -> Backend:
         backend = _BACKENDS.setdefault(backend_spec(built), built)
         _BACKENDS[spec] = backend
     return backend
+
+
+def graph_problem(backend: Backend, config, key_dim: int, value_dim: int) -> str | None:
+    """Why a decode step of `backend` cannot be captured in a CUDA graph for a layer with settings `config`
+    (`OscarConfig`) and heads of these sizes (it reads counts on the host), or None when it can."""
+    settings = [config, config.high_precision()] if config.high_precision_heads else [config]
+    for each in settings:
+        encoder = each.encoder if config.quantize else "minmax"
+        problem = backend.graph_capture_problem(key_dim, value_dim, encoder, each.scale_dtype)
+        if problem is not None:
+            return problem
+    return None
+
+
+def decode_compiles(backend: Backend | None, config, device: torch.device, key_dim: int, value_dim: int,
+                    answers: dict) -> bool:
+    """Whether transformers may compile a layer's decode step with `backend` (None: the one `backend_for` picks on
+    `device`), settings `config` and heads of these sizes: off CUDA always (the backend's host reads run inside the
+    compiled step), on CUDA where the step can be captured in a CUDA graph (`graph_problem`). `answers` keeps them
+    per (device, head sizes, backend): `generate` asks every step, for every layer, and working one out again (the
+    high-precision config included) cost 250 us a step for 36 layers; traced code reads no host memo."""
+    if device.type != "cuda":
+        return True
+    compiling = torch.compiler.is_compiling()
+    key = (device, key_dim, value_dim, id(backend))
+    answer = None if compiling else answers.get(key)
+    if answer is None:
+        chosen = backend if backend is not None else backend_for(device, config.history_chunk)
+        answer = graph_problem(chosen, config, key_dim, value_dim) is None
+        if not compiling:
+            answers[key] = answer
+    return answer
