@@ -4,6 +4,8 @@ does it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -272,3 +274,45 @@ def test_reading_a_layer_in_counted_decode_changes_nothing():
     layer.stop_counted_decode()
     assert layer.counted is None and layer.history.length != stored  # the steps demoted tokens
     assert (repr(layer), layer.history_length, layer.nbytes(), layer.num_elements(), layer.counts()) == read
+
+
+def test_crop_problem_in_counted_decode_says_what_crop_will_do():
+    """During counted decode, `crop_problem` reads the counts as host counting would hold them, a step that no
+    attention closed (an `update` outside a forward) included, and changes nothing; the crop itself hands over to
+    host counting first. So the largest crop it allows is the one `crop` takes, at every point of the demotion
+    cycle."""
+    model = tiny_model("llama", seed=4)
+    generator = torch.Generator().manual_seed(0)
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    with torch.no_grad():
+        forward(model, torch.randint(1, 96, (2, 25), generator=generator), cache)
+    layers = range(len(cache.layers))
+    for _ in range(2 * TIERS["demote_block"] + 1):
+        k = torch.randn(2, 2, 1, 16, generator=generator)
+        for i in layers:
+            cache.update(k, k, i)
+        layer = cache.layers[0]
+        counted = layer.counted
+        host = copy.deepcopy(layer)
+        host.stop_counted_decode()
+        most = host.mode.croppable()
+        assert layer.crop_problem(-most) is None and layer.crop_problem(-(most + 1)) is not None
+        assert layer.counted is counted  # asking changed nothing
+        cropped = copy.deepcopy(cache)
+        cropped.crop(-most)
+        assert cropped.get_seq_length() == layer.counts()[0] - most
+        with pytest.raises(ValueError, match="already quantized"):
+            copy.deepcopy(cache).crop(-(most + 1))
+
+
+def test_both_counting_modes_answer_the_calls_the_layer_makes():
+    """The layer asks whichever counting mode is current, without checking which (`layer`): a call one of them
+    lacks would fail only on that mode's path."""
+    from oscar_hf.counted_decode import CountedDecode
+    from oscar_hf.host_counts import HostCounts
+
+    calls = {"host_counts", "seq_length", "mask_sizes", "takes", "append", "settle", "close", "segment", "host_view",
+             "to_host", "reorder_in_place", "counted"}
+    for mode in (HostCounts, CountedDecode):
+        assert all(callable(getattr(mode, name)) or name == "counted" for name in calls), mode
+    assert HostCounts.counted is False and CountedDecode.counted is True
