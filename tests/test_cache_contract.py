@@ -252,16 +252,23 @@ def test_a_model_that_reads_layer_keys_gets_every_token_and_changes_nothing():
         layer.keys = layer.keys
 
 
+def _decoding_cache() -> tuple[OscarCache, torch.Generator]:
+    """A cache of a tiny Llama after a prompt of 25 tokens in a batch of 2 (counted decode from the next step), and
+    the generator that drew the prompt."""
+    generator = torch.Generator().manual_seed(0)
+    model = tiny_model("llama", seed=4)
+    cache = OscarCache(model, method="hadamard", **TIERS)
+    with torch.no_grad():
+        forward(model, torch.randint(1, 96, (2, 25), generator=generator), cache)
+    return cache, generator
+
+
 def test_reading_a_layer_in_counted_decode_changes_nothing():
     """The device holds the counts during counted decode; `repr`, `history_length`, `nbytes`, `num_elements` and
     `counts` read them there and change nothing: neither the counting mode, nor its counts, nor the history's own
     count (issue 57: reading the layer changed it). What they say is what host counting holds once counted decode
     stops."""
-    model = tiny_model("llama", seed=4)
-    generator = torch.Generator().manual_seed(0)
-    cache = OscarCache(model, method="hadamard", **TIERS)
-    with torch.no_grad():
-        forward(model, torch.randint(1, 96, (2, 25), generator=generator), cache)
+    cache, generator = _decoding_cache()
     k = torch.randn(2, 2, 1, 16, generator=generator)
     for _ in range(6):
         for i in range(len(cache.layers)):
@@ -281,11 +288,7 @@ def test_crop_problem_in_counted_decode_says_what_crop_will_do():
     attention closed (an `update` outside a forward) included, and changes nothing; the crop itself hands over to
     host counting first. So the largest crop it allows is the one `crop` takes, at every point of the demotion
     cycle."""
-    model = tiny_model("llama", seed=4)
-    generator = torch.Generator().manual_seed(0)
-    cache = OscarCache(model, method="hadamard", **TIERS)
-    with torch.no_grad():
-        forward(model, torch.randint(1, 96, (2, 25), generator=generator), cache)
+    cache, generator = _decoding_cache()
     layers = range(len(cache.layers))
     for _ in range(2 * TIERS["demote_block"] + 1):
         k = torch.randn(2, 2, 1, 16, generator=generator)
