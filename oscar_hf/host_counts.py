@@ -67,7 +67,7 @@ class HostCounts:
         cfg, fixed = self.tiers.config, self.tiers.sink_size
         if not self.unsettled:
             return fixed, 0
-        sink = cfg.sink_tokens if fixed is None else fixed
+        sink = self.tiers.sink()
         recent = self.bf16_length - min(self.bf16_length, sink)
         demote = tokens_to_demote(recent, self.unsettled, cfg.recent_tokens, cfg.demote_block)
         return (sink if demote or fixed is not None else None), demote

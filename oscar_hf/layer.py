@@ -55,7 +55,6 @@ class OscarLayer(CacheLayerMixin):
     config = _of_tiers("config")
     key_rotation = _of_tiers("key_rotation")
     value_rotation = _of_tiers("value_rotation")
-    _query_rotation = _of_tiers("_query_rotation")  # None where it is the key rotation (`Tiers`)
     query_rotation = property(lambda self: self.tiers.query_rotation)
     keys_buffer = _of_tiers("keys_buffer")
     values_buffer = _of_tiers("values_buffer")

@@ -78,8 +78,8 @@ class Tiers:
         value_dim = value_states.shape[-1]
         for kind, rotation, dim in (("key", self.key_rotation, key_dim), ("value", self.value_rotation, value_dim),
                                     ("query", self._query_rotation, key_dim)):
-            fits = rotation is None or (rotation.shape[-1] == dim and (rotation.dim() == 2 or rotation.shape[0] == heads))
-            if not fits:
+            if rotation is not None and (rotation.shape[-1] != dim
+                                         or (rotation.dim() == 3 and rotation.shape[0] != heads)):
                 raise ValueError(
                     f"layer {self.layer_idx}: {kind} rotation of shape {tuple(rotation.shape)} does not fit "
                     f"{kind} states with {heads} heads of size {dim}"
@@ -92,17 +92,18 @@ class Tiers:
         self.keys_buffer = key_states.new_empty((batch, heads, self.steady_capacity(), key_dim))
         self.values_buffer = value_states.new_empty((batch, heads, self.steady_capacity(), value_dim))
 
+    def sink(self) -> int:
+        """The sink size: as fixed (at the first demotion, or when counted decode begins), the config's until then."""
+        return self.config.sink_tokens if self.sink_size is None else self.sink_size
+
     def fix_sink(self) -> None:
-        """Fix the sink size at the config's, unless it is fixed already (at the first demotion, or when counted
-        decode begins)."""
-        if self.sink_size is None:
-            self.sink_size = self.config.sink_tokens
+        """Fix the sink size (`sink`); a fixed one stays."""
+        self.sink_size = self.sink()
 
     def steady_capacity(self) -> int:
         """BF16 rows that host-counted storage keeps between demotions: sink, window and two blocks of slack."""
         cfg = self.config
-        sink = cfg.sink_tokens if self.sink_size is None else self.sink_size
-        return sink + cfg.recent_tokens + 2 * cfg.demote_block
+        return self.sink() + cfg.recent_tokens + 2 * cfg.demote_block
 
     def resize(self, capacity: int, rows: int, zeroed: bool = False) -> None:
         """Replace the BF16 buffers by ones of `capacity` rows, the first `rows` (those in use) copied over, the

@@ -54,7 +54,7 @@ def test_smoothed_keys_leave_an_unquantized_history_exact(model):
     torch.testing.assert_close(keys, plain.layers[0].dense_kv()[0], atol=1e-5, rtol=1e-5)
     broken = OscarCache(model, rotations=smoothed, method="none", **LAYOUT)
     for each in broken.layers:  # the query rotated like the keys: the history's scores change
-        each._query_rotation = each.key_rotation.clone()
+        each.tiers._query_rotation = each.key_rotation.clone()
     assert (cached_logits(model, ids, broken, 10, 1) - reference).abs().max().item() > 1e-3
 
 
