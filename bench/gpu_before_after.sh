@@ -14,10 +14,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 for round in $(seq "${ROUNDS:-2}"); do
   for tree in before after; do
     root=$PWD; [[ $tree == before ]] && root=$PWD/$before
-    # the benchmark scripts are today's; the package is the tree's
-    PYTHONPATH=$root:$PWD python3 -c "import oscar_hf; print('$tree', oscar_hf.__file__)" | tee -a "$out/steps.log"
-    PYTHONPATH=$root:$PWD python3 -m bench.generate --contexts 32768 --batches 1 --oscar-batches 1 --caches "$caches" 2>&1 | tee -a "$out/steps.log"
-    PYTHONPATH=$root:$PWD python3 -m bench.generate --contexts 100000 --batches 8 --oscar-batches 8 \
+    # the benchmark scripts are today's; the package is the tree's. -P: without it Python puts the working
+    # directory (today's oscar_hf) ahead of PYTHONPATH, and both trees would be today's.
+    PYTHONPATH=$root:$PWD python3 -P -c "import oscar_hf; print('$tree', oscar_hf.__file__)" | tee -a "$out/steps.log"
+    PYTHONPATH=$root:$PWD python3 -P -m bench.generate --contexts 32768 --batches 1 --oscar-batches 1 --caches "$caches" 2>&1 | tee -a "$out/steps.log"
+    PYTHONPATH=$root:$PWD python3 -P -m bench.generate --contexts 100000 --batches 8 --oscar-batches 8 \
       --caches "$caches" 2>&1 | tee -a "$out/steps.log"
   done
 done
