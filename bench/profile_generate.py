@@ -2,9 +2,10 @@
 
     python -m bench.profile_generate [--context 32768] [--batch 8] [--rows 20] [--cache static]
 
-Fills an OscarCache (bench.harness.fill_oscar; `--cache static`: a StaticCache, the speed anchor, to compare with),
-runs a 6-token `generate` (compilation, CUDA-graph recording), then profiles a 9-token call and prints the CUDA
-kernels by total time (`--cprofile`: the host's Python functions).
+Fills an OscarCache (bench.harness.fill_oscar; `--cache oscar-default`: what `OscarCache(model)` stores; `--cache
+static`: a StaticCache, the speed anchor, to compare with), runs a 6-token `generate` (compilation, CUDA-graph
+recording), then profiles a 9-token call and prints the CUDA kernels by total time (`--cprofile`: the host's Python
+functions).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def main():
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rows", type=int, default=20)
-    p.add_argument("--cache", default="oscar", choices=["oscar", "static"])
+    p.add_argument("--cache", default="oscar", choices=["oscar", "oscar-default", "static"],
+                   help="oscar: uniform 2-bit rows; oscar-default: what OscarCache(model) stores")
     p.add_argument("--eager", action="store_true", help="generate without its compile (disable_compile=True)")
     p.add_argument("--timeline", action="store_true", help="also print each kernel's share of the GPU's busy time "
                    "(overlapping kernels share it) and the idle time between kernels, from the profiler's trace")
