@@ -9,17 +9,19 @@
 # very first calls, 256 new tokens, each kind in empty Triton and inductor cache folders: the default OscarCache,
 # DynamicCache and StaticCache; p = a machine's first call with
 # each kernel compiled at its launch against kernels compiled on threads first, the Triton census in empty cache
-# folders, 16 new tokens, chunks of 8,192)
+# folders, 16 new tokens, chunks of 8,192; r = f's OscarCache and DynamicCache calls, and OscarCache from the
+# package in the folder BEFORE (`git archive <commit> oscar_hf | tar -x -C .before`, carried), alternating)
 # CTX and BS (default 32768 and 8) set the context and batch of the 256- and 16-token calls (BS=4 fits an H100).
 set -o pipefail
 out=${1:?usage: bench/gpu_first_answer.sh OUT_DIR PART}
-part=${2:?PART: a, b, c, f, p or q}
+part=${2:?PART: a, b, c, f, p, q or r}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
 fa() {
   echo "== $*" | tee -a "$out/first_answer.log"; local began=$SECONDS
-  python3 -m bench.first_answer --out "$out/first_answer.jsonl" "$@" 2>&1 | tee -a "$out/first_answer.log"
+  python3 -P -c "import oscar_hf; print('package', oscar_hf.__file__)" 2>&1 | tee -a "$out/first_answer.log"
+  python3 -P -m bench.first_answer --out "$out/first_answer.jsonl" "$@" 2>&1 | tee -a "$out/first_answer.log"
   echo "process wall $((SECONDS - began)) s" | tee -a "$out/first_answer.log"
 }
 if [[ $part == a ]]; then
@@ -54,6 +56,15 @@ if [[ $part == f ]]; then  # every kind compiles as on a new machine: Triton's a
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches static
+fi
+if [[ $part == r ]]; then  # a change to the first call against the tree before it, each process on a new machine
+  fresh() { export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d); }
+  before=${BEFORE:?BEFORE: the folder holding the earlier oscar_hf}
+  # -P: the working directory's oscar_hf must not shadow the earlier one on PYTHONPATH
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic
+  fresh; PYTHONPATH=$PWD/$before:$PWD fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar
+  fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar
 fi
 if [[ $part == p ]]; then
   for threads in 0 16; do

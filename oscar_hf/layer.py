@@ -218,9 +218,11 @@ class OscarLayer(CacheLayerMixin):
             self._warm_counted_step(query)
 
     def _warm_counted_step(self, query: torch.Tensor) -> None:
-        """One counted attention on a zero query, now: the kernels compile and their scratch grows for the decode
-        shapes here, not inside a compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
+        """One counted attention on a zero query, now, after a pass compiling a whole step's kernels at once
+        (`_rehearse_counted_step`): they compile and their scratch grows for the decode shapes here, not inside a
+        compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
         step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
+        _rehearse_counted_step(self, step)
         segment = self.open_segment()
         self.backends.attention.decode_attention(segment.decode_call(step, self.keys_buffer, self.values_buffer, 1.0))
         self.segment_open = False
@@ -345,6 +347,28 @@ class OscarLayer(CacheLayerMixin):
         sink = self.sink_size if history_rows else 0
         return (f"OscarLayer(idx={self.layer_idx}, tokens={tokens}, sink={sink}, history={history_rows}, "
                 f"bf16={bf16_rows})")
+
+
+def _rehearse_counted_step(layer: OscarLayer, query: torch.Tensor) -> None:
+    """Compile the kernels of counted decode steps (update, attention, close) in one pass of the backend
+    (`Backend.rehearse`, once per shape): the first steps' kernels (the attention's, and the demotion's and window
+    shift's of the step that fills the window) compile at once instead of one call after another. The pass runs a
+    demotion block's steps, one of which demotes, on a copy of `layer` that shares its backends and waits for no
+    reader; no kernel runs, and the copy's own tensor operations touch only its own tensors."""
+
+    def steps() -> None:
+        scratch = copy.deepcopy(layer, {id(layer.backend): layer.backend, id(layer.backends): layer.backends})
+        scratch.readers = ()
+        keys, values = (buffer.new_zeros((*buffer.shape[:2], 1, buffer.shape[-1]))
+                        for buffer in (layer.keys_buffer, layer.values_buffer))
+        for _ in range(layer.config.demote_block):
+            stored_keys, stored_values = scratch.update(keys, values)
+            segment = scratch.open_segment()
+            segment.close(output=segment.backend.decode_attention(
+                segment.decode_call(query, stored_keys, stored_values, 1.0)))
+
+    layer.backends.plain.rehearse("counted steps", (query, layer.config, *layer.tiers.static_tensors()),
+                                  query.device, steps)
 
 
 def _tokens_to_crop(tokens_to_remove: int, length: int) -> int:

@@ -102,7 +102,7 @@ def _untouched_demotion(written):
 @pytest.mark.quick
 def test_the_backend_runs_one_pass_per_kind_of_call():
     """`ParallelCompile.first`: a pass (the call run once with launches compiling only) before the first call of
-    each kind on a CUDA device; none on another device, with fewer than 2 threads, or for a call whose arguments
+    each kind on a CUDA device (`rehearse`: the pass alone); none on another device, with fewer than 2 threads, or for a call whose arguments
     differ only where Triton does not tell them apart; a pass that fails leaves the call to run."""
     seen = []
 
@@ -119,6 +119,10 @@ def test_the_backend_runs_one_pass_per_kind_of_call():
     seen.clear()
     compiles.first("another call", (torch.empty(2, 32, DIM), 32), cuda, call)
     assert seen == [True, False]
+    seen.clear()
+    for _ in range(2):  # calls yet to come: a pass once, and nothing run for real
+        compiles.rehearse("calls to come", (torch.empty(2, 32, DIM),), cuda, call)
+    assert seen == [True]
     for compiles, device in ((ParallelCompile(threads=1), cuda), (ParallelCompile(threads=4), torch.device("cpu"))):
         seen.clear()
         compiles.first("call", (torch.empty(2, 32, DIM),), device, call)
@@ -140,3 +144,75 @@ def test_call_shape_tells_apart_what_triton_specializes_on():
     assert call_shape(a) == call_shape(b) != call_shape(torch.empty(4, 33)) != call_shape(a.half())
     assert call_shape(a) != call_shape(a.t())  # strides (32, 1) against (1, 32)
     assert call_shape((a, None, 0.5, "x")) == call_shape((b, None, 0.25, "x")) != call_shape((b, None, 0.25, "y"))
+
+
+def _recording_launches(monkeypatch, records: list) -> None:
+    """Every kernel launch (a compile-only pass's included) appends what selects its variant, and more: the
+    kernel, each tensor argument's dtype, shape, strides and 16-byte alignment, every other argument's value but
+    a float's (Triton passes floats as values and specializes on none)."""
+    from oscar_hf.kernels.triton import common, demote, dequantize, merge, move_rows, query_rotation, stage1
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            return value.dtype, tuple(value.shape), value.stride(), value.data_ptr() % 16 == 0
+        return float if isinstance(value, float) else value
+
+    def launch(kernel, grid, *args, **kwargs):
+        records.append((getattr(kernel, "__name__", repr(kernel)), tuple(described(a) for a in args),
+                        tuple(sorted((name, described(v)) for name, v in kwargs.items()))))
+        common.launch(kernel, grid, *args, **kwargs)
+
+    for module in (demote, dequantize, merge, move_rows, query_rotation, stage1):
+        monkeypatch.setattr(module, "launch", launch)
+
+
+def _state(layer):
+    """The bytes of every tensor a counted step reads or writes (bytes: capacity past the stored rows is
+    uninitialized, and may hold NaN, which no NaN equals)."""
+    return [t.detach().clone().flatten().view(torch.uint8)
+            for t in (*layer.tiers.static_tensors(), *layer.mode.static_tensors()) if t is not None]
+
+
+def test_a_rehearsed_counted_step_asks_for_the_variants_the_first_steps_launch(monkeypatch):
+    """The pass a layer runs when it starts counted decode on CUDA (`layer._rehearse_counted_step`, through the
+    backend's `rehearse`) launches the kernels of counted steps (attention, demotion, window shift) with arguments
+    Triton tells apart exactly as the first real steps' launches, runs none of them, and leaves the layer as it
+    was. The cache is the default's: the data-free profile splits layer 0 by KV heads (a 4-bit and a 2-bit run)."""
+    from oscar_hf import OscarCache
+    from oscar_hf.kernels.triton.backend import TritonBackend
+    from oscar_hf.layer import _rehearse_counted_step
+
+    from conftest import forward, kernel_qwen3
+
+    model = kernel_qwen3(device=DEVICE)
+    options = dict(sink_tokens=4, recent_tokens=16, demote_block=2)
+    backend = TritonBackend(target_programs=64, min_dense_tokens=16, min_history_tokens=32)
+    cache = OscarCache(model, backend=backend, **options)
+    ids = torch.randint(3, model.config.vocab_size, (2, 45), device=DEVICE)
+    with torch.no_grad():
+        logits = forward(model, ids, cache).logits
+    assert all(layer.counted is not None and layer.history_length > 0 for layer in cache.layers)
+    assert [type(layer.history).__name__ for layer in cache.layers] == ["HeadSplitHistory", "QuantizedHistory"]
+
+    passes = []
+    monkeypatch.setattr(backend, "rehearse", lambda name, args, device, calls: passes.append(calls))
+    query = torch.zeros(2, model.config.num_attention_heads, 1, model.config.head_dim, device=DEVICE)
+    before = [_state(layer) for layer in cache.layers]
+    rehearsed, stepped = [], []
+    _recording_launches(monkeypatch, rehearsed)
+    for layer in cache.layers:
+        _rehearse_counted_step(layer, query)
+    with compile_only(threads=2):
+        for calls in passes:
+            calls()
+    assert len(passes) == len(cache.layers) and rehearsed
+    for layer, state in zip(cache.layers, before):
+        assert all(torch.equal(a, b) for a, b in zip(_state(layer), state)), "the pass changed the layer"
+
+    _recording_launches(monkeypatch, stepped)
+    token = logits[:, -1:].argmax(-1)
+    with torch.no_grad():
+        for _ in range(2 * options["demote_block"] + 1):  # through two demotions
+            token = forward(model, token, cache).logits[:, -1:].argmax(-1)
+    assert "_demote_kernel" in {name for name, _, _ in stepped}  # the window shift is a kernel on CUDA only
+    assert set(stepped) == set(rehearsed)

@@ -38,6 +38,7 @@ The PyTorch reference (`kernels.reference`) defines the semantics; every other b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -227,6 +228,8 @@ class Backend(Protocol):
 
     def graph_capture_problem(self, key_dim: int, value_dim: int, encoder: str,
                               scale_dtype: torch.dtype = torch.float16) -> str | None: ...
+
+    def rehearse(self, name: str, args: tuple, device: torch.device, calls: Callable[[], object]) -> None: ...
 
     def settings(self) -> dict: ...
 

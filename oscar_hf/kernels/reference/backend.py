@@ -103,6 +103,10 @@ class ReferenceBackend:
         """`decode_attention` as an eager step calls it (the reference has nothing to replay)."""
         return self.decode_attention(call)
 
+    def rehearse(self, name: str, args: tuple, device: torch.device, calls) -> None:
+        """Compile the kernels `calls()` would launch (`kernels.triton.precompile.ParallelCompile.rehearse`): the
+        reference has none, and runs nothing."""
+
     def settings(self) -> dict:
         """The constructor's arguments, as data (`kernels.select.backend_spec`)."""
         return {"history_chunk": self.history_chunk}

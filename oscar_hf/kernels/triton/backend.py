@@ -270,6 +270,10 @@ class TritonBackend(ReferenceBackend):
         return self.graphs(key, c.query, lambda q: self.decode_attention(replace(c, query=q)),
                            keep=lambda: self._scratch.get(c.query.device))
 
+    def rehearse(self, name: str, args: tuple, device: torch.device, calls) -> None:
+        """A compile-only pass of `calls()`, once per `name` and shape of `args` (`ParallelCompile.rehearse`)."""
+        self.compiles.rehearse(name, args, device, calls)
+
     def _settings(self) -> tuple:
         """The constructor settings a launch depends on (part of a replayed call's key)."""
         return (self.launch, self.target_programs, self.min_dense_tokens, self.min_history_tokens,

@@ -19,7 +19,10 @@ compiled finds them in memory.
 
 The calls themselves still come one after another (the prefill's demotion and attention, then a decode step's),
 so a new machine's first chunked call at 32k/4 went from 36.2 to 28.3 s, not to what compiling all 20 variants at
-once would give (H100, 2026-12-06; `experiments.compile.triton_census`).
+once would give (H100, 2026-12-06; `experiments.compile.triton_census`). Code that knows calls still to come can
+compile them together (`ParallelCompile.rehearse`): a layer that starts counted decode rehearses a demotion block's
+steps on a copy of itself (`layer._rehearse_counted_step`), so the decode attention's, the demotion's and the
+window shift's variants compile in one pass instead of three, at the first step and at the first demotion.
 """
 
 from __future__ import annotations
@@ -120,13 +123,19 @@ class ParallelCompile:
     def first(self, name: str, args: tuple, device: torch.device, call: Callable[[], T]) -> T:
         """`call()`, after a compile-only pass of it when this is the first call named `name` with arguments of
         this shape on a CUDA device (not inside another pass, nor while a CUDA graph is being captured)."""
+        self.rehearse(name, args, device, call)
+        return call()
+
+    def rehearse(self, name: str, args: tuple, device: torch.device, calls: Callable[[], object]) -> None:
+        """A compile-only pass of `calls()`, code that makes calls yet to come (several, of several kinds), the
+        first time `name` comes with arguments of this shape on a CUDA device; it runs nothing for real. Its
+        variants then compile at once instead of one call after another."""
         if (self.threads >= 2 and device.type == "cuda" and not compiling_only() and not _capturing()
                 and not _tracing()):
             key = (name, call_shape(args))
             if key not in self._seen:
                 self._seen.add(key)
-                self._compile(name, call)
-        return call()
+                self._compile(name, calls)
 
     def _compile(self, name: str, call: Callable[[], object]) -> None:
         try:
