@@ -206,23 +206,23 @@ class OscarLayer(CacheLayerMixin):
     def _close(self, attention_mask: torch.Tensor | None, *, query: torch.Tensor | None = None,
                output: torch.Tensor | None = None) -> None:
         """`HistorySegment.close`: the mode settles the forward (a host-counted one after reading the rows'
-        padding from `attention_mask`; a counted step after `output`, the attention that read the history rows
-        its demotion overwrites). A host-counted forward then hands over to counted decode, warmed for `query`'s
-        heads on CUDA."""
+        padding from `attention_mask`; a counted step after `output`, the attention that read the history rows its
+        demotion overwrites). A host-counted one then hands over to counted decode, warmed for `query`'s heads on
+        CUDA; first, the kernels of this close and the steps after it compile at once (`_rehearse_hand_over`)."""
         self.segment_open = False
+        if hands_over := not (self.mode.counted or not self.allow_counted_decode or torch.compiler.is_compiling()):
+            _rehearse_hand_over(self, attention_mask, query)
         self.mode.close(attention_mask, self.backends, self._room(), output)
-        if self.mode.counted or not self.allow_counted_decode or torch.compiler.is_compiling():
+        if not hands_over:
             return
         self.start_counted_decode(attention_mask)
         if query is not None and query.is_cuda:
             self._warm_counted_step(query)
 
     def _warm_counted_step(self, query: torch.Tensor) -> None:
-        """One counted attention on a zero query, now, after a pass compiling a whole step's kernels at once
-        (`_rehearse_counted_step`): they compile and their scratch grows for the decode shapes here, not inside a
-        compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
+        """One counted attention on a zero query, now: the kernels compile and their scratch grows for the decode
+        shapes here, not inside a compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
         step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
-        _rehearse_counted_step(self, step)
         segment = self.open_segment()
         self.backends.attention.decode_attention(segment.decode_call(step, self.keys_buffer, self.values_buffer, 1.0))
         self.segment_open = False
@@ -349,26 +349,30 @@ class OscarLayer(CacheLayerMixin):
                 f"bf16={bf16_rows})")
 
 
-def _rehearse_counted_step(layer: OscarLayer, query: torch.Tensor) -> None:
-    """Compile the kernels of counted decode steps (update, attention, close) in one pass of the backend
-    (`Backend.rehearse`, once per shape): the first steps' kernels (the attention's, and the demotion's and window
-    shift's of the step that fills the window) compile at once instead of one call after another. The pass runs a
-    demotion block's steps, one of which demotes, on a copy of `layer` that shares its backends and waits for no
-    reader; no kernel runs, and the copy's own tensor operations touch only its own tensors."""
+def _rehearse_hand_over(layer: OscarLayer, attention_mask: torch.Tensor | None, query: torch.Tensor | None) -> None:
+    """Compile in one pass of the backend (`Backend.rehearse`: on CUDA, once per shape) the kernels of `layer`'s
+    host-counted close that hands over to counted decode (its demotion, the warm-up) and of a demotion block's
+    counted steps after it (attention, and the demotion and window shift of the step that fills the window). They
+    compile at once instead of at the close, the first step and the first demotion, one after another. The pass
+    runs all of it on a copy of `layer` that shares its backends and waits for no reader: no kernel runs, and the
+    copy's own tensor operations touch only its own tensors."""
 
-    def steps() -> None:
+    def rehearsal() -> None:
         scratch = copy.deepcopy(layer, {id(layer.backend): layer.backend, id(layer.backends): layer.backends})
         scratch.readers = ()
+        scratch._close(attention_mask, query=query)
+        step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
         keys, values = (buffer.new_zeros((*buffer.shape[:2], 1, buffer.shape[-1]))
-                        for buffer in (layer.keys_buffer, layer.values_buffer))
+                        for buffer in (scratch.keys_buffer, scratch.values_buffer))
         for _ in range(layer.config.demote_block):
             stored_keys, stored_values = scratch.update(keys, values)
             segment = scratch.open_segment()
             segment.close(output=segment.backend.decode_attention(
-                segment.decode_call(query, stored_keys, stored_values, 1.0)))
+                segment.decode_call(step, stored_keys, stored_values, 1.0)))
 
-    layer.backends.plain.rehearse("counted steps", (query, layer.config, *layer.tiers.static_tensors()),
-                                  query.device, steps)
+    if query is not None:  # None: a close outside the attention, which warms nothing either
+        args = (query, attention_mask, layer.config, *layer.tiers.static_tensors())
+        layer.backends.plain.rehearse("hand-over", args, query.device, rehearsal)
 
 
 def _tokens_to_crop(tokens_to_remove: int, length: int) -> int:

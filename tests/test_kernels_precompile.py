@@ -146,10 +146,10 @@ def test_call_shape_tells_apart_what_triton_specializes_on():
     assert call_shape((a, None, 0.5, "x")) == call_shape((b, None, 0.25, "x")) != call_shape((b, None, 0.25, "y"))
 
 
-def _recording_launches(monkeypatch, records: list) -> None:
-    """Every kernel launch (a compile-only pass's included) appends what selects its variant, and more: the
-    kernel, each tensor argument's dtype, shape, strides and 16-byte alignment, every other argument's value but
-    a float's (Triton passes floats as values and specializes on none)."""
+def _recording_launches(monkeypatch, records: dict, current: list) -> None:
+    """Every kernel launch (a compile-only pass's included) appends to `records[current[0]]` what selects its
+    variant, and more: the kernel, each tensor argument's dtype, shape, strides and 16-byte alignment, every other
+    argument's value but a float's (Triton passes floats as values and specializes on none)."""
     from oscar_hf.kernels.triton import common, demote, dequantize, merge, move_rows, query_rotation, stage1
 
     def described(value):
@@ -158,29 +158,36 @@ def _recording_launches(monkeypatch, records: list) -> None:
         return float if isinstance(value, float) else value
 
     def launch(kernel, grid, *args, **kwargs):
-        records.append((getattr(kernel, "__name__", repr(kernel)), tuple(described(a) for a in args),
-                        tuple(sorted((name, described(v)) for name, v in kwargs.items()))))
+        records[current[0]].append((getattr(kernel, "__name__", repr(kernel)), tuple(described(a) for a in args),
+                                    tuple(sorted((name, described(v)) for name, v in kwargs.items()))))
         common.launch(kernel, grid, *args, **kwargs)
 
     for module in (demote, dequantize, merge, move_rows, query_rotation, stage1):
         monkeypatch.setattr(module, "launch", launch)
 
 
-def _state(layer):
-    """The bytes of every tensor a counted step reads or writes (bytes: capacity past the stored rows is
-    uninitialized, and may hold NaN, which no NaN equals)."""
-    return [t.detach().clone().flatten().view(torch.uint8)
-            for t in (*layer.tiers.static_tensors(), *layer.mode.static_tensors()) if t is not None]
+def _state(cache):
+    """Every initialized layer's counts and the bytes of every tensor of its tiers (bytes: capacity past the
+    stored rows is uninitialized, and may hold NaN, which no NaN equals)."""
+    return [(layer.counts(), [t.detach().clone().flatten().view(torch.uint8)
+                              for t in layer.tiers.static_tensors() if t is not None])
+            for layer in cache.layers if layer.is_initialized]
 
 
-def test_a_rehearsed_counted_step_asks_for_the_variants_the_first_steps_launch(monkeypatch):
-    """The pass a layer runs when it starts counted decode on CUDA (`layer._rehearse_counted_step`, through the
-    backend's `rehearse`) launches the kernels of counted steps (attention, demotion, window shift) with arguments
-    Triton tells apart exactly as the first real steps' launches, runs none of them, and leaves the layer as it
-    was. The cache is the default's: the data-free profile splits layer 0 by KV heads (a 4-bit and a 2-bit run)."""
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(counts == other_counts and all(torch.equal(x, y) for x, y in zip(ts, others))
+                                    for (counts, ts), (other_counts, others) in zip(a, b))
+
+
+def test_a_rehearsed_hand_over_asks_for_the_variants_the_close_and_the_first_steps_launch(monkeypatch):
+    """When a host-counted forward hands a layer over to counted decode, its close first runs a pass
+    (`layer._rehearse_hand_over`, through the backend's `rehearse`; on CUDA, once per shape) that launches the
+    kernels of that close and of a demotion block's counted steps (attention, demotion, window shift) with arguments
+    Triton tells apart exactly as the real close and the first real steps launch them, runs none of them, and
+    leaves the cache as it was. The cache is the default's: the data-free profile splits layer 0 by KV heads (a
+    4-bit and a 2-bit run)."""
     from oscar_hf import OscarCache
     from oscar_hf.kernels.triton.backend import TritonBackend
-    from oscar_hf.layer import _rehearse_counted_step
 
     from conftest import forward, kernel_qwen3
 
@@ -188,31 +195,26 @@ def test_a_rehearsed_counted_step_asks_for_the_variants_the_first_steps_launch(m
     options = dict(sink_tokens=4, recent_tokens=16, demote_block=2)
     backend = TritonBackend(target_programs=64, min_dense_tokens=16, min_history_tokens=32)
     cache = OscarCache(model, backend=backend, **options)
+    records, current, passes = {"pass": [], "real": []}, ["real"], []
+    _recording_launches(monkeypatch, records, current)
+
+    def rehearse(name, args, device, calls):  # what a CUDA device's first close of this shape runs
+        if compiling_only():  # the copy's own close, inside the pass: `ParallelCompile.rehearse` runs no pass there
+            return
+        before = _state(cache)
+        current[0] = "pass"
+        with compile_only(threads=2):
+            calls()
+        current[0] = "real"
+        passes.append(_same(_state(cache), before))
+
+    monkeypatch.setattr(backend, "rehearse", rehearse)
     ids = torch.randint(3, model.config.vocab_size, (2, 45), device=DEVICE)
     with torch.no_grad():
-        logits = forward(model, ids, cache).logits
-    assert all(layer.counted is not None and layer.history_length > 0 for layer in cache.layers)
-    assert [type(layer.history).__name__ for layer in cache.layers] == ["HeadSplitHistory", "QuantizedHistory"]
-
-    passes = []
-    monkeypatch.setattr(backend, "rehearse", lambda name, args, device, calls: passes.append(calls))
-    query = torch.zeros(2, model.config.num_attention_heads, 1, model.config.head_dim, device=DEVICE)
-    before = [_state(layer) for layer in cache.layers]
-    rehearsed, stepped = [], []
-    _recording_launches(monkeypatch, rehearsed)
-    for layer in cache.layers:
-        _rehearse_counted_step(layer, query)
-    with compile_only(threads=2):
-        for calls in passes:
-            calls()
-    assert len(passes) == len(cache.layers) and rehearsed
-    for layer, state in zip(cache.layers, before):
-        assert all(torch.equal(a, b) for a, b in zip(_state(layer), state)), "the pass changed the layer"
-
-    _recording_launches(monkeypatch, stepped)
-    token = logits[:, -1:].argmax(-1)
-    with torch.no_grad():
+        token = forward(model, ids, cache).logits[:, -1:].argmax(-1)
         for _ in range(2 * options["demote_block"] + 1):  # through two demotions
             token = forward(model, token, cache).logits[:, -1:].argmax(-1)
-    assert "_demote_kernel" in {name for name, _, _ in stepped}  # the window shift is a kernel on CUDA only
-    assert set(stepped) == set(rehearsed)
+    assert [type(layer.history).__name__ for layer in cache.layers] == ["HeadSplitHistory", "QuantizedHistory"]
+    assert passes == [True, True], "a pass per layer's hand-over, each leaving the cache as it was"
+    assert "_demote_kernel" in {name for name, _, _ in records["real"]}  # the window shift is a kernel on CUDA only
+    assert set(records["pass"]) == set(records["real"])

@@ -20,9 +20,9 @@ compiled finds them in memory.
 The calls themselves still come one after another (the prefill's demotion and attention, then a decode step's),
 so a new machine's first chunked call at 32k/4 went from 36.2 to 28.3 s, not to what compiling all 20 variants at
 once would give (H100, 2026-12-06; `experiments.compile.triton_census`). Code that knows calls still to come can
-compile them together (`ParallelCompile.rehearse`): a layer that starts counted decode rehearses a demotion block's
-steps on a copy of itself (`layer._rehearse_counted_step`), so the decode attention's, the demotion's and the
-window shift's variants compile in one pass instead of three, at the first step and at the first demotion.
+compile them together (`ParallelCompile.rehearse`): a layer handing over to counted decode runs its close and a
+demotion block's steps on a copy of itself (`layer._rehearse_hand_over`), so the variants of the close's demotion,
+of the decode attention, and of the steps' demotion and window shift compile in one pass instead of three.
 """
 
 from __future__ import annotations
