@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from oscar_hf.kernels.triton.common import compiling_only
-
 logger = logging.get_logger(__name__)
 
 
@@ -72,11 +70,8 @@ class GraphReplay:
 
     @staticmethod
     def replays(x: torch.Tensor) -> bool:
-        """Whether a call on `x` may be captured and replayed here (module docstring). Not in a compile-only pass
-        (`kernels.triton.precompile`): it runs on tensors that are gone after it, whose addresses a later call's
-        tensors may take, and must leave no key behind."""
-        return (x.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
-                and not compiling_only())
+        """Whether a call on `x` may be captured and replayed here (module docstring)."""
+        return x.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
     def __call__(self, key: Hashable, x: torch.Tensor, body: Callable[[torch.Tensor], torch.Tensor],
                  keep: Callable[[], object] = lambda: None) -> torch.Tensor:

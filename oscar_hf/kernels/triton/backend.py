@@ -31,7 +31,7 @@ from oscar_hf.kernels.interface import DecodeCall, DemoteCall, HeadSplitTensors,
 from oscar_hf.kernels.reference.backend import ReferenceBackend
 from oscar_hf.kernels.reference.quantize import COMPACT, row_bytes
 from oscar_hf.kernels.replay import GraphReplay, layout
-from oscar_hf.kernels.triton.common import dependent_launch, multiprocessors
+from oscar_hf.kernels.triton.common import compiling_only, dependent_launch, multiprocessors
 from oscar_hf.kernels.triton.demote import KERNEL_ENCODERS, demote_rows
 from oscar_hf.kernels.triton.dequantize import dequantize_history
 from oscar_hf.kernels.triton.launch_plan import (
@@ -259,8 +259,11 @@ class TritonBackend(ReferenceBackend):
     def eager_decode_attention(self, call: DecodeCall) -> torch.Tensor:
         """`decode_attention` for an eager step: on CUDA its kernels are captured once per layout (the second call
         with it) and replayed from the CUDA graph after that (`kernels.replay`), one launch for the host instead of
-        four. The key names every tensor's layout and address and every setting the launches depend on."""
-        if self.graphs is None or not call.query.is_cuda or not self._decode_supported(call):
+        four. The key names every tensor's layout and address and every setting the launches depend on. A
+        compile-only pass (`precompile`) goes straight to the kernels: it runs on tensors that are gone after it,
+        whose addresses a later call's may take, so it must leave no key behind."""
+        if (self.graphs is None or not call.query.is_cuda or not self._decode_supported(call)
+                or compiling_only()):
             return self.decode_attention(call)
         c = call
         key = (layout(c.keys), layout(c.values), layout(c.dense_length), layout(c.dense_start),
