@@ -24,6 +24,8 @@ fa() {
   python3 -P -m bench.first_answer --out "$out/first_answer.jsonl" "$@" 2>&1 | tee -a "$out/first_answer.log"
   echo "process wall $((SECONDS - began)) s" | tee -a "$out/first_answer.log"
 }
+# empty Triton and inductor cache folders: the next process compiles as on a new machine
+fresh() { export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d); }
 if [[ $part == a ]]; then
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled --calls 2  # the machine's first compile
   fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar-compiled           # a second process
@@ -52,13 +54,11 @@ if [[ $part == b ]]; then
   fa --context 100000 --batch 4 --new-tokens 16 --caches dynamic,oscar --chunk 8192
 fi
 if [[ $part == f ]]; then  # every kind compiles as on a new machine: Triton's and inductor's disk caches empty
-  fresh() { export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d); }
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches dynamic
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches static
 fi
 if [[ $part == r ]]; then  # a change to the first call against the tree before it, each process on a new machine
-  fresh() { export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d); }
   before=${BEFORE:?BEFORE: the folder holding the earlier oscar_hf}
   # -P: the working directory's oscar_hf must not shadow the earlier one on PYTHONPATH
   fresh; fa --context ${CTX:-32768} --batch ${BS:-8} --new-tokens 256 --caches oscar

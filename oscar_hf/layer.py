@@ -210,7 +210,7 @@ class OscarLayer(CacheLayerMixin):
         demotion overwrites). A host-counted one then hands over to counted decode, warmed for `query`'s heads on
         CUDA; first, the kernels of this close and the steps after it compile at once (`_rehearse_hand_over`)."""
         self.segment_open = False
-        if hands_over := not (self.mode.counted or not self.allow_counted_decode or torch.compiler.is_compiling()):
+        if hands_over := self.allow_counted_decode and not (self.mode.counted or torch.compiler.is_compiling()):
             _rehearse_hand_over(self, attention_mask, query)
         self.mode.close(attention_mask, self.backends, self._room(), output)
         if not hands_over:
@@ -222,7 +222,7 @@ class OscarLayer(CacheLayerMixin):
     def _warm_counted_step(self, query: torch.Tensor) -> None:
         """One counted attention on a zero query, now: the kernels compile and their scratch grows for the decode
         shapes here, not inside a compiled step's CUDA-graph recording (whose pool must not keep allocations)."""
-        step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
+        step = _zero_step(query)
         segment = self.open_segment()
         self.backends.attention.decode_attention(segment.decode_call(step, self.keys_buffer, self.values_buffer, 1.0))
         self.segment_open = False
@@ -361,7 +361,7 @@ def _rehearse_hand_over(layer: OscarLayer, attention_mask: torch.Tensor | None, 
         scratch = copy.deepcopy(layer, {id(layer.backend): layer.backend, id(layer.backends): layer.backends})
         scratch.readers = ()
         scratch._close(attention_mask, query=query)
-        step = query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
+        step = _zero_step(query)
         keys, values = (buffer.new_zeros((*buffer.shape[:2], 1, buffer.shape[-1]))
                         for buffer in (scratch.keys_buffer, scratch.values_buffer))
         for _ in range(layer.config.demote_block):
@@ -373,6 +373,11 @@ def _rehearse_hand_over(layer: OscarLayer, attention_mask: torch.Tensor | None, 
     if query is not None:  # None: a close outside the attention, which warms nothing either
         args = (query, attention_mask, layer.config, *layer.tiers.static_tensors())
         layer.backends.plain.rehearse("hand-over", args, query.device, rehearsal)
+
+
+def _zero_step(query: torch.Tensor) -> torch.Tensor:
+    """A zero query of one position `[B, Hq, 1, D]` in `query`'s heads, size and dtype: what warms a decode step."""
+    return query.new_zeros((query.shape[0], query.shape[1], 1, query.shape[3]))
 
 
 def _tokens_to_crop(tokens_to_remove: int, length: int) -> int:

@@ -79,7 +79,7 @@ class Tiers:
         for kind, rotation, dim in (("key", self.key_rotation, key_dim), ("value", self.value_rotation, value_dim),
                                     ("query", self._query_rotation, key_dim)):
             if rotation is not None and (rotation.shape[-1] != dim
-                                         or (rotation.dim() == 3 and rotation.shape[0] != heads)):
+                                         or (rotation.dim() != 2 and rotation.shape[0] != heads)):
                 raise ValueError(
                     f"layer {self.layer_idx}: {kind} rotation of shape {tuple(rotation.shape)} does not fit "
                     f"{kind} states with {heads} heads of size {dim}"
