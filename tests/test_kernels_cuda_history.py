@@ -1,4 +1,4 @@
-"""The CUDA history kernel (`oscar_hf/kernels/int2_history.cu`).
+"""The CUDA history kernel (`oscar_hf/kernels/cuda/history_partials.cu`).
 
 On CPU: its source compiles (NVRTC, when libnvrtc is installed: `pip install nvidia-cuda-nvrtc`) for sm_80 and
 sm_90 without spilling registers, and its split rule. On a CUDA device: decode steps through it against the Triton
@@ -54,9 +54,10 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("arch", [pytest.param(80, marks=pytest.mark.quick), 90])
 @pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
                                     cuda_history.CudaHistoryConfig(stages=5, magic_planes=0)])
-def test_source_compiles_without_spills(arch, config):
-    resources = _resources(cuda_history.compile_cubin(arch, config))
-    assert set(resources) == {cuda_history.kernel_name(d, r, pairs) for d in (64, 128) for r in (4, 8)
+@pytest.mark.parametrize("bits", cuda_history.CODE_BITS)
+def test_source_compiles_without_spills(arch, config, bits):
+    resources = _resources(cuda_history.compile_cubin(arch, config, bits))
+    assert set(resources) == {cuda_history.kernel_name(d, r, pairs, bits) for d in (64, 128) for r in (4, 8)
                               for pairs in (torch.float16, torch.uint8)}
     for name, r in resources.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
@@ -139,6 +140,8 @@ ALWAYS = cuda_history.CudaHistoryConfig(min_history_bytes=0)  # these small call
 
 # oscar-next's 2-bit rows: sigma codes, compact (one-byte) pairs
 COMPACT = OscarConfig(scale_dtype="compact", encoder="sigma")
+FOUR_BITS = OscarConfig(bits=4)
+FOUR_BITS_COMPACT = OscarConfig(bits=4, scale_dtype="compact", encoder="sigma")
 
 
 def _case(dim, groups, q_len, per_head, tokens=HISTORY, config=OscarConfig()):
@@ -167,9 +170,14 @@ def _relative(a, b):
     # compact pairs: both row variants, both head_dims; odd lengths end in a partial tile whose last word holds
     # one token
     (128, 4, 1, False, COMPACT, HISTORY + 1), (128, 8, 1, True, COMPACT, HISTORY - 3),
-    (64, 4, 1, True, COMPACT, HISTORY + 7), (64, 2, 3, False, COMPACT, HISTORY)])
+    (64, 4, 1, True, COMPACT, HISTORY + 7), (64, 2, 3, False, COMPACT, HISTORY),
+    # 4-bit codes (the high-precision KV heads of oscar-next's split layers, oscar-mixed's 4-bit layers)
+    (128, 4, 1, False, FOUR_BITS, HISTORY), (128, 8, 1, True, FOUR_BITS, HISTORY + 1),
+    (64, 4, 1, True, FOUR_BITS, HISTORY - 3), (64, 2, 3, False, FOUR_BITS, HISTORY + 7),
+    (128, 4, 1, True, FOUR_BITS_COMPACT, HISTORY - 1), (64, 8, 1, False, FOUR_BITS_COMPACT, HISTORY)])
 def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, config, tokens, monkeypatch):
-    """Up to 4 rows per KV head run the narrow-rows kernel, 5-8 the other; float16 and compact pairs."""
+    """Up to 4 rows per KV head run the narrow-rows kernel, 5-8 the other; float16 and compact pairs; 2- and 4-bit
+    codes."""
     rotations, history, query, (keys, values) = _case(dim, groups, q_len, per_head, tokens, config)
     assert history.key_scale_zero.dtype == (torch.uint8 if config.scale_dtype == torch.uint8 else torch.float16)
     history = history.kernel_view()

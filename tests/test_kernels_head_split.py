@@ -2,8 +2,8 @@
 one query rotation, one launch of the BF16 tiers' splits, one history launch per run of KV heads into the same
 partial buffers, one merge (`TritonBackend._run_split`), against the reference backend run by run.
 
-Runs on CPU through Triton's interpreter and on a CUDA device (where the 2-bit runs of a large enough history go to
-the CUDA history kernel: the GPU case checks that too). Outputs and scratch are poisoned, and the reference
+Runs on CPU through Triton's interpreter and on a CUDA device (where the runs of a large enough history go to the
+CUDA history kernel: the GPU case checks that too). Outputs and scratch are poisoned, and the reference
 fallbacks raise while the kernels are under test.
 """
 
@@ -116,8 +116,9 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
     runs = len(split.runs)
     assert launches["rotation"] == 1 and launches["dense"] == 1 and launches["merge"] == 1
     assert launches["history"] + launches["cuda"] == runs and "whole" not in launches
-    if ON_GPU and not padded and cuda_history.available(cuda_history.device_index(DEVICE)):
-        assert launches["cuda"] == runs - len(high_heads), "the 2-bit runs go to the CUDA history kernel"
+    if ON_GPU and not padded and all(cuda_history.available(cuda_history.device_index(DEVICE), bits=bits)
+                                     for bits in cuda_history.CODE_BITS):
+        assert launches["cuda"] == runs, "the 2- and 4-bit runs go to the CUDA history kernel"
     # the layer's programs shared by bytes: a 4-bit row is twice a 2-bit one's bytes, so its run takes more splits
     assert len(run_splits[2]) == len(run_splits[4]) == 1 and min(run_splits[4]) > max(run_splits[2]), run_splits
 

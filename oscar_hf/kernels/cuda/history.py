@@ -1,9 +1,10 @@
-"""The hand-written history tier of stage 1 (`int2_history.cu`), compiled at run time (`nvrtc.py`) and launched
+"""The hand-written history tier of stage 1 (`history_partials.cu`), compiled at run time (`nvrtc.py`) and launched
 through the CUDA driver.
 
 Contract: `kernels.triton.stage1.attention_partials`' for the history splits only (same partial layout,
-rounding points and log-sum-exp), restricted to the decode hot path: 2-bit codes, float16 or compact (scale, zero)
-pairs (`PAIR_DTYPES`), head_dim 64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no
+rounding points and log-sum-exp), restricted to the decode hot path: 2- or 4-bit codes (`CODE_BITS`; each width
+is a module of its own, compiled when a history of it is first read), float16 or compact (scale, zero) pairs
+(`PAIR_DTYPES`), head_dim 64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no
 mask, no softcap, a float16/bfloat16 model. `history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is
 the path tested against the reference on CPU (this kernel is checked against both on the GPU).
 
@@ -32,7 +33,7 @@ from oscar_hf.kernels.triton.launch_plan import SplitPlan
 
 logger = logging.get_logger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "int2_history.cu")
+SOURCE = os.path.join(os.path.dirname(__file__), "history_partials.cu")
 DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 MAX_ROWS = 8  # the MMA's N: query rows per KV head
@@ -43,6 +44,7 @@ WARP = 32  # threads per program
 KEY_CHAINS = 4  # independent score accumulators per tile (over its m-tiles): hides the MMA latency of one chain
 # pair dtypes the kernel reads: float16 (scale, zero), or compact one-byte codes (`reference.quantize.COMPACT`)
 PAIR_DTYPES = (torch.float16, COMPACT)
+CODE_BITS = (2, 4)  # code widths the kernel reads
 
 
 @dataclass(frozen=True)
@@ -64,19 +66,22 @@ class CudaHistoryConfig:
     max_splits: int = 128
     min_history_bytes: int = 4 << 20
 
-    def defines(self) -> dict[str, int]:
-        """The `-D` definitions `int2_history.cu` is compiled with."""
+    def defines(self, bits: int = 2) -> dict[str, int]:
+        """The `-D` definitions `history_partials.cu` is compiled with for the kernels of `bits`-bit codes."""
+        if bits not in CODE_BITS:
+            raise ValueError(f"the CUDA history kernel reads codes of {CODE_BITS} bits, not {bits}")
         return {"STAGES": self.stages, "MIN_WARPS_PER_SM": self.min_warps_per_sm,
-                "MAGIC_PLANES": self.magic_planes, "KEY_CHAINS": KEY_CHAINS}
+                "MAGIC_PLANES": self.magic_planes, "KEY_CHAINS": KEY_CHAINS, "CODE_BITS": bits}
 
 
-def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bytes:
-    """NVRTC-compile `int2_history.cu` for `sm_{arch}` (e.g. 90) into a CUBIN; needs no GPU."""
-    return nvrtc.compile_cubin(SOURCE, arch, config.defines())
+def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig(), bits: int = 2) -> bytes:
+    """NVRTC-compile the kernels of `bits`-bit codes in `history_partials.cu` for `sm_{arch}` (e.g. 90) into a
+    CUBIN; needs no GPU."""
+    return nvrtc.compile_cubin(SOURCE, arch, config.defines(bits))
 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# The kernels' parameters (`HISTORY_KERNEL` in `int2_history.cu`), by name and ctypes type, in the source's order
+# The kernels' parameters (`HISTORY_KERNEL` in `history_partials.cu`), by name and ctypes type, in the source's order
 # (tests/test_kernels_cuda_history.py checks them against it); `kernel_arguments` orders a launch's values by them.
 PARAMETERS: tuple[tuple[str, type], ...] = (
     # the rotated query and its batch, head and position strides (float32 elements)
@@ -109,14 +114,15 @@ def kernel_arguments(**values) -> list:
     return ordered
 
 
-def stage_bytes(dim: int) -> int:
+def stage_bytes(dim: int, bits: int = 2) -> int:
     """Shared memory of one staged tile: codes of 64 keys and 64 values, and their (scale, zero) words."""
-    return 2 * TILE * dim // 4 + 2 * TILE * 4
+    return 2 * TILE * dim * bits // 8 + 2 * TILE * 4
 
 
-def history_bytes(batch: int, kv_heads: int, length: int, dim: int, pair_dtype: torch.dtype = torch.float16) -> int:
-    """Bytes of a 2-bit history a call reads: the codes and (scale, zero) pairs of K and V for every row."""
-    return batch * kv_heads * length * 2 * row_bytes(dim, 2, pair_dtype)
+def history_bytes(batch: int, kv_heads: int, length: int, dim: int, pair_dtype: torch.dtype = torch.float16,
+                  bits: int = 2) -> int:
+    """Bytes of a history a call reads: the codes and (scale, zero) pairs of K and V for every row."""
+    return batch * kv_heads * length * 2 * row_bytes(dim, bits, pair_dtype)
 
 
 def device_index(device: torch.device) -> int:
@@ -124,47 +130,48 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def kernel_name(dim: int, rows: int, pair_dtype: torch.dtype = torch.float16) -> str:
+def kernel_name(dim: int, rows: int, pair_dtype: torch.dtype = torch.float16, bits: int = 2) -> str:
     """The kernel for head_dim `dim` whose MMA columns hold `rows` query rows (4: two token groups per MMA),
-    reading (scale, zero) pairs of `pair_dtype` (`PAIR_DTYPES`)."""
-    return f"int2_history_partials_d{dim}_r{rows}" + ("_compact" if pair_dtype == COMPACT else "")
+    reading `bits`-bit codes and (scale, zero) pairs of `pair_dtype` (`PAIR_DTYPES`)."""
+    return f"int{bits}_history_partials_d{dim}_r{rows}" + ("_compact" if pair_dtype == COMPACT else "")
 
 
 @functools.lru_cache(maxsize=None)
 def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig(),
-                rows: int = MAX_ROWS, pair_dtype: torch.dtype = torch.float16) -> nvrtc.Kernel:
-    """Compile (once per device and config) and load the kernel for `dim`, `rows` and `pair_dtype` on CUDA device
-    `device_index`."""
+                rows: int = MAX_ROWS, pair_dtype: torch.dtype = torch.float16, bits: int = 2) -> nvrtc.Kernel:
+    """Compile (once per device, config and code width) and load the kernel for `dim`, `rows`, `pair_dtype` and
+    `bits` on CUDA device `device_index`."""
     # one buffer beyond the pipeline's stages holds a split's partial last tile
-    return nvrtc.Kernel(_device_cubin(device_index, config), kernel_name(dim, rows, pair_dtype), device_index,
-                        ARG_TYPES, (config.stages + 1) * stage_bytes(dim), WARP)
+    return nvrtc.Kernel(_device_cubin(device_index, config, bits), kernel_name(dim, rows, pair_dtype, bits),
+                        device_index, ARG_TYPES, (config.stages + 1) * stage_bytes(dim, bits), WARP)
 
 
 @functools.lru_cache(maxsize=None)
-def _device_cubin(device_index: int, config: CudaHistoryConfig) -> bytes:
+def _device_cubin(device_index: int, config: CudaHistoryConfig, bits: int) -> bytes:
     major, minor = torch.cuda.get_device_capability(device_index)
-    return compile_cubin(10 * major + minor, config)
+    return compile_cubin(10 * major + minor, config, bits)
 
 
 @functools.lru_cache(maxsize=None)
 def resident_slots(device_index: int, dim: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> int:
-    """Programs of the kernel resident on the whole device at once (one wave; the fewest of its row and pair
-    variants)."""
+    """Programs of the 2-bit kernel resident on the whole device at once (one wave; the fewest of its row and pair
+    variants): what a layer's history splits are cut to fill."""
     per_sm = min(load_kernel(device_index, dim, config, rows, pairs).resident_programs()
                  for rows in ROW_VARIANTS for pairs in PAIR_DTYPES)
     return per_sm * multiprocessors(torch.device("cuda", device_index))
 
 
 @functools.lru_cache(maxsize=None)
-def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()) -> bool:
-    """Whether the kernel compiles and loads on this device (sm_80+ and libnvrtc); warns once if it does not."""
+def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig(), bits: int = 2) -> bool:
+    """Whether the kernels of `bits`-bit codes compile and load on this device (sm_80+ and libnvrtc); warns once if
+    they do not."""
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return False
     try:
         for dim in DIMS:
             for rows in ROW_VARIANTS:
                 for pairs in PAIR_DTYPES:
-                    load_kernel(device_index, dim, config, rows, pairs)
+                    load_kernel(device_index, dim, config, rows, pairs, bits)
     except (OSError, RuntimeError) as error:
         logger.warning_once("OSCAR's CUDA history kernel is unavailable (%s); the Triton kernel is used instead",
                             str(error))
@@ -179,7 +186,7 @@ def history_kernel_supports(query: torch.Tensor, history, mask, softcap, kv_head
         return False
     batch, q_heads, q_len, dim = query.shape
     pairs = history.key_scale_zero.dtype
-    return (dim in DIMS and history.bits == 2 and pairs in PAIR_DTYPES and history.value_scale_zero.dtype == pairs
+    return (dim in DIMS and history.bits in CODE_BITS and pairs in PAIR_DTYPES and history.value_scale_zero.dtype == pairs
             and query.dtype in (torch.float16, torch.bfloat16)
             and mask is None and softcap is None and (q_heads // kv_heads) * q_len <= MAX_ROWS
             and _code_layout_ok(history))
@@ -250,7 +257,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
     groups = q_heads // kv_heads
     rows = NARROW_ROWS if groups * q_len <= NARROW_ROWS else MAX_ROWS
-    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, pairs)
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, pairs, history.bits)
     query_strides = rotated_query.stride()
     args = kernel_arguments(
         rotated_query=rotated_query.data_ptr(), sqb=query_strides[0], sqh=query_strides[1], sql=query_strides[2],

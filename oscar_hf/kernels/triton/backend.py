@@ -8,7 +8,7 @@ covering the BF16 tiers and the quantized history (`stage1.py`) and one stage-2 
 un-rotates the history by R_Vᵀ and writes `[B, Lq, Hq, D]` in the model dtype (`merge.py`); where the GPU has
 programmatic dependent launch (Hopper and newer), each is launched as a dependent of the one before, so that its
 launch and prologue overlap the previous kernel's tail. On CUDA, where the call qualifies
-(`kernels.cuda.history.history_kernel_supports`: 2-bit history with float16 or compact pairs, no mask, head_dim
+(`kernels.cuda.history.history_kernel_supports`: 2- or 4-bit history with float16 or compact pairs, no mask, head_dim
 64/128, <= 8 rows per KV head, no left padding, a history of at least `CudaHistoryConfig.min_history_bytes`), the
 history splits come from the hand-written kernel instead and the Triton stage 1 covers the BF16 tiers alone, queued
 behind it as a dependent that runs beside its tail. The scratch (split partials, rotated query) is reused across calls (no
@@ -371,9 +371,10 @@ class TritonBackend(ReferenceBackend):
     def _run_split(self, call: DecodeCall, out: torch.Tensor) -> None:
         """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
         rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and one history launch
-        per run (the CUDA kernel for the runs it takes, Triton's for the others) into the same partial buffers. The
-        layer's history programs are shared among the runs in proportion to their bytes (`plan_runs`): a 4-bit
-        run's splits are half as long as a 2-bit run's, so that all programs take about as long.
+        per run (the CUDA kernel for the runs it takes, of either code width; Triton's for the others) into the same
+        partial buffers. The layer's history programs are shared among the runs in proportion to their bytes
+        (`plan_runs`): a 4-bit run's splits are half as long as a 2-bit run's, so that all programs take about as
+        long.
 
         Where launches can be programmatic dependents (Hopper+), the BF16 tiers' launch follows the rotation as an
         ordinary launch (so the rotated query is complete when it starts), and each run's history launch is queued
@@ -447,10 +448,11 @@ class TritonBackend(ReferenceBackend):
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
             return False
         history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1],
-                                                   tensors.key_scale_zero.dtype)
+                                                   tensors.key_scale_zero.dtype, tensors.bits)
         if history_bytes < self.cuda_history_config.min_history_bytes:
             return False
-        return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config)
+        return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config,
+                                      tensors.bits)
 
     def _cuda_slots(self, device: torch.device, dim: int) -> int:
         """Resident programs of the CUDA history kernel on the whole device (what its splits fill)."""

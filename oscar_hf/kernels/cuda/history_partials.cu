@@ -1,6 +1,11 @@
-// Stage-1 partials over a 2-bit history, hand-written for NVIDIA tensor cores (sm_80+): the decode hot path of
-// `kernels/triton/stage1.py`'s `_quant_split_token_major` (same contract, same rounding points), with register layouts that Triton
-// cannot express. Compiled at run time by NVRTC (`kernels/cuda/history.py`, which documents the contract); no headers.
+// Stage-1 partials over a 2- or 4-bit history, hand-written for NVIDIA tensor cores (sm_80+): the decode hot path
+// of `kernels/triton/stage1.py`'s `_quant_split_token_major` (same contract, same rounding points), with register
+// layouts that Triton cannot express. Compiled at run time by NVRTC (`kernels/cuda/history.py`, which documents the
+// contract); no headers.
+//
+// Codes are split-planar (`reference/quantize.py`): a token row is RB = D * BITS / 8 bytes, and byte j holds
+// features j + c * RB of planes c = 0 .. 8 / BITS - 1 at bit offset BITS * c. Below, written for 2 bits (4 planes
+// of D / 4 features); 4-bit rows have 2 planes of D / 2 features, twice the bytes per lane, the same MMAs.
 //
 // One warp per program = (history split, batch row x KV head); 64-token tiles; up to 8 query rows (a GQA group x
 // query positions) are the MMA's N. Per lane (g = lane / 4, t = lane % 4), per tile:
@@ -25,9 +30,11 @@ typedef unsigned int u32;
 // defaults: STAGES tiles per warp in shared memory (STAGES - 1 in flight); MAGIC_PLANES the value planes c (bit c)
 // that keep their magic number (no HSUB2; the output subtracts it times the sum of p*scale; plane 0 then reads the
 // byte's copy in the high half of each 16-bit lane, as 1 + code/4); KEY_CHAINS independent score accumulators per
-// tile, over its m-tiles (`key_dots`); MIN_WARPS_PER_SM programs (one warp each) per SM the registers must allow.
-#if !defined(STAGES) || !defined(MAGIC_PLANES) || !defined(KEY_CHAINS) || !defined(MIN_WARPS_PER_SM)
-#error "int2_history.cu needs -DSTAGES, -DMAGIC_PLANES, -DKEY_CHAINS and -DMIN_WARPS_PER_SM (see kernels/cuda/history.py)"
+// tile, over its m-tiles (`key_dots`); MIN_WARPS_PER_SM programs (one warp each) per SM the registers must allow;
+// CODE_BITS the code width (2 or 4) of the kernels this module holds.
+#if !defined(STAGES) || !defined(MAGIC_PLANES) || !defined(KEY_CHAINS) || !defined(MIN_WARPS_PER_SM) || \
+    !defined(CODE_BITS)
+#error "history_partials.cu needs -DSTAGES, -DMAGIC_PLANES, -DKEY_CHAINS, -DMIN_WARPS_PER_SM and -DCODE_BITS (see kernels/cuda/history.py)"
 #endif
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
@@ -102,17 +109,29 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// plane c of 2-bit codes in bits 2c, 2c+1 of a 16-bit lane; 2^(10-2c) as float16, and that + 2 (the centre)
-__device__ __forceinline__ u32 plane_mask(int c) { return 0x00030003u << (2 * c); }
-__device__ __forceinline__ u32 plane_magic(int c) {
-    return c == 0 ? 0x64006400u : c == 1 ? 0x5C005C00u : c == 2 ? 0x54005400u : 0x4C004C00u;
-}
-__device__ __forceinline__ u32 plane_centre(int c) {
-    return c == 0 ? 0x64026402u : c == 1 ? 0x5C085C08u : c == 2 ? 0x54205420u : 0x4C804C80u;
-}
-__device__ __forceinline__ float magic_value(int c) {
-    return c == 0 ? 1024.0f : c == 1 ? 256.0f : c == 2 ? 64.0f : 16.0f;
-}
+// The code format: BITS-bit codes of D features, split-planar. Plane c sits in bits [BITS c, BITS (c + 1)) of a
+// byte, so masked in place within a 16-bit lane it is the mantissa of 2^(10 - BITS c) + code (the magic number,
+// whose last mantissa bit is worth 2^-(BITS c)); the centre is that + 2^(BITS-1), the middle of the code range.
+template <int D, int BITS>
+struct Codes {
+    static_assert(BITS == 2 || BITS == 4, "2- or 4-bit codes");
+    static constexpr int PLANES = 8 / BITS;
+    static constexpr int RB = D * BITS / 8;  // bytes per token row; also features per plane
+    static constexpr int KW = RB / 16;       // key words per lane and token row (KB = 4 KW bytes); k-steps per plane
+    static constexpr int KB = RB / 4;        // key bytes per lane and token row
+    static constexpr int VB = RB / 8;        // value bytes per lane and token
+    static constexpr int VW = VB < 4 ? 1 : VB / 4;  // ... in 32-bit words (2 bytes in the low half of one)
+    static constexpr int H = RB / 16;        // value m-tiles per plane
+    static constexpr int CENTRE = 1 << (BITS - 1);
+    static constexpr int LEVELS = (1 << BITS) - 1;
+    __device__ static u32 mask(int c) { return ((1u << BITS) - 1) * 0x00010001u << (BITS * c); }
+    __device__ static u32 magic(int c) { return (u32)(25 - BITS * c) * 0x04000400u; }
+    __device__ static u32 centre(int c) { return magic(c) + ((u32)CENTRE * 0x00010001u << (BITS * c)); }
+};
+
+// The magic number of plane c (`Codes`) as a float: 2^(10 - BITS c)
+template <int BITS>
+__device__ __forceinline__ float magic_value(int c) { return (float)(1 << (10 - BITS * c)); }
 
 // Which tokens and query rows a lane's score elements hold. ROWS = 8: score m-tile i (of 4) is tokens 16i..16i+15,
 // the MMA's 8 columns are the query rows; lane (g, t) holds tokens 16i + g (+8) of rows 2t, 2t+1. ROWS = 4 (at most
@@ -129,25 +148,25 @@ struct Layout {
     __device__ static int row(int r, int t) { return ROWS == 4 ? 2 * (t & 1) + r : 2 * t + r; }
 };
 
-template <int D, int ROWS>
+template <int D, int ROWS, int BITS>
 struct Tile {
-    static constexpr int KW = D / 64;  // key words per lane per token row (KB = 4 * KW bytes)
+    using C = Codes<D, BITS>;
     static constexpr int MT = Layout<ROWS>::MT;
-    u32 key[4][2][KW];   // [j][half]: token 16j + 8*half + g, bytes [KB*t, KB*t + KB)
-    u32 value[4][4];     // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
+    u32 key[4][2][C::KW];   // [j][half]: token 16j + 8*half + g, bytes [KB*t, KB*t + KB)
+    u32 value[4][4][C::VW]; // [j][u]: token 16j + 2t + {0, 1, 8, 9}[u], bytes [VB*g, VB*g + VB)
     u32 key_sz[MT][2];   // (scale, zero) words of this lane's score tokens (`Layout`)
     u32 value_sz[MT][2]; // ... and their value (scale, zero) words
 };
 
-// One tile's stage in shared memory: [key codes 64 x D/4 | value codes 64 x D/4 | key (scale, zero) x 64 | value
+// One tile's stage in shared memory: [key codes 64 x RB | value codes 64 x RB | key (scale, zero) x 64 | value
 // (scale, zero) x 64]. Token row r is stored at row `slot(r)`: the value reads (rows 2t+u of lanes t = 0..3) then
 // fall in distinct banks. slot flips bit 0 by bit 2 only, so slot(r + 8k) = slot(r) + 8k: a lane's rows are its
 // first row's offset plus immediates.
-template <int D>
+template <int D, int BITS>
 struct Stage {
-    static constexpr int QW = D / 4;
-    static constexpr int VALUES = 64 * QW;
-    static constexpr int KEY_SZ = 2 * 64 * QW;
+    static constexpr int RB = Codes<D, BITS>::RB;
+    static constexpr int VALUES = 64 * RB;
+    static constexpr int KEY_SZ = 2 * 64 * RB;
     static constexpr int VALUE_SZ = KEY_SZ + 256;
     static constexpr int BYTES = VALUE_SZ + 256;
 };
@@ -155,16 +174,17 @@ struct Stage {
 __device__ __forceinline__ int slot(int row) { return row ^ ((row >> 2) & 1); }
 
 // This lane's byte offsets in a stage (tile rows add immediates); PAIR = bytes of one token's (scale, zero) pair
-template <int D, int ROWS, int PAIR>
+template <int D, int ROWS, int PAIR, int BITS>
 struct LaneOffsets {
     int key, value0, value1, sz, copy;
     __device__ LaneOffsets(int lane, int g, int t) {
-        constexpr int QW = D / 4;
-        key = slot(g) * QW + D / 16 * t;
-        value0 = Stage<D>::VALUES + slot(2 * t) * QW + D / 32 * g;
-        value1 = Stage<D>::VALUES + slot(2 * t + 1) * QW + D / 32 * g;
+        using C = Codes<D, BITS>;
+        constexpr int RB = C::RB;
+        key = slot(g) * RB + C::KB * t;
+        value0 = Stage<D, BITS>::VALUES + slot(2 * t) * RB + C::VB * g;
+        value1 = Stage<D, BITS>::VALUES + slot(2 * t + 1) * RB + C::VB * g;
         sz = PAIR * Layout<ROWS>::first_token(g, t);
-        copy = slot(16 * lane / QW) * QW + 16 * lane % QW;  // where 16-byte chunk `lane` of a tile's codes goes
+        copy = slot(16 * lane / RB) * RB + 16 * lane % RB;  // where 16-byte chunk `lane` of a tile's codes goes
     }
 };
 
@@ -213,12 +233,12 @@ struct Sources {
 // Queue the copies of a whole tile (64 tokens, all present) into the stage at shared address `dst` + this lane's
 // chunk offset (`LaneOffsets::copy`) and `dst_sz` + 4 * lane: chunk lane + 32k lands 512k bytes further in both.
 // Compact pairs (2 bytes a token) fill their 128 bytes with one word per lane.
-template <int D, typename Pair, int K = 0>
+template <int D, int BITS, typename Pair, int K = 0>
 __device__ __forceinline__ void copy_full_tile(u32 dst, u32 dst_sz, const Sources<Pair>& src) {
-    if constexpr (K < D / 32) {
+    if constexpr (K < Codes<D, BITS>::RB / 8) {
         copy16_at<512 * K, 512 * K>(dst, src.key);
-        copy16_at<Stage<D>::VALUES + 512 * K, 512 * K>(dst, src.value);
-        copy_full_tile<D, Pair, K + 1>(dst, dst_sz, src);
+        copy16_at<Stage<D, BITS>::VALUES + 512 * K, 512 * K>(dst, src.value);
+        copy_full_tile<D, BITS, Pair, K + 1>(dst, dst_sz, src);
     } else if constexpr (sizeof(Pair) == 2) {
         copy4_at<0, 0>(dst_sz, src.key_sz);
         copy4_at<256, 0>(dst_sz, src.value_sz);
@@ -232,11 +252,11 @@ __device__ __forceinline__ void copy_full_tile(u32 dst, u32 dst_sz, const Source
 
 // Queue the copies of a partial tile: tokens [t0, t0 + 64) into the stage at shared address `dst`, tokens from
 // `hi` on zero-filled (and masked by the scores).
-template <int D, typename Pair>
+template <int D, int BITS, typename Pair>
 __device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* key_codes,
                                                   const unsigned char* value_codes, const Pair* key_sz,
                                                   const Pair* value_sz, int t0, int hi, int lane) {
-    constexpr int QW = D / 4;
+    constexpr int QW = Codes<D, BITS>::RB;
     constexpr int PER_ROW = QW / 16;
 #pragma unroll
     for (int k = 0; k < 2 * PER_ROW; ++k) {  // 64 rows x PER_ROW chunks over 32 lanes
@@ -247,15 +267,15 @@ __device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* 
         const long long src = (long long)min(token, hi - 1) * QW + 16 * part;
         const u32 offset = slot(row) * QW + 16 * part;
         copy16(dst + offset, key_codes + src, bytes);
-        copy16(dst + Stage<D>::VALUES + offset, value_codes + src, bytes);
+        copy16(dst + Stage<D, BITS>::VALUES + offset, value_codes + src, bytes);
     }
     if constexpr (sizeof(Pair) == 2) {  // tokens 2 lane, 2 lane + 1 per word; t0 is even, so is the clamped source
         const int row = 2 * lane;
         const int token = t0 + row;
         const int bytes = token + 1 < hi ? 4 : token < hi ? 2 : 0;
         const int src = min(token, (hi - 1) & ~1);
-        copy4(dst + Stage<D>::KEY_SZ + 2 * row, key_sz + src, bytes);
-        copy4(dst + Stage<D>::VALUE_SZ + 2 * row, value_sz + src, bytes);
+        copy4(dst + Stage<D, BITS>::KEY_SZ + 2 * row, key_sz + src, bytes);
+        copy4(dst + Stage<D, BITS>::VALUE_SZ + 2 * row, value_sz + src, bytes);
     } else {
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
@@ -263,39 +283,40 @@ __device__ __forceinline__ void copy_partial_tile(u32 dst, const unsigned char* 
             const int token = t0 + row;
             const int bytes = token < hi ? 4 : 0;
             const int src = min(token, hi - 1);
-            copy4(dst + Stage<D>::KEY_SZ + 4 * row, key_sz + src, bytes);
-            copy4(dst + Stage<D>::VALUE_SZ + 4 * row, value_sz + src, bytes);
+            copy4(dst + Stage<D, BITS>::KEY_SZ + 4 * row, key_sz + src, bytes);
+            copy4(dst + Stage<D, BITS>::VALUE_SZ + 4 * row, value_sz + src, bytes);
         }
     }
 }
 
 // This lane's words of a staged tile (the register layout of `Tile`; a compact pair in the low 16 bits).
-template <int D, int ROWS, int PAIR>
-__device__ __forceinline__ void read_tile(Tile<D, ROWS>& tile, const unsigned char* stage,
-                                          const LaneOffsets<D, ROWS, PAIR>& at) {
-    constexpr int QW = D / 4;
-    constexpr int KW = D / 64;
+// `n` 32-bit words (1, 2 or 4) of a 4n-byte aligned address; `short_word`: one 16-bit word in the low half
+template <int N>
+__device__ __forceinline__ void read_words(u32 (&w)[N], const unsigned char* p, bool short_word = false) {
+    if constexpr (N == 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(p);
+        w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
+    } else if constexpr (N == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        w[0] = x.x; w[1] = x.y;
+    } else {
+        w[0] = short_word ? *reinterpret_cast<const unsigned short*>(p) : *reinterpret_cast<const u32*>(p);
+    }
+}
+
+template <int D, int ROWS, int PAIR, int BITS>
+__device__ __forceinline__ void read_tile(Tile<D, ROWS, BITS>& tile, const unsigned char* stage,
+                                          const LaneOffsets<D, ROWS, PAIR, BITS>& at) {
+    using C = Codes<D, BITS>;
+    constexpr int QW = C::RB;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const unsigned char* p = stage + at.key + (16 * j + 8 * half) * QW;
-            if (KW == 2) {
-                uint2 w = *reinterpret_cast<const uint2*>(p);
-                tile.key[j][half][0] = w.x;
-                tile.key[j][half][KW - 1] = w.y;
-            } else {
-                tile.key[j][half][0] = *reinterpret_cast<const u32*>(p);
-            }
-        }
+        for (int half = 0; half < 2; ++half) read_words(tile.key[j][half], stage + at.key + (16 * j + 8 * half) * QW);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const unsigned char* p = stage + (u & 1 ? at.value1 : at.value0) + (16 * j + 8 * (u >> 1)) * QW;
-            if (D == 128) {
-                tile.value[j][u] = *reinterpret_cast<const u32*>(p);
-            } else {
-                tile.value[j][u] = *reinterpret_cast<const unsigned short*>(p);
-            }
+            read_words(tile.value[j][u], p, C::VB == 2);
         }
     }
 #pragma unroll
@@ -304,34 +325,41 @@ __device__ __forceinline__ void read_tile(Tile<D, ROWS>& tile, const unsigned ch
         for (int h = 0; h < 2; ++h) {
             const int offset = at.sz + PAIR * Layout<ROWS>::token_step(i, h);
             if constexpr (PAIR == 2) {
-                tile.key_sz[i][h] = *reinterpret_cast<const unsigned short*>(stage + Stage<D>::KEY_SZ + offset);
-                tile.value_sz[i][h] = *reinterpret_cast<const unsigned short*>(stage + Stage<D>::VALUE_SZ + offset);
+                tile.key_sz[i][h] = *reinterpret_cast<const unsigned short*>(stage + Stage<D, BITS>::KEY_SZ + offset);
+                tile.value_sz[i][h] = *reinterpret_cast<const unsigned short*>(stage + Stage<D, BITS>::VALUE_SZ + offset);
             } else {
-                tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::KEY_SZ + offset);
-                tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D>::VALUE_SZ + offset);
+                tile.key_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D, BITS>::KEY_SZ + offset);
+                tile.value_sz[i][h] = *reinterpret_cast<const u32*>(stage + Stage<D, BITS>::VALUE_SZ + offset);
             }
         }
     }
 }
 
-// A token's (scale, zero) in float32; the zero point is not centred: the caller folds the centre 2 into its per-row
+// A token's (scale, zero) in float32; the zero point is not centred: the caller folds the centre into its per-row
 // terms. PAIR = 4: two float16s. PAIR = 2: compact codes (`reference/quantize.py`, 7), the scale code in the low
-// byte: scale = 2^((s - 128) / 16), zero = z * 5 / 255 - 1 (2-bit codes: [0, 255] onto [-1, L + 1]), as
+// byte: scale = 2^((s - 128) / 16), zero = z * (L + 2) / 255 - 1 ([0, 255] onto [-1, L + 1]), as
 // `triton/codes.py`'s `scale_zero` computes them.
-template <int PAIR>
+template <int PAIR, int BITS>
 __device__ __forceinline__ void scale_zero(u32 word, float& scale, float& zero) {
     if constexpr (PAIR == 2) {
         scale = exp2_approx((float)(int)(word & 0xffu) * 0.0625f - 8.0f);
-        zero = (float)(int)((word >> 8) & 0xffu) * (5.0f / 255.0f) - 1.0f;
+        zero = (float)(int)((word >> 8) & 0xffu) * ((float)((1 << BITS) + 1) / 255.0f) - 1.0f;
     } else {
         scale = half_lo(word);
         zero = half_hi(word);
     }
 }
 
-// Plane c of a value pair register: centred codes (code - 2), or with the magic number kept (`MAGIC_PLANES`)
+// Whether value plane c keeps its magic number (`MAGIC_PLANES`; 2-bit codes only: a 4-bit plane 0 has no room in
+// the high copy's mantissa, see below)
+template <int BITS>
+__device__ __forceinline__ bool magic_plane(int c) { return BITS == 2 && ((MAGIC_PLANES >> c) & 1); }
+
+// Plane c of a value pair register: centred codes (code - centre), or with the magic number kept (`magic_plane`;
+// plane 0 then reads the byte's high copy in the mantissa of 1.0, as 1 + code / 4)
+template <int BITS>
 __device__ __forceinline__ u32 value_plane(u32 pair, int c, u32 mask, u32 magic, u32 centre) {
-    if ((MAGIC_PLANES >> c) & 1) {
+    if (magic_plane<BITS>(c)) {
         return c == 0 ? mask_or(pair, 0x03000300u, 0x3C003C00u) : mask_or(pair, mask, magic);
     }
     return hsub2(mask_or(pair, mask, magic), centre);
@@ -339,40 +367,44 @@ __device__ __forceinline__ u32 value_plane(u32 pair, int c, u32 mask, u32 magic,
 
 // What the output of value plane c subtracts, given the zero-point term z and the sum P of p*scale:
 // out = factor * acc - offset * P - z
-__device__ __forceinline__ float value_factor(int c) { return ((MAGIC_PLANES >> c) & 1) && c == 0 ? 4.0f : 1.0f; }
+template <int BITS>
+__device__ __forceinline__ float value_factor(int c) { return magic_plane<BITS>(c) && c == 0 ? 4.0f : 1.0f; }
+template <int BITS>
 __device__ __forceinline__ float value_offset(int c) {
-    if (!((MAGIC_PLANES >> c) & 1)) return 0.0f;
-    return c == 0 ? 6.0f : magic_value(c) + 2.0f;
+    if (!magic_plane<BITS>(c)) return 0.0f;
+    return c == 0 ? 6.0f : magic_value<BITS>(c) + 2.0f;
 }
 
-template <int D>
+template <int D, int BITS>
 struct State {
-    float acc[4][D / 64][4];  // [plane][m-tile][C fragment]: features x columns, rotated basis, centred codes
+    using C = Codes<D, BITS>;
+    float acc[C::PLANES][C::H][4];  // [plane][m-tile][C fragment]: features x columns, rotated basis, centred codes
     float z[2], pv[2];        // lane parts of sum_t pv_t zero_t and of sum_t pv_t (pv = p * scale, rounded)
     float m[2], l[2];         // the lane's rows (`Layout::row`): running max (log2), lane part of the sum
 };
 
 // The query's B fragments: [c][e][k half] for ROWS = 8 (row g); for ROWS = 4 [c][e][byte parity][b register], row
 // g % 4 in b0 (k 0-7) on lanes g < 4 and in b1 (k 8-15) on lanes g >= 4, zero in the other.
-template <int D, int ROWS>
-using QueryFragments = u32[4][D / 64][2][ROWS == 4 ? 2 : 1];
+template <int D, int ROWS, int BITS>
+using QueryFragments = u32[Codes<D, BITS>::PLANES][Codes<D, BITS>::KW][2][ROWS == 4 ? 2 : 1];
 
 // Scores of one tile before scaling: C fragments of q . (magic + code) over the key planes, started from `init`
 // (minus the magic numbers' part, per column) so that they come out as q . code. The products of an m-tile go to
 // KEY_CHAINS / (m-tiles) accumulators in turn, summed at the end: dependent MMAs wait for each other's results.
-template <int D, int ROWS>
-__device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const Tile<D, ROWS>& cur,
-                                         const QueryFragments<D, ROWS>& qb, const float (&init)[4]) {
-    constexpr int KW = D / 64;
+template <int D, int ROWS, int BITS>
+__device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const Tile<D, ROWS, BITS>& cur,
+                                         const QueryFragments<D, ROWS, BITS>& qb, const float (&init)[4]) {
+    using C = Codes<D, BITS>;
+    constexpr int KW = C::KW;
     constexpr int P = ROWS == 4 ? 2 : 1;  // MMAs per key word and plane (byte parities)
     constexpr int WANTED = KEY_CHAINS / Layout<ROWS>::MT > 1 ? KEY_CHAINS / Layout<ROWS>::MT : 1;
-    constexpr int CHAINS = WANTED < 4 * KW * P ? WANTED : 4 * KW * P;
+    constexpr int CHAINS = WANTED < C::PLANES * KW * P ? WANTED : C::PLANES * KW * P;
 #pragma unroll
     for (int i = 0; i < Layout<ROWS>::MT; ++i) {
         float part[CHAINS][4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const u32 mask = plane_mask(c), magic = plane_magic(c);
+        for (int c = 0; c < C::PLANES; ++c) {
+            const u32 mask = C::mask(c), magic = C::magic(c);
 #pragma unroll
             for (int e = 0; e < KW; ++e) {
 #pragma unroll
@@ -417,20 +449,21 @@ __device__ __forceinline__ void key_dots(float (&s)[Layout<ROWS>::MT][4], const 
 // One 64-token tile: scores, online softmax, values. `row_sum`: the lane's rows' sums of the rounded query; `init`:
 // minus the magic-number offset of the folded key planes, per C-fragment element; `remaining` = hi - t0 - the
 // lane's first token; `low` = all ones on lanes g < 4 (ROWS = 4: which P.V product a lane's p belongs to).
-template <int D, int ROWS, int PAIR>
-__device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& cur, const QueryFragments<D, ROWS>& qb,
-                                            const float (&row_sum)[2], const float (&init)[4], int remaining,
-                                            u32 low) {
-    constexpr int H = D / 64;
+template <int D, int ROWS, int PAIR, int BITS>
+__device__ __forceinline__ void attend_tile(State<D, BITS>& st, const Tile<D, ROWS, BITS>& cur,
+                                            const QueryFragments<D, ROWS, BITS>& qb, const float (&row_sum)[2],
+                                            const float (&init)[4], int remaining, u32 low) {
+    using C = Codes<D, BITS>;
+    constexpr int H = C::H;
     constexpr int MT = Layout<ROWS>::MT;
     float s[MT][4];
-    key_dots<D, ROWS>(s, cur, qb, init);
+    key_dots<D, ROWS, BITS>(s, cur, qb, init);
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float scale, zero;
-            scale_zero<PAIR>(cur.key_sz[i][e >> 1], scale, zero);
+            scale_zero<PAIR, BITS>(cur.key_sz[i][e >> 1], scale, zero);
             const float x = fmaf(-zero, row_sum[e & 1], s[i][e]) * scale;
             s[i][e] = Layout<ROWS>::token_step(i, e >> 1) < remaining ? x : NEG_INF;
         }
@@ -458,7 +491,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float scale, zero;
-            scale_zero<PAIR>(cur.value_sz[i][h], scale, zero);
+            scale_zero<PAIR, BITS>(cur.value_sz[i][h], scale, zero);
             const float p0 = exp2_approx(s[i][2 * h] - st.m[0]), p1 = exp2_approx(s[i][2 * h + 1] - st.m[1]);
             const u32 packed = pack_half2(p0 * scale, p1 * scale);
             const float pv0 = half_lo(packed), pv1 = half_hi(packed);
@@ -493,23 +526,24 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
             for (int k = 0; k < 2; ++k) {
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
-                    const u32 byte = 2 * h + rr;
+                    const int word = (2 * h + rr) / 4;
+                    const u32 byte = (2 * h + rr) % 4;
                     // the byte of each token in both halves of its 16-bit lane (the high copy serves plane 0's magic)
-                    pairs[j][k][rr] = byte_perm(cur.value[j][2 * k], cur.value[j][2 * k + 1],
+                    pairs[j][k][rr] = byte_perm(cur.value[j][2 * k][word], cur.value[j][2 * k + 1][word],
                                                 byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12));
                 }
             }
         }
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const u32 mask = plane_mask(c), magic = plane_magic(c), centre = plane_centre(c);
+        for (int c = 0; c < C::PLANES; ++c) {
+            const u32 mask = C::mask(c), magic = C::magic(c), centre = C::centre(c);
             float tile_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                mma16816(tile_acc, value_plane(pairs[j][0][0], c, mask, magic, centre),
-                         value_plane(pairs[j][0][1], c, mask, magic, centre),
-                         value_plane(pairs[j][1][0], c, mask, magic, centre),
-                         value_plane(pairs[j][1][1], c, mask, magic, centre), pb[j][0], pb[j][1]);
+                mma16816(tile_acc, value_plane<BITS>(pairs[j][0][0], c, mask, magic, centre),
+                         value_plane<BITS>(pairs[j][0][1], c, mask, magic, centre),
+                         value_plane<BITS>(pairs[j][1][0], c, mask, magic, centre),
+                         value_plane<BITS>(pairs[j][1][1], c, mask, magic, centre), pb[j][0], pb[j][1]);
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) st.acc[c][h][i] = fmaf(st.acc[c][h][i], alpha[i & 1], tile_acc[i]);
@@ -519,7 +553,7 @@ __device__ __forceinline__ void attend_tile(State<D>& st, const Tile<D, ROWS>& c
 
 // `Pair`: one token's (scale, zero) pair, u32 (two float16s) or unsigned short (compact codes); the pair strides
 // count pairs.
-template <int D, int ROWS, typename Pair>
+template <int D, int ROWS, typename Pair, int BITS>
 __device__ void history_partials(
     const float* __restrict__ rotated_query, int sqb, int sqh, int sql,
     const unsigned char* __restrict__ key_codes, int skb, int skh,
@@ -530,11 +564,13 @@ __device__ void history_partials(
     int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len, int history_splits,
     int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads,
     int wait_at_end) {
-    constexpr int QW = D / 4;   // features per plane (bytes per token row)
-    constexpr int KW = D / 64;  // key words per lane and token; also k-steps per plane
-    constexpr int KB = 4 * KW;
-    constexpr int VB = D / 32;  // value bytes per lane and token
-    constexpr int H = D / 64;   // value m-tiles per plane
+    using C = Codes<D, BITS>;
+    constexpr int QW = C::RB;  // features per plane (bytes per token row)
+    constexpr int KW = C::KW;  // key words per lane and token; also k-steps per plane
+    constexpr int KB = C::KB;
+    constexpr int VB = C::VB;  // value bytes per lane and token
+    constexpr int H = C::H;    // value m-tiles per plane
+    constexpr int PLANES = C::PLANES;
     constexpr int PAIR = sizeof(Pair);
     constexpr int PAIRS_PER_WORD = 4 / PAIR;  // a lane stages one 4-byte word of each side's pairs per copy
 
@@ -560,11 +596,11 @@ __device__ void history_partials(
     const unsigned char* vc = value_codes + (long long)b * svb + (long long)kvh * svh;
     const Pair* kz = key_sz + (long long)b * szb + (long long)kvh * szh;
     const Pair* vz = value_sz + (long long)b * swb + (long long)kvh * swh;
-    const LaneOffsets<D, ROWS, PAIR> at(lane, g, t);
+    const LaneOffsets<D, ROWS, PAIR, BITS> at(lane, g, t);
 
-    State<D> st;
+    State<D, BITS> st;
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
+    for (int c = 0; c < PLANES; ++c)
 #pragma unroll
         for (int h = 0; h < H; ++h)
 #pragma unroll
@@ -581,15 +617,18 @@ __device__ void history_partials(
     const u32 stages_at = shared_address(stages);
     const int whole_end = lo + max(hi - lo, 0) / 64 * 64;
     if (whole_end < hi) {
-        copy_partial_tile<D, Pair>(stages_at + STAGES * Stage<D>::BYTES, kc, vc, kz, vz, whole_end, hi, lane);
+        copy_partial_tile<D, BITS, Pair>(stages_at + STAGES * Stage<D, BITS>::BYTES, kc, vc, kz, vz, whole_end, hi,
+                                         lane);
         commit_copies();
     }
     Sources<Pair> next = {kc + (long long)lo * QW + 16 * lane, vc + (long long)lo * QW + 16 * lane,
                           kz + lo + PAIRS_PER_WORD * lane, vz + lo + PAIRS_PER_WORD * lane};
     int ahead = lo;
     auto stage_tile = [&](int index) {  // queue the copies of the tile at `ahead` into stage `index`, step on
-        const u32 dst = stages_at + index * Stage<D>::BYTES;
-        if (ahead < whole_end) copy_full_tile<D, Pair>(dst + at.copy, dst + Stage<D>::KEY_SZ + 4 * lane, next);
+        const u32 dst = stages_at + index * Stage<D, BITS>::BYTES;
+        if (ahead < whole_end) {
+            copy_full_tile<D, BITS, Pair>(dst + at.copy, dst + Stage<D, BITS>::KEY_SZ + 4 * lane, next);
+        }
         commit_copies();
         ahead += 64;
         next.key += 64 * QW;
@@ -607,7 +646,7 @@ __device__ void history_partials(
     if (!wait_at_end) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     // rotated query (the MMA's B, `QueryFragments`; k = permuted features), scaled and rounded to float16
-    QueryFragments<D, ROWS> qb;
+    QueryFragments<D, ROWS, BITS> qb;
     const u32 low = g < 4 ? 0xffffffffu : 0u;
     float q_sum = 0.0f, q_off = 0.0f;
     {
@@ -617,7 +656,7 @@ __device__ void history_partials(
         const int head = kvh * groups + (row_ok ? qrow % groups : 0);
         const float* q = rotated_query + (long long)b * sqb + (long long)head * sqh + (long long)qi * sql;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < PLANES; ++c) {
             float plane_sum = 0.0f;
 #pragma unroll
             for (int e = 0; e < KW; ++e) {
@@ -639,13 +678,13 @@ __device__ void history_partials(
                 plane_sum += (x0 + x1) + (x2 + x3);
             }
             q_sum += plane_sum;
-            q_off += plane_sum * magic_value(c);
+            q_off += plane_sum * magic_value<BITS>(c);
         }
         q_sum += __shfl_xor_sync(0xffffffffu, q_sum, 1);
         q_sum += __shfl_xor_sync(0xffffffffu, q_sum, 2);
         q_off += __shfl_xor_sync(0xffffffffu, q_off, 1);
         q_off += __shfl_xor_sync(0xffffffffu, q_off, 2);
-        // q_off: what the folded key planes (2^(10-2c) + code) add to q . code; raw zero points need no centre
+        // q_off: what the folded key planes (magic + code) add to q . code; raw zero points need no centre
     }
     // the lane's score columns are rows Layout::row(0, t), row(1, t), held by lanes g = row, t = 0
     float row_sum[2], init[4];
@@ -661,17 +700,17 @@ __device__ void history_partials(
         wait_copies<STAGES - 2>();
         __syncwarp();  // every lane's copies of this tile have landed, and the previous tile has been read
         stage_tile(stage == 0 ? STAGES - 1 : stage - 1);
-        Tile<D, ROWS> tile;
-        read_tile<D, ROWS, PAIR>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D>::BYTES, at);
+        Tile<D, ROWS, BITS> tile;
+        read_tile<D, ROWS, PAIR, BITS>(tile, stages + (t0 < whole_end ? stage : STAGES) * Stage<D, BITS>::BYTES, at);
         // loop-invariant fragments stay in registers (ptxas would rather rebuild the masked query every tile)
         for (auto& x : init) keep(x);
         for (auto& plane : qb)
             for (auto& word : plane)
                 for (auto& parity : word)
                     for (auto& x : parity) keep(x);
-        attend_tile<D, ROWS, PAIR>(st, tile, qb, row_sum, init, hi - t0 - first, low);
+        attend_tile<D, ROWS, PAIR, BITS>(st, tile, qb, row_sum, init, hi - t0 - first, low);
     }
-    float (&acc)[4][H][4] = st.acc;
+    float (&acc)[PLANES][H][4] = st.acc;
     float (&m_i)[2] = st.m;
     float (&l_i)[2] = st.l;
 
@@ -687,11 +726,11 @@ __device__ void history_partials(
             st.pv[r] += __shfl_xor_sync(0xffffffffu, st.pv[r], x);
         }
         pv_i[r] = st.pv[r];
-        z_i[r] = st.z[r] - 2.0f * pv_i[r];  // centred zero points
+        z_i[r] = st.z[r] - (float)C::CENTRE * pv_i[r];  // centred zero points
     }
     if constexpr (ROWS == 4) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
+        for (int c = 0; c < PLANES; ++c)
 #pragma unroll
             for (int h = 0; h < H; ++h)
 #pragma unroll
@@ -709,10 +748,10 @@ __device__ void history_partials(
             const float inv = 1.0f / (l_i[r] == 0.0f ? 1.0f : l_i[r]);
             float* o = out + part * D;
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
+            for (int c = 0; c < PLANES; ++c) {
 #pragma unroll
                 for (int h = 0; h < H; ++h) {
-                    const float f = value_factor(c), shift = value_offset(c) * pv_i[r] + z_i[r];
+                    const float f = value_factor<BITS>(c), shift = value_offset<BITS>(c) * pv_i[r] + z_i[r];
                     float2 v = make_float2((f * acc[c][h][r] - shift) * inv, (f * acc[c][h][2 + r] - shift) * inv);
                     *reinterpret_cast<float2*>(o + c * QW + VB * g + 2 * h) = v;
                 }
@@ -727,7 +766,8 @@ __device__ void history_partials(
 #endif
 }
 
-// Kernels per head_dim, query rows and pair format: float16 pairs (u32) or compact one-byte codes (`_compact`)
+// Kernels per head_dim, query rows and pair format (float16 pairs, u32, or compact one-byte codes, `_compact`), for
+// the code width CODE_BITS: each width is a module of its own, compiled the first time a history of it is read
 #define HISTORY_KERNEL(NAME, D, ROWS, PAIR_T)                                                                    \
     extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                     \
         const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh, \
@@ -736,13 +776,14 @@ __device__ void history_partials(
         int groups, int kv_heads, int q_len, int dense_splits, int split_len, int history_splits,               \
         int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads, \
         int wait_at_end) {                                                                                       \
-        history_partials<D, ROWS, PAIR_T>(rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh,          \
-                                  value_codes, svb, svh, value_sz, swb, swh, out, lse, length_ptr, length,      \
-                                  groups, kv_heads, q_len, dense_splits, split_len, history_splits,            \
-                                  total_splits,                                                                \
-                                  length_from_ptr, split_multiple, q_scale, head0, partial_heads, wait_at_end); \
+        history_partials<D, ROWS, PAIR_T, CODE_BITS>(                                                            \
+            rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes, svb, svh, value_sz, \
+            swb, swh, out, lse, length_ptr, length, groups, kv_heads, q_len, dense_splits, split_len,             \
+            history_splits, total_splits, length_from_ptr, split_multiple, q_scale, head0, partial_heads,         \
+            wait_at_end);                                                                                        \
     }
 
+#if CODE_BITS == 2
 HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4, u32)
 HISTORY_KERNEL(int2_history_partials_d64_r8, 64, 8, u32)
 HISTORY_KERNEL(int2_history_partials_d128_r4, 128, 4, u32)
@@ -751,3 +792,15 @@ HISTORY_KERNEL(int2_history_partials_d64_r4_compact, 64, 4, unsigned short)
 HISTORY_KERNEL(int2_history_partials_d64_r8_compact, 64, 8, unsigned short)
 HISTORY_KERNEL(int2_history_partials_d128_r4_compact, 128, 4, unsigned short)
 HISTORY_KERNEL(int2_history_partials_d128_r8_compact, 128, 8, unsigned short)
+#elif CODE_BITS == 4
+HISTORY_KERNEL(int4_history_partials_d64_r4, 64, 4, u32)
+HISTORY_KERNEL(int4_history_partials_d64_r8, 64, 8, u32)
+HISTORY_KERNEL(int4_history_partials_d128_r4, 128, 4, u32)
+HISTORY_KERNEL(int4_history_partials_d128_r8, 128, 8, u32)
+HISTORY_KERNEL(int4_history_partials_d64_r4_compact, 64, 4, unsigned short)
+HISTORY_KERNEL(int4_history_partials_d64_r8_compact, 64, 8, unsigned short)
+HISTORY_KERNEL(int4_history_partials_d128_r4_compact, 128, 4, unsigned short)
+HISTORY_KERNEL(int4_history_partials_d128_r8_compact, 128, 8, unsigned short)
+#else
+#error "CODE_BITS must be 2 or 4"
+#endif
