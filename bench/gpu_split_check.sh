@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # One device call for a change to how split layers decode (issue 59, item 1): the CUDA history kernel's GPU tests,
-# then one layer's decode attention (`bench.head_split`) with the tree before the change and after it, then the
-# default against uniform rows through `generate` (`bench.generate --caches oscar-default,oscar`) at 32k/1 and
-# 100k/8, then where the default's compiled step spends its time at 32k/1.
-# Usage: bench/gpu_split_check.sh OUT_DIR BEFORE  (BEFORE: `git archive <commit> oscar_hf | tar -x -C BEFORE`, carried)
+# then one layer's decode attention (`bench.head_split`), with the tree before the change too where BEFORE names
+# one, then the default against uniform rows through `generate` (`bench.generate --caches oscar-default,oscar`) at
+# 32k/1 and 100k/8, then where the default's compiled step spends its time at 32k/1.
+# Usage: bench/gpu_split_check.sh OUT_DIR [BEFORE]  (BEFORE: `git archive <commit> oscar_hf | tar -x -C BEFORE`,
+# carried)
 set -o pipefail
-out=${1:?usage: bench/gpu_split_check.sh OUT_DIR BEFORE}
-before=${2:?BEFORE: the folder holding the earlier oscar_hf}
+out=${1:?usage: bench/gpu_split_check.sh OUT_DIR [BEFORE]}
+before=${2:-}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -q -x tests/test_kernels_cuda_history.py tests/test_kernels_head_split.py 2>&1 | tee "$out/tests.log" | tail -15
-for tree in after before; do
+python3 -m pytest -q -x tests/test_kernels_cuda_history.py tests/test_kernels_head_split.py 2>&1 | tee "$out/tests.log" \
+  | tail -15 || { echo "the GPU tests failed: no timings"; exit 1; }
+for tree in after ${before:+before}; do
   root=$PWD; [[ $tree == before ]] && root=$PWD/$before
   # -P: the working directory's oscar_hf must not shadow the earlier one on PYTHONPATH
   echo "== head_split, $tree" | tee -a "$out/head_split.log"

@@ -178,6 +178,19 @@ def _relative(a, b):
 def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, config, tokens, monkeypatch):
     """Up to 4 rows per KV head run the narrow-rows kernel, 5-8 the other; float16 and compact pairs; 2- and 4-bit
     codes."""
+    _check_decode_step(dim, groups, q_len, per_head, config, tokens, ALWAYS, monkeypatch)
+
+
+@gpu
+def test_a_kernel_staging_more_than_48_kib_launches(monkeypatch):
+    """6 stages of 4-bit d=128 tiles (8,704 bytes each) need more dynamic shared memory than a launch gets
+    unasked: the kernel asks for it when it loads."""
+    stages = replace(ALWAYS, stages=5)
+    assert (stages.stages + 1) * cuda_history.stage_bytes(128, 4) > 48 << 10
+    _check_decode_step(128, 4, 1, False, FOUR_BITS, HISTORY, stages, monkeypatch)
+
+
+def _check_decode_step(dim, groups, q_len, per_head, config, tokens, cuda_config, monkeypatch):
     rotations, history, query, (keys, values) = _case(dim, groups, q_len, per_head, tokens, config)
     assert history.key_scale_zero.dtype == (torch.uint8 if config.scale_dtype == torch.uint8 else torch.float16)
     history = history.kernel_view()
@@ -187,7 +200,7 @@ def test_decode_step_matches_triton_and_reference(dim, groups, q_len, per_head, 
     scaling = dim**-0.5
     outs = []
     for enabled in (True, False):
-        backend = poisoned_output_backend(cuda_history=enabled, cuda_history_config=ALWAYS, compile_threads=0)
+        backend = poisoned_output_backend(cuda_history=enabled, cuda_history_config=cuda_config, compile_threads=0)
         outs.append(backend.tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling))
     assert len(calls) == 1, "the CUDA kernel did not run"
     ref = ReferenceBackend().tiered_attention(query, keys, values, None, history, SINK, *rotations, scaling)

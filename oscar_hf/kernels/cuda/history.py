@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -146,10 +148,22 @@ def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHis
                         device_index, ARG_TYPES, (config.stages + 1) * stage_bytes(dim, bits), WARP)
 
 
-@functools.lru_cache(maxsize=None)
+# NVRTC compiles, one thread per code width: the first module asked for starts them all, and they compile side by
+# side (NVRTC releases the interpreter lock) instead of one after the other on a new machine's first call
+_COMPILES = ThreadPoolExecutor(len(CODE_BITS), thread_name_prefix="oscar-nvrtc")
+_cubins: dict[tuple, Future] = {}
+_cubins_lock = threading.Lock()
+
+
 def _device_cubin(device_index: int, config: CudaHistoryConfig, bits: int) -> bytes:
     major, minor = torch.cuda.get_device_capability(device_index)
-    return compile_cubin(10 * major + minor, config, bits)
+    arch = 10 * major + minor
+    with _cubins_lock:
+        for width in CODE_BITS:
+            if (arch, config, width) not in _cubins:
+                _cubins[arch, config, width] = _COMPILES.submit(compile_cubin, arch, config, width)
+        compiled = _cubins[arch, config, bits]
+    return compiled.result()
 
 
 @functools.lru_cache(maxsize=None)

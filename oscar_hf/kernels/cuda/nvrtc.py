@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_DEFAULT_SHARED_LIMIT = 48 << 10  # dynamic shared memory a launch may use without that attribute
 
 
 def load_nvrtc() -> ctypes.CDLL:
@@ -105,6 +107,11 @@ class Kernel:
         self.shared_bytes = shared_bytes
         self.threads = threads
         self.libcuda = torch.cuda._utils._get_gpu_runtime_library()
+        if shared_bytes > _DEFAULT_SHARED_LIMIT:  # beyond it, a kernel's dynamic shared memory must be asked for
+            status = self.libcuda.cuFuncSetAttribute(self.function,
+                                                     _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared_bytes))
+            if status != 0:
+                raise RuntimeError(f"{name} cannot have {shared_bytes} bytes of shared memory (CUDA error {status})")
         self._slots = [t() for t in arg_types]
         self._pointers = (ctypes.c_void_p * len(self._slots))(
             *[ctypes.cast(ctypes.byref(slot), ctypes.c_void_p) for slot in self._slots])
