@@ -54,8 +54,9 @@ def _resources(cubin: bytes) -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("arch", [pytest.param(80, marks=pytest.mark.quick), 90])
 @pytest.mark.parametrize("config", [cuda_history.CudaHistoryConfig(),
                                     cuda_history.CudaHistoryConfig(stages=5, magic_planes=0)])
-@pytest.mark.parametrize("bits", cuda_history.CODE_BITS)
+@pytest.mark.parametrize("bits", cuda_history.CODE_BITS + (cuda_history.RUNS,))
 def test_source_compiles_without_spills(arch, config, bits):
+    """Each module: the kernels of 2-bit codes, of 4-bit codes, and of runs of both (`RUNS`)."""
     resources = _resources(cuda_history.compile_cubin(arch, config, bits))
     assert set(resources) == {cuda_history.kernel_name(d, r, pairs, bits) for d in (64, 128) for r in (4, 8)
                               for pairs in (torch.float16, torch.uint8)}
@@ -64,27 +65,48 @@ def test_source_compiles_without_spills(arch, config, bits):
         assert r["registers"] * 32 * config.min_warps_per_sm <= 65536, f"{name}: {r['registers']} registers"
 
 
-def _kernel_parameters(source: str) -> list[tuple[str, str]]:
-    """(name, C type without `const` or spaces) of each parameter of the `extern "C" __global__` kernel signature
-    in `source` (the one in `HISTORY_KERNEL`, which every kernel instantiates)."""
+def _declarations(text: str) -> list[tuple[str, str]]:
+    """(name, C type without `const` or spaces) of each `type name` of a comma- or semicolon-separated list."""
+    found = []
+    for declaration in re.split(r"[,;]", text):
+        if declaration.strip():
+            declared_type, name = re.fullmatch(r"\s*(.*?)\s*(\w+)\s*", declaration).groups()
+            found.append((name, re.sub(r"\bconst\b|\s", "", declared_type)))
+    return found
+
+
+def _kernel_parameters(source: str, macro: str) -> list[tuple[str, str]]:
+    """The parameters of the `extern "C" __global__` kernel signature in the source's macro `macro` (which every
+    kernel of its kind instantiates)."""
     text = source.replace("\\\n", " ")
-    signatures = re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?\w+\(([^)]*)\)', text)
-    assert len(signatures) == 1, f"expected one kernel signature, found {len(signatures)}"
-    parameters = []
-    for parameter in signatures[0].split(","):
-        declared_type, name = re.fullmatch(r"\s*(.*?)\s*(\w+)\s*", parameter).groups()
-        parameters.append((name, re.sub(r"\bconst\b|\s", "", declared_type)))
-    return parameters
+    body = text[text.index(f"#define {macro}("):]
+    signature = re.search(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?\w+\(([^)]*)\)', body)
+    return _declarations(signature.group(1))
+
+
+def _ctypes_of(declared: list[tuple[str, str]], structs: dict) -> list[tuple[str, type]]:
+    ctype_of = {"int": ctypes.c_int, "float": ctypes.c_float, **structs}
+    return [(name, ctypes.c_void_p if c_type.endswith("*") else ctype_of[c_type]) for name, c_type in declared]
 
 
 @pytest.mark.quick
 def test_launch_arguments_match_the_kernel_signature_in_name_type_and_order():
     with open(cuda_history.SOURCE) as f:
-        declared = _kernel_parameters(f.read())
-    ctype_of = {"int": ctypes.c_int, "float": ctypes.c_float}
-    expected = [(name, ctypes.c_void_p if c_type.endswith("*") else ctype_of[c_type]) for name, c_type in declared]
+        source = f.read()
+    declared = _kernel_parameters(source, "HISTORY_KERNEL")
+    expected = _ctypes_of(declared, {})
     assert list(cuda_history.PARAMETERS) == expected
     assert list(cuda_history.ARG_TYPES) == [ctype for _, ctype in expected]
+    # the kernels of runs, and the struct they take by value, field for field
+    assert list(cuda_history.RUNS_PARAMETERS) == _ctypes_of(_kernel_parameters(source, "HISTORY_RUNS_KERNEL"),
+                                                           {"HistoryRuns": cuda_history.HistoryRuns})
+    fields = []  # `type a, b, c;` declares three fields of one type
+    for statement in re.search(r"struct HistoryRun \{([^}]*)\}", source).group(1).split(";"):
+        if statement.strip():
+            (first, c_type), *more = _declarations(statement)
+            fields += [(first, c_type)] + [(name, c_type) for name, _ in more]
+    assert cuda_history.HistoryRun._fields_ == _ctypes_of(fields, {})
+    assert re.search(r"#define MAX_RUNS (\d+)", source).group(1) == str(cuda_history.MAX_RUNS)
     values = {name: i for i, (name, _) in enumerate(declared)}
     assert cuda_history.kernel_arguments(**values) == list(range(len(declared)))
     with pytest.raises(TypeError, match="'wait_at_end' has no value"):
@@ -207,6 +229,48 @@ def _check_decode_step(dim, groups, q_len, per_head, config, tokens, cuda_config
     assert torch.isfinite(outs[0]).all()
     assert _relative(outs[0], outs[1]) < 2e-3
     assert _relative(outs[0], ref) < 1.5e-2
+
+
+@gpu
+@pytest.mark.parametrize("high_heads,rows", [((3,), 4), ((0, 7), 8), ((2, 5), 4)])
+def test_one_launch_over_runs_writes_the_partials_of_a_launch_per_run(high_heads, rows):
+    """`history_runs_partials` (every run of a split layer in one launch) against `history_partials` run by run:
+    the same partials, bit for bit, where each run has its own splits and the buffers hold the most of them."""
+    from oscar_hf.history import HeadSplitHistory
+    from oscar_hf.kernels.triton.launch_plan import plan_runs
+
+    config = replace(COMPACT, key_clip_ratio=None, value_clip_ratio=None,
+                     high_precision_heads=tuple((0, h) for h in high_heads))
+    history = HeadSplitHistory(BATCH, KV_HEADS, 128, 128, config, torch.device("cuda"))
+    kv = [torch.randn(BATCH, KV_HEADS, HISTORY + 3, 128, device="cuda").bfloat16() for _ in range(2)]
+    rotations = [torch.linalg.qr(torch.randn(KV_HEADS, 128, 128, dtype=torch.float64))[0].float().cuda()
+                 for _ in range(2)]
+    history.append(*kv, *rotations, ReferenceBackend())
+    split = history.counted_view(torch.tensor([HISTORY + 3], dtype=torch.int32, device="cuda"))
+    assert {r.history.bits for r in split.runs} == {2, 4}
+    groups = rows  # one query position
+    query = torch.randn(BATCH, KV_HEADS * groups, 1, 128, device="cuda")
+    base = cuda_history.plan_history(SplitPlan(8, 1, 64, 3, 128, 0, 64), HISTORY + 3, BATCH * KV_HEADS, 96 * BATCH)
+    plans, splits = plan_runs(base, HISTORY + 3, tuple(r.stop - r.start for r in split.runs),
+                              tuple(cuda_history.history_bytes(1, 1, 1, 128, r.history.key_scale_zero.dtype,
+                                                               r.history.bits) for r in split.runs), 128)
+    assert len({p.history_splits for p in plans}) > 1, "the runs should differ in their splits"
+    shape = (BATCH, KV_HEADS * groups, 1, splits)
+    outs = []
+    for one_launch in (True, False):
+        out = torch.full((*shape, 128), float("nan"), device="cuda")
+        lse = torch.full(shape, float("nan"), device="cuda")
+        if one_launch:
+            cuda_history.history_runs_partials(query, split.runs, plans, 0.1, KV_HEADS, out, lse, splits, ALWAYS)
+        else:
+            for run, plan in zip(split.runs, plans):
+                heads = slice(run.start * groups, run.stop * groups)
+                cuda_history.history_partials(query[:, heads], run.history, plan, 0.1, run.stop - run.start, out,
+                                              lse, ALWAYS, head_offset=run.start * groups,
+                                              partial_heads=KV_HEADS * groups, partial_splits=splits)
+        outs.append((out[..., 3:, :], lse[..., 3:]))  # the dense splits are not the history's
+    assert torch.isfinite(outs[0][0]).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @gpu

@@ -1,9 +1,10 @@
 """A decode step over a layer split by KV heads (`high_precision_heads`) served by the Triton backend in one call:
-one query rotation, one launch of the BF16 tiers' splits, one history launch per run of KV heads into the same
-partial buffers, one merge (`TritonBackend._run_split`), against the reference backend run by run.
+one query rotation, one launch of the BF16 tiers' splits, the history's splits into the same partial buffers (one
+launch per run of KV heads, or one for all of them), one merge (`TritonBackend._run_split`), against the reference
+backend run by run.
 
 Runs on CPU through Triton's interpreter and on a CUDA device (where the runs of a large enough history go to the
-CUDA history kernel: the GPU case checks that too). Outputs and scratch are poisoned, and the reference
+CUDA history kernel in one launch: the GPU case checks that too). Outputs and scratch are poisoned, and the reference
 fallbacks raise while the kernels are under test.
 """
 
@@ -92,7 +93,10 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
     def counting(name, fn, kind=None):
         def wrapped(*args, **kwargs):
             launches[name if kind is None else kind(*args, **kwargs)] += 1
-            if name == "cuda" or kwargs.get("history_only"):
+            if name == "cuda runs":
+                for run, plan in zip(args[1], args[2]):
+                    run_splits.setdefault(run.history.bits, set()).add(plan.history_splits)
+            elif name == "cuda" or kwargs.get("history_only"):
                 history, plan = (args[1], args[2]) if name == "cuda" else (args[3], args[6])
                 run_splits.setdefault(history.bits, set()).add(plan.history_splits)
             return fn(*args, **kwargs)
@@ -104,6 +108,8 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
         "dense", triton_backend.attention_partials,
         lambda *a, **k: "dense" if k.get("dense_only") else "history" if k.get("history_only") else "whole"))
     monkeypatch.setattr(cuda_history, "history_partials", counting("cuda", cuda_history.history_partials))
+    monkeypatch.setattr(cuda_history, "history_runs_partials",
+                        counting("cuda runs", cuda_history.history_runs_partials))
     for name in REFERENCE_OPS:
         monkeypatch.setattr(ReferenceBackend, name,
                             lambda *a, _name=name, **k: pytest.fail(f"the Triton backend handed {_name} to the reference"))
@@ -115,10 +121,13 @@ def test_a_split_layer_decodes_in_one_call_like_the_reference_run_by_run(high_he
     _assert_close(got, ref, "split decode step")
     runs = len(split.runs)
     assert launches["rotation"] == 1 and launches["dense"] == 1 and launches["merge"] == 1
-    assert launches["history"] + launches["cuda"] == runs and "whole" not in launches
+    assert "whole" not in launches
     if ON_GPU and not padded and all(cuda_history.available(cuda_history.device_index(DEVICE), bits=bits)
-                                     for bits in cuda_history.CODE_BITS):
-        assert launches["cuda"] == runs, "the 2- and 4-bit runs go to the CUDA history kernel"
+                                     for bits in cuda_history.CODE_BITS + (cuda_history.RUNS,)):
+        assert launches["cuda runs"] == 1 and launches["history"] + launches["cuda"] == 0, \
+            "the 2- and 4-bit runs go to the CUDA history kernel, in one launch"
+    else:
+        assert launches["history"] + launches["cuda"] == runs and launches["cuda runs"] == 0
     # the layer's programs shared by bytes: a 4-bit row is twice a 2-bit one's bytes, so its run takes more splits
     assert len(run_splits[2]) == len(run_splits[4]) == 1 and min(run_splits[4]) > max(run_splits[2]), run_splits
 

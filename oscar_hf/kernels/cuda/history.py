@@ -47,6 +47,7 @@ KEY_CHAINS = 4  # independent score accumulators per tile (over its m-tiles): hi
 # pair dtypes the kernel reads: float16 (scale, zero), or compact one-byte codes (`reference.quantize.COMPACT`)
 PAIR_DTYPES = (torch.float16, COMPACT)
 CODE_BITS = (2, 4)  # code widths the kernel reads
+RUNS = 0  # the module of `history_runs_partials`' kernels, which read runs of every width (`CODE_BITS` define 0)
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,17 @@ class CudaHistoryConfig:
     min_history_bytes: int = 4 << 20
 
     def defines(self, bits: int = 2) -> dict[str, int]:
-        """The `-D` definitions `history_partials.cu` is compiled with for the kernels of `bits`-bit codes."""
-        if bits not in CODE_BITS:
+        """The `-D` definitions `history_partials.cu` is compiled with for the kernels of `bits`-bit codes (`RUNS`:
+        the kernels of runs of both widths)."""
+        if bits not in CODE_BITS + (RUNS,):
             raise ValueError(f"the CUDA history kernel reads codes of {CODE_BITS} bits, not {bits}")
         return {"STAGES": self.stages, "MIN_WARPS_PER_SM": self.min_warps_per_sm,
                 "MAGIC_PLANES": self.magic_planes, "KEY_CHAINS": KEY_CHAINS, "CODE_BITS": bits}
 
 
 def compile_cubin(arch: int, config: CudaHistoryConfig = CudaHistoryConfig(), bits: int = 2) -> bytes:
-    """NVRTC-compile the kernels of `bits`-bit codes in `history_partials.cu` for `sm_{arch}` (e.g. 90) into a
-    CUBIN; needs no GPU."""
+    """NVRTC-compile the kernels of `bits`-bit codes (`RUNS`: of runs of both widths) in `history_partials.cu` for
+    `sm_{arch}` (e.g. 90) into a CUBIN; needs no GPU."""
     return nvrtc.compile_cubin(SOURCE, arch, config.defines(bits))
 
 
@@ -104,15 +106,44 @@ PARAMETERS: tuple[tuple[str, type], ...] = (
 PARAMETER_NAMES = tuple(name for name, _ in PARAMETERS)
 ARG_TYPES = tuple(ctype for _, ctype in PARAMETERS)
 
+MAX_RUNS = 4  # runs of KV heads one launch of `history_runs_partials` reads (`MAX_RUNS` in the source)
 
-def kernel_arguments(**values) -> list:
-    """A launch's argument values, given by parameter name (`PARAMETERS`), in the kernel's order."""
+
+class HistoryRun(ctypes.Structure):
+    """One run of KV heads (`HistoryRun` in `history_partials.cu`, field for field): its tensors and their batch and
+    KV head strides, its first KV head in the layer, its code width and pair format, and its splits."""
+
+    _fields_ = [("key_codes", _P), ("key_sz", _P), ("value_codes", _P), ("value_sz", _P),
+                *((name, _I) for name in ("skb", "skh", "szb", "szh", "svb", "svh", "swb", "swh", "head_start",
+                                          "bits", "compact", "split_len", "history_splits"))]
+
+
+class HistoryRuns(ctypes.Structure):
+    """A layer's runs, passed by value (`HistoryRuns` in the source)."""
+
+    _fields_ = [("run", HistoryRun * MAX_RUNS), ("count", _I)]
+
+
+# The parameters of the kernels of runs (`HISTORY_RUNS_KERNEL`), as `PARAMETERS` are for `HISTORY_KERNEL`
+RUNS_PARAMETERS: tuple[tuple[str, type], ...] = (
+    ("rotated_query", _P), ("sqb", _I), ("sqh", _I), ("sql", _I), ("runs", HistoryRuns), ("out", _P), ("lse", _P),
+    ("length_ptr", _P), ("length", _I), ("groups", _I), ("kv_heads", _I), ("q_len", _I), ("dense_splits", _I),
+    ("total_splits", _I), ("length_from_ptr", _I), ("split_multiple", _I), ("q_scale", _F), ("partial_heads", _I),
+    ("wait_at_end", _I),
+)
+RUNS_ARG_TYPES = tuple(ctype for _, ctype in RUNS_PARAMETERS)
+
+
+def kernel_arguments(parameters: tuple[tuple[str, type], ...] = PARAMETERS, **values) -> list:
+    """A launch's argument values, given by parameter name (`PARAMETERS`, or `RUNS_PARAMETERS`), in the kernel's
+    order."""
+    names = tuple(name for name, _ in parameters)
     try:
-        ordered = [values[name] for name in PARAMETER_NAMES]
+        ordered = [values[name] for name in names]
     except KeyError as missing:
         raise TypeError(f"the CUDA history kernel's parameter {missing} has no value") from None
-    if len(values) != len(PARAMETER_NAMES):
-        raise TypeError(f"the CUDA history kernel has no parameters {sorted(set(values) - set(PARAMETER_NAMES))}")
+    if len(values) != len(names):
+        raise TypeError(f"the CUDA history kernel has no parameters {sorted(set(values) - set(names))}")
     return ordered
 
 
@@ -134,7 +165,10 @@ def device_index(device: torch.device) -> int:
 
 def kernel_name(dim: int, rows: int, pair_dtype: torch.dtype = torch.float16, bits: int = 2) -> str:
     """The kernel for head_dim `dim` whose MMA columns hold `rows` query rows (4: two token groups per MMA),
-    reading `bits`-bit codes and (scale, zero) pairs of `pair_dtype` (`PAIR_DTYPES`)."""
+    reading `bits`-bit codes and (scale, zero) pairs of `pair_dtype` (`PAIR_DTYPES`); `bits` = `RUNS`: the kernel of
+    runs, whatever their widths and pairs."""
+    if bits == RUNS:
+        return f"runs_history_partials_d{dim}_r{rows}"
     return f"int{bits}_history_partials_d{dim}_r{rows}" + ("_compact" if pair_dtype == COMPACT else "")
 
 
@@ -143,14 +177,16 @@ def load_kernel(device_index: int, dim: int, config: CudaHistoryConfig = CudaHis
                 rows: int = MAX_ROWS, pair_dtype: torch.dtype = torch.float16, bits: int = 2) -> nvrtc.Kernel:
     """Compile (once per device, config and code width) and load the kernel for `dim`, `rows`, `pair_dtype` and
     `bits` on CUDA device `device_index`."""
-    # one buffer beyond the pipeline's stages holds a split's partial last tile
+    # one buffer beyond the pipeline's stages holds a split's partial last tile; runs stage tiles of either width
+    stage = max(stage_bytes(dim, width) for width in CODE_BITS) if bits == RUNS else stage_bytes(dim, bits)
     return nvrtc.Kernel(_device_cubin(device_index, config, bits), kernel_name(dim, rows, pair_dtype, bits),
-                        device_index, ARG_TYPES, (config.stages + 1) * stage_bytes(dim, bits), WARP)
+                        device_index, RUNS_ARG_TYPES if bits == RUNS else ARG_TYPES, (config.stages + 1) * stage,
+                        WARP)
 
 
-# NVRTC compiles, one thread per code width: the first module asked for starts them all, and they compile side by
-# side (NVRTC releases the interpreter lock) instead of one after the other on a new machine's first call
-_COMPILES = ThreadPoolExecutor(len(CODE_BITS), thread_name_prefix="oscar-nvrtc")
+# NVRTC compiles, one thread per module: the first module asked for starts them all, and they compile side by side
+# (NVRTC releases the interpreter lock) instead of one after the other on a new machine's first call
+_COMPILES = ThreadPoolExecutor(len(CODE_BITS) + 1, thread_name_prefix="oscar-nvrtc")
 _cubins: dict[tuple, Future] = {}
 _cubins_lock = threading.Lock()
 
@@ -159,7 +195,7 @@ def _device_cubin(device_index: int, config: CudaHistoryConfig, bits: int) -> by
     major, minor = torch.cuda.get_device_capability(device_index)
     arch = 10 * major + minor
     with _cubins_lock:
-        for width in CODE_BITS:
+        for width in CODE_BITS + (RUNS,):
             if (arch, config, width) not in _cubins:
                 _cubins[arch, config, width] = _COMPILES.submit(compile_cubin, arch, config, width)
         compiled = _cubins[arch, config, bits]
@@ -289,3 +325,58 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
         return
     with launch_device(rotated_query):
         kernel((partial_splits - plan.dense_splits, batch * kv_heads), args, dependent or beside)
+
+
+def history_runs_partials(rotated_query: torch.Tensor, runs, plans, scaling: float, kv_heads: int,
+                          partial_out: torch.Tensor, partial_lse: torch.Tensor, partial_splits: int,
+                          config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False,
+                          beside: bool = False) -> None:
+    """`history_partials` for a layer whose history is kept as runs of KV heads (`kernels.interface.HeadRun`s,
+    each one's history `history_kernel_supports`, at most `MAX_RUNS`), in one launch: run i's splits are cut by
+    `plans[i]`, and the partial buffers hold `partial_splits` splits per row (the dense splits plus the most history
+    splits any run takes). `rotated_query` holds every query head of the layer's `kv_heads`, as the partial buffers
+    do; `dependent` / `beside` as for `history_partials`."""
+    batch, q_heads, q_len, dim = rotated_query.shape
+    if dependent and beside:
+        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
+                         "(beside), not both")
+    if not 0 < len(runs) <= MAX_RUNS or len(plans) != len(runs):
+        raise ValueError(f"one launch reads 1 to {MAX_RUNS} runs with a plan each, got {len(runs)} runs and "
+                         f"{len(plans)} plans")
+    if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
+        raise ValueError("history_runs_partials needs the float32 rotated query with a unit stride along head_dim")
+    if any(p.block_n_history != plans[0].block_n_history or p.dense_splits != plans[0].dense_splits for p in plans):
+        raise ValueError("the runs' plans must share their dense splits and tile")
+    if any(p.history_split_len % TILE for p in plans) or plans[0].block_n_history % TILE:
+        raise ValueError(f"history splits must be multiples of {TILE} tokens")
+    if partial_splits < max(p.total_splits for p in plans):
+        raise ValueError(f"partial_splits={partial_splits} is fewer than a run's plan cuts")
+    table = HistoryRuns(count=len(runs))
+    for slot, run, plan in zip(table.run, runs, plans):
+        history = run.history
+        compact = history.key_scale_zero.dtype == COMPACT
+        word = torch.int16 if compact else torch.int32  # one token's pair: the kernel's pair strides count them
+        kz, vz = history.key_scale_zero.view(word), history.value_scale_zero.view(word)
+        keys, values = history.keys, history.values
+        slot.key_codes, slot.key_sz, slot.value_codes, slot.value_sz = (
+            keys.data_ptr(), kz.data_ptr(), values.data_ptr(), vz.data_ptr())
+        slot.skb, slot.skh, slot.szb, slot.szh = keys.stride(0), keys.stride(1), kz.stride(0), kz.stride(1)
+        slot.svb, slot.svh, slot.swb, slot.swh = values.stride(0), values.stride(1), vz.stride(0), vz.stride(1)
+        slot.head_start, slot.bits, slot.compact = run.start, history.bits, int(compact)
+        slot.split_len, slot.history_splits = plan.history_split_len, max(plan.history_splits, 1)
+    first = runs[0].history
+    n_from_ptr = first.length_ptr is not None
+    rows = NARROW_ROWS if q_heads // kv_heads * q_len <= NARROW_ROWS else MAX_ROWS
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, torch.float16, RUNS)
+    query_strides = rotated_query.stride()
+    args = kernel_arguments(
+        RUNS_PARAMETERS, rotated_query=rotated_query.data_ptr(), sqb=query_strides[0], sqh=query_strides[1],
+        sql=query_strides[2], runs=table, out=partial_out.data_ptr(), lse=partial_lse.data_ptr(),
+        length_ptr=(first.length_ptr if n_from_ptr else partial_lse).data_ptr(), length=first.length,
+        groups=q_heads // kv_heads, kv_heads=kv_heads, q_len=q_len, dense_splits=plans[0].dense_splits,
+        total_splits=partial_splits, length_from_ptr=int(n_from_ptr), split_multiple=plans[0].block_n_history,
+        q_scale=scaling * _LOG2E, partial_heads=q_heads, wait_at_end=int(beside))
+    if compiling_only():  # a compile-only pass (`kernels.triton.precompile`): the module is loaded, nothing runs
+        return
+    with launch_device(rotated_query):
+        kernel((partial_splits - plans[0].dense_splits, batch * kv_heads), args, dependent or beside)

@@ -31,7 +31,7 @@ typedef unsigned int u32;
 // that keep their magic number (no HSUB2; the output subtracts it times the sum of p*scale; plane 0 then reads the
 // byte's copy in the high half of each 16-bit lane, as 1 + code/4); KEY_CHAINS independent score accumulators per
 // tile, over its m-tiles (`key_dots`); MIN_WARPS_PER_SM programs (one warp each) per SM the registers must allow;
-// CODE_BITS the code width (2 or 4) of the kernels this module holds.
+// CODE_BITS the code width (2 or 4) of the kernels this module holds, or 0: the kernels of runs of both widths.
 #if !defined(STAGES) || !defined(MAGIC_PLANES) || !defined(KEY_CHAINS) || !defined(MIN_WARPS_PER_SM) || \
     !defined(CODE_BITS)
 #error "history_partials.cu needs -DSTAGES, -DMAGIC_PLANES, -DKEY_CHAINS, -DMIN_WARPS_PER_SM and -DCODE_BITS (see kernels/cuda/history.py)"
@@ -551,18 +551,20 @@ __device__ __forceinline__ void attend_tile(State<D, BITS>& st, const Tile<D, RO
     }
 }
 
+// One program's split of one KV head row: batch row `b`, KV head `kvh` of the history tensors (whose head stride
+// the strides give), whose first query head is `q_head` in `rotated_query` and `p_head` in the partial buffers.
 // `Pair`: one token's (scale, zero) pair, u32 (two float16s) or unsigned short (compact codes); the pair strides
 // count pairs.
 template <int D, int ROWS, typename Pair, int BITS>
-__device__ void history_partials(
+__device__ __forceinline__ void history_partials(
     const float* __restrict__ rotated_query, int sqb, int sqh, int sql,
     const unsigned char* __restrict__ key_codes, int skb, int skh,
     const Pair* __restrict__ key_sz, int szb, int szh,
     const unsigned char* __restrict__ value_codes, int svb, int svh,
     const Pair* __restrict__ value_sz, int swb, int swh,
     float* __restrict__ out, float* __restrict__ lse, const int* __restrict__ length_ptr,
-    int length, int groups, int kv_heads, int q_len, int dense_splits, int split_len, int history_splits,
-    int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads,
+    int length, int groups, int b, int kvh, int q_head, int p_head, int q_len, int dense_splits, int split_len,
+    int history_splits, int total_splits, int length_from_ptr, int split_multiple, float q_scale, int partial_heads,
     int wait_at_end) {
     using C = Codes<D, BITS>;
     constexpr int QW = C::RB;  // features per plane (bytes per token row)
@@ -580,7 +582,6 @@ __device__ void history_partials(
     const int lane = threadIdx.x;
     const int g = lane >> 2, t = lane & 3;
     const int split = blockIdx.x;
-    const int b = blockIdx.y / kv_heads, kvh = blockIdx.y % kv_heads;
     const int rows = groups * q_len;
     // history_splits: the splits this launch cuts a length read from the device into; its grid may hold more
     // (the partial rows' splits of a layer whose runs of heads take different counts), which stay empty
@@ -653,7 +654,7 @@ __device__ void history_partials(
         const int qrow = ROWS == 4 ? g & 3 : g;
         const bool row_ok = qrow < rows;
         const int qi = row_ok ? qrow / groups : 0;
-        const int head = kvh * groups + (row_ok ? qrow % groups : 0);
+        const int head = q_head + (row_ok ? qrow % groups : 0);
         const float* q = rotated_query + (long long)b * sqb + (long long)head * sqh + (long long)qi * sql;
 #pragma unroll
         for (int c = 0; c < PLANES; ++c) {
@@ -736,8 +737,8 @@ __device__ void history_partials(
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[c][h][i] += __shfl_xor_sync(0xffffffffu, acc[c][h][i], 2);
     }
-    // partial rows: this launch's query heads are heads [head0, head0 + kv_heads * groups) of partial_heads
-    const int hq = head0 + kvh * groups;
+    // partial rows: this KV head's query heads are heads [p_head, p_head + groups) of partial_heads
+    const int hq = p_head;
     const int heads = partial_heads;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -767,7 +768,9 @@ __device__ void history_partials(
 }
 
 // Kernels per head_dim, query rows and pair format (float16 pairs, u32, or compact one-byte codes, `_compact`), for
-// the code width CODE_BITS: each width is a module of its own, compiled the first time a history of it is read
+// the code width CODE_BITS: each width is a module of its own, compiled the first time a history of it is read.
+// Program (split, b * kv_heads + kvh); the call's query heads are heads [head0, head0 + kv_heads * groups) of the
+// partial buffers' partial_heads.
 #define HISTORY_KERNEL(NAME, D, ROWS, PAIR_T)                                                                    \
     extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                     \
         const float* rotated_query, int sqb, int sqh, int sql, const unsigned char* key_codes, int skb, int skh, \
@@ -776,11 +779,75 @@ __device__ void history_partials(
         int groups, int kv_heads, int q_len, int dense_splits, int split_len, int history_splits,               \
         int total_splits, int length_from_ptr, int split_multiple, float q_scale, int head0, int partial_heads, \
         int wait_at_end) {                                                                                       \
+        const int b = blockIdx.y / kv_heads, kvh = blockIdx.y % kv_heads;                                        \
         history_partials<D, ROWS, PAIR_T, CODE_BITS>(                                                            \
             rotated_query, sqb, sqh, sql, key_codes, skb, skh, key_sz, szb, szh, value_codes, svb, svh, value_sz, \
-            swb, swh, out, lse, length_ptr, length, groups, kv_heads, q_len, dense_splits, split_len,             \
-            history_splits, total_splits, length_from_ptr, split_multiple, q_scale, head0, partial_heads,         \
-            wait_at_end);                                                                                        \
+            swb, swh, out, lse, length_ptr, length, groups, b, kvh, kvh * groups, head0 + kvh * groups, q_len,    \
+            dense_splits, split_len, history_splits, total_splits, length_from_ptr, split_multiple, q_scale,      \
+            partial_heads, wait_at_end);                                                                         \
+    }
+
+// A layer's history kept as runs of adjacent KV heads of different code widths and pair formats, read by one launch
+// (`HISTORY_RUNS_KERNEL`): run r holds KV heads [head_start, next run's head_start) of the layer, its tensors'
+// strides count its own heads, and its splits are its own (`kernels/cuda/history.py`, `RUN_FIELDS`).
+struct HistoryRun {
+    const unsigned char* key_codes;
+    const void* key_sz;
+    const unsigned char* value_codes;
+    const void* value_sz;
+    int skb, skh, szb, szh, svb, svh, swb, swh;
+    int head_start, bits, compact, split_len, history_splits;
+};
+#define MAX_RUNS 4
+struct HistoryRuns {
+    HistoryRun run[MAX_RUNS];
+    int count;
+};
+
+template <int D, int ROWS, typename Pair, int BITS>
+__device__ __forceinline__ void run_partials(const HistoryRun& r, int kvh, const float* rotated_query, int sqb,
+                                             int sqh, int sql, float* out, float* lse, const int* length_ptr,
+                                             int length, int groups, int b, int q_len, int dense_splits,
+                                             int total_splits, int length_from_ptr, int split_multiple,
+                                             float q_scale, int partial_heads, int wait_at_end) {
+    history_partials<D, ROWS, Pair, BITS>(
+        rotated_query, sqb, sqh, sql, r.key_codes, r.skb, r.skh, static_cast<const Pair*>(r.key_sz), r.szb, r.szh,
+        r.value_codes, r.svb, r.svh, static_cast<const Pair*>(r.value_sz), r.swb, r.swh, out, lse, length_ptr,
+        length, groups, b, kvh - r.head_start, kvh * groups, kvh * groups, q_len, dense_splits, r.split_len,
+        r.history_splits, total_splits, length_from_ptr, split_multiple, q_scale, partial_heads, wait_at_end);
+}
+
+// Program (split, b * kv_heads + kvh) over the layer's kv_heads; the query and the partial buffers hold all of the
+// layer's query heads. A program past its run's splits writes an empty partial.
+#define HISTORY_RUNS_KERNEL(NAME, D, ROWS)                                                                       \
+    extern "C" __global__ void __launch_bounds__(32, MIN_WARPS_PER_SM) NAME(                                     \
+        const float* rotated_query, int sqb, int sqh, int sql, HistoryRuns runs, float* out, float* lse,         \
+        const int* length_ptr, int length, int groups, int kv_heads, int q_len, int dense_splits,                \
+        int total_splits, int length_from_ptr, int split_multiple, float q_scale, int partial_heads,            \
+        int wait_at_end) {                                                                                       \
+        const int b = blockIdx.y / kv_heads, kvh = blockIdx.y % kv_heads;                                        \
+        int index = 0;                                                                                           \
+        for (int i = 1; i < runs.count; ++i) index = kvh >= runs.run[i].head_start ? i : index;                 \
+        const HistoryRun& r = runs.run[index];                                                                   \
+        if (r.bits == 4) {                                                                                       \
+            if (r.compact) {                                                                                     \
+                run_partials<D, ROWS, unsigned short, 4>(r, kvh, rotated_query, sqb, sqh, sql, out, lse,          \
+                    length_ptr, length, groups, b, q_len, dense_splits, total_splits, length_from_ptr,          \
+                    split_multiple, q_scale, partial_heads, wait_at_end);                                        \
+            } else {                                                                                             \
+                run_partials<D, ROWS, u32, 4>(r, kvh, rotated_query, sqb, sqh, sql, out, lse, length_ptr,         \
+                    length, groups, b, q_len, dense_splits, total_splits, length_from_ptr, split_multiple,       \
+                    q_scale, partial_heads, wait_at_end);                                                        \
+            }                                                                                                    \
+        } else if (r.compact) {                                                                                  \
+            run_partials<D, ROWS, unsigned short, 2>(r, kvh, rotated_query, sqb, sqh, sql, out, lse, length_ptr,  \
+                length, groups, b, q_len, dense_splits, total_splits, length_from_ptr, split_multiple, q_scale,  \
+                partial_heads, wait_at_end);                                                                     \
+        } else {                                                                                                 \
+            run_partials<D, ROWS, u32, 2>(r, kvh, rotated_query, sqb, sqh, sql, out, lse, length_ptr, length,     \
+                groups, b, q_len, dense_splits, total_splits, length_from_ptr, split_multiple, q_scale,          \
+                partial_heads, wait_at_end);                                                                     \
+        }                                                                                                        \
     }
 
 #if CODE_BITS == 2
@@ -801,6 +868,11 @@ HISTORY_KERNEL(int4_history_partials_d64_r4_compact, 64, 4, unsigned short)
 HISTORY_KERNEL(int4_history_partials_d64_r8_compact, 64, 8, unsigned short)
 HISTORY_KERNEL(int4_history_partials_d128_r4_compact, 128, 4, unsigned short)
 HISTORY_KERNEL(int4_history_partials_d128_r8_compact, 128, 8, unsigned short)
+#elif CODE_BITS == 0  // runs of both widths
+HISTORY_RUNS_KERNEL(runs_history_partials_d64_r4, 64, 4)
+HISTORY_RUNS_KERNEL(runs_history_partials_d64_r8, 64, 8)
+HISTORY_RUNS_KERNEL(runs_history_partials_d128_r4, 128, 4)
+HISTORY_RUNS_KERNEL(runs_history_partials_d128_r8, 128, 8)
 #else
-#error "CODE_BITS must be 2 or 4"
+#error "CODE_BITS must be 2, 4 or 0 (runs of both)"
 #endif

@@ -96,8 +96,9 @@ class Kernel:
     """A function of a loaded CUBIN, launched with `threads` threads per program on the current stream, optionally
     as a programmatic dependent of the kernel queued before it: capturable into CUDA graphs.
 
-    `arg_types` are the ctypes types of the kernel's parameters, in order; the argument slots are allocated once
-    and reused by every launch (a decode step launches this once per layer)."""
+    `arg_types` are the ctypes types of the kernel's parameters, in order (a `ctypes.Structure` for a struct passed
+    by value); the argument slots are allocated once and reused by every launch (a decode step launches this once
+    per layer)."""
 
     def __init__(self, cubin: bytes, name: str, device_index: int, arg_types: Sequence[type], shared_bytes: int,
                  threads: int):
@@ -122,7 +123,10 @@ class Kernel:
 
     def __call__(self, grid: tuple[int, int], args: Sequence, dependent: bool = False) -> None:
         for slot, value in zip(self._slots, args, strict=True):
-            slot.value = value
+            if isinstance(slot, ctypes.Structure):  # a struct passed by value: its bytes
+                ctypes.memmove(ctypes.addressof(slot), ctypes.addressof(value), ctypes.sizeof(slot))
+            else:
+                slot.value = value
         config = self._config
         config.grid_x, config.grid_y = grid
         config.stream = torch.cuda.current_stream().cuda_stream

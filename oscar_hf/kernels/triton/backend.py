@@ -370,11 +370,12 @@ class TritonBackend(ReferenceBackend):
 
     def _run_split(self, call: DecodeCall, out: torch.Tensor) -> None:
         """`decode_attention` over a history kept as runs of KV heads of different widths, as one call: the query
-        rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and one history launch
-        per run (the CUDA kernel for the runs it takes, of either code width; Triton's for the others) into the same
-        partial buffers. The layer's history programs are shared among the runs in proportion to their bytes
-        (`plan_runs`): a 4-bit run's splits are half as long as a 2-bit run's, so that all programs take about as
-        long.
+        rotated once, the BF16 tiers' splits in one launch and one merge for the whole layer, and the history's
+        splits into the same partial buffers: one launch of the CUDA kernel for every run where it takes them all
+        (`cuda_history.history_runs_partials`, runs of either code width), else one launch per run (the CUDA kernel
+        for the runs it takes, Triton's for the others). The layer's history programs are shared among the runs in
+        proportion to their bytes (`plan_runs`): a 4-bit run's splits are half as long as a 2-bit run's, so that all
+        programs take about as long.
 
         Where launches can be programmatic dependents (Hopper+), the BF16 tiers' launch follows the rotation as an
         ordinary launch (so the rotated query is complete when it starts), and each run's history launch is queued
@@ -414,8 +415,13 @@ class TritonBackend(ReferenceBackend):
         attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0, partial_out,
                            partial_lse, kv_heads, launch, dense_start, dense_only=True, launch_dependents=dependent,
                            dense_length=dense_length, partial_splits=partial_splits)
-        # the widest runs first: the GPU starts programs in launch order, and theirs are the most
-        order = sorted(range(len(split.runs)), key=lambda i: -split.runs[i].history.bits)
+        if all(cuda) and len(split.runs) <= cuda_history.MAX_RUNS:  # every run's splits in one launch
+            cuda_history.history_runs_partials(rotated, split.runs, run_plans, scaling, kv_heads, partial_out,
+                                               partial_lse, partial_splits, self.cuda_history_config,
+                                               beside=dependent and plan.dense_splits > 0)
+            order = ()
+        else:  # the widest runs first: the GPU starts programs in launch order, and theirs are the most
+            order = sorted(range(len(split.runs)), key=lambda i: -split.runs[i].history.bits)
         for i, j in enumerate(order):
             run, run_plan = split.runs[j], run_plans[j]
             first_heads, last_heads = run.start * groups, run.stop * groups
