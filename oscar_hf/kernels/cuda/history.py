@@ -351,6 +351,8 @@ def history_runs_partials(rotated_query: torch.Tensor, runs, plans, scaling: flo
         raise ValueError(f"history splits must be multiples of {TILE} tokens")
     if partial_splits < max(p.total_splits for p in plans):
         raise ValueError(f"partial_splits={partial_splits} is fewer than a run's plan cuts")
+    if partial_splits == plans[0].dense_splits:  # no history splits to write
+        return
     table = HistoryRuns(count=len(runs))
     for slot, run, plan in zip(table.run, runs, plans):
         history = run.history
