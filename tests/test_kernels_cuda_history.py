@@ -232,7 +232,7 @@ def _check_decode_step(dim, groups, q_len, per_head, config, tokens, cuda_config
 
 
 @gpu
-@pytest.mark.parametrize("high_heads,rows", [((3,), 4), ((0, 7), 8), ((2, 5), 4)])
+@pytest.mark.parametrize("high_heads,rows", [((3,), 4), ((0, 7), 8), ((1, 2), 4)])
 def test_one_launch_over_runs_writes_the_partials_of_a_launch_per_run(high_heads, rows):
     """`history_runs_partials` (every run of a split layer in one launch) against `history_partials` run by run:
     the same partials, bit for bit, where each run has its own splits and the buffers hold the most of them."""
@@ -271,6 +271,39 @@ def test_one_launch_over_runs_writes_the_partials_of_a_launch_per_run(high_heads
         outs.append((out[..., 3:, :], lse[..., 3:]))  # the dense splits are not the history's
     assert torch.isfinite(outs[0][0]).all()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+def test_a_split_layer_whose_runs_are_each_under_the_minimum_still_takes_the_cuda_kernel(monkeypatch):
+    """The CUDA kernel's minimum history applies to the split layer, not to each run: at batch 1 and 20k tokens a
+    one-head 2-bit run holds 1.4 MB, under the default 4 MiB, and the layer 12.2 MB. Every run goes to the one
+    launch of runs."""
+    from oscar_hf.history import HeadSplitHistory
+    from oscar_hf.kernels.interface import DecodeCall, decode_by_runs
+    from oscar_hf.kernels.triton.backend import TritonBackend
+
+    tokens, device = 20_000, torch.device("cuda")
+    config = replace(COMPACT, high_precision_heads=((0, 1),))
+    history = HeadSplitHistory(1, KV_HEADS, 128, 128, config, device)
+    rotations = [torch.linalg.qr(torch.randn(KV_HEADS, 128, 128, dtype=torch.float64))[0].float().cuda()
+                 for _ in range(2)]
+    history.append(*[torch.randn(1, KV_HEADS, tokens, 128, device=device).bfloat16() for _ in range(2)],
+                   *rotations, ReferenceBackend())
+    split = history.counted_view(torch.tensor([tokens], dtype=torch.int32, device=device))
+    small = split.runs[0]
+    assert (small.stop - small.start, small.history.bits) == (1, 2)
+    assert cuda_history.history_bytes(1, 1, tokens, 128, COMPACT.scale_dtype) < (4 << 20)
+    query = torch.randn(1, KV_HEADS * 4, 1, 128, device=device).bfloat16()
+    dense = [torch.randn(1, KV_HEADS, DENSE + 1, 128, device=device).bfloat16() for _ in range(2)]
+    call = DecodeCall(query, *dense, torch.tensor([DENSE], dtype=torch.int32, device=device), split, *rotations,
+                      128**-0.5, None, None, None)
+    launches = []
+    runs = cuda_history.history_runs_partials
+    monkeypatch.setattr(cuda_history, "history_runs_partials", lambda *a, **k: launches.append(1) or runs(*a, **k))
+    got = TritonBackend(compile_threads=0).decode_attention(call)
+    assert launches == [1]
+    want = decode_by_runs(ReferenceBackend().decode_attention, call)
+    assert _relative(got, want) < 1.5e-2
 
 
 @gpu

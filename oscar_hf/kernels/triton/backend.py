@@ -391,9 +391,13 @@ class TritonBackend(ReferenceBackend):
         hist_len = split.plan_length
         launch = self.launch_for(dim, groups * q_len)
         plan = self.plan(query.device, batch, kv_heads, groups * q_len, keys.shape[2], hist_len, launch)
+        # the CUDA kernel's minimum is the layer's history, not a run's: its launches here are the same either way
+        layer_bytes = sum(cuda_history.history_bytes(batch, r.stop - r.start, hist_len, dim,
+                                                     r.history.key_scale_zero.dtype, r.history.bits)
+                          for r in split.runs)
         cuda = [history_start is None and self._use_cuda_history(query[:, r.start * groups : r.stop * groups],
                                                                  r.history, None, softcap, r.stop - r.start,
-                                                                 hist_len)
+                                                                 hist_len, layer_bytes)
                 for r in split.runs]
         max_splits = MAX_SPLITS
         if any(cuda):  # whole tiles filling `split_waves` waves of the CUDA kernel's programs over the layer
@@ -415,7 +419,9 @@ class TritonBackend(ReferenceBackend):
         attention_partials(query, keys, values, None, None, None, plan, scaling, softcap, False, 0, 0, partial_out,
                            partial_lse, kv_heads, launch, dense_start, dense_only=True, launch_dependents=dependent,
                            dense_length=dense_length, partial_splits=partial_splits)
-        if all(cuda) and len(split.runs) <= cuda_history.MAX_RUNS:  # every run's splits in one launch
+        if all(cuda) and len(split.runs) <= cuda_history.MAX_RUNS and cuda_history.available(
+                cuda_history.device_index(query.device), self.cuda_history_config, cuda_history.RUNS):
+            # every run's splits in one launch
             cuda_history.history_runs_partials(rotated, split.runs, run_plans, scaling, kv_heads, partial_out,
                                                partial_lse, partial_splits, self.cuda_history_config,
                                                beside=dependent and plan.dense_splits > 0)
@@ -450,11 +456,14 @@ class TritonBackend(ReferenceBackend):
                        for r in call.history.runs)
         return self._supported(call.query, call.keys, call.values, None, call.history)
 
-    def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len) -> bool:
+    def _use_cuda_history(self, query, tensors, mask, softcap, kv_heads, hist_len, history_bytes=None) -> bool:
+        """Whether the CUDA kernel reads this history: it qualifies, and the history (`history_bytes`, default
+        this call's) is at least the kernel's minimum."""
         if not (self.cuda_history and cuda_history.history_kernel_supports(query, tensors, mask, softcap, kv_heads)):
             return False
-        history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1],
-                                                   tensors.key_scale_zero.dtype, tensors.bits)
+        if history_bytes is None:
+            history_bytes = cuda_history.history_bytes(query.shape[0], kv_heads, hist_len, query.shape[-1],
+                                                       tensors.key_scale_zero.dtype, tensors.bits)
         if history_bytes < self.cuda_history_config.min_history_bytes:
             return False
         return cuda_history.available(cuda_history.device_index(query.device), self.cuda_history_config,
