@@ -69,11 +69,13 @@ def time_variant(heads, row_format: dict, batch: int, context: int, split_waves:
         segment.backend.decode_attention(segment.decode_call(query, layer.keys_buffer, layer.values_buffer,
                                                              128 ** -0.5))
 
-    with mock.patch.object(cuda_history, "history_partials", wraps=cuda_history.history_partials) as cuda_calls:
+    with (mock.patch.object(cuda_history, "history_partials", wraps=cuda_history.history_partials) as per_run,
+          mock.patch.object(cuda_history, "history_runs_partials", wraps=cuda_history.history_runs_partials) as all_runs):
         call()
     ms = do_bench(graphed(call), warmup=25, rep=200)
+    cuda_runs = per_run.call_count + sum(len(c.args[1]) for c in all_runs.call_args_list)
     return dict(history_bytes=layer.history.nbytes(), ms=ms, history_tokens=layer.history_length,
-                cuda_runs=cuda_calls.call_count)
+                cuda_runs=cuda_runs)
 
 
 def main() -> int:
