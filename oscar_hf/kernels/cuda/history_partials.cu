@@ -850,24 +850,21 @@ __device__ __forceinline__ void run_partials(const HistoryRun& r, int kvh, const
         }                                                                                                        \
     }
 
+// the kernels of one code width, named PREFIX_history_partials_d{D}_r{ROWS}[_compact]
+#define WIDTH_KERNELS(PREFIX)                                                                  \
+    HISTORY_KERNEL(PREFIX##_history_partials_d64_r4, 64, 4, u32)                               \
+    HISTORY_KERNEL(PREFIX##_history_partials_d64_r8, 64, 8, u32)                               \
+    HISTORY_KERNEL(PREFIX##_history_partials_d128_r4, 128, 4, u32)                             \
+    HISTORY_KERNEL(PREFIX##_history_partials_d128_r8, 128, 8, u32)                             \
+    HISTORY_KERNEL(PREFIX##_history_partials_d64_r4_compact, 64, 4, unsigned short)            \
+    HISTORY_KERNEL(PREFIX##_history_partials_d64_r8_compact, 64, 8, unsigned short)            \
+    HISTORY_KERNEL(PREFIX##_history_partials_d128_r4_compact, 128, 4, unsigned short)          \
+    HISTORY_KERNEL(PREFIX##_history_partials_d128_r8_compact, 128, 8, unsigned short)
+
 #if CODE_BITS == 2
-HISTORY_KERNEL(int2_history_partials_d64_r4, 64, 4, u32)
-HISTORY_KERNEL(int2_history_partials_d64_r8, 64, 8, u32)
-HISTORY_KERNEL(int2_history_partials_d128_r4, 128, 4, u32)
-HISTORY_KERNEL(int2_history_partials_d128_r8, 128, 8, u32)
-HISTORY_KERNEL(int2_history_partials_d64_r4_compact, 64, 4, unsigned short)
-HISTORY_KERNEL(int2_history_partials_d64_r8_compact, 64, 8, unsigned short)
-HISTORY_KERNEL(int2_history_partials_d128_r4_compact, 128, 4, unsigned short)
-HISTORY_KERNEL(int2_history_partials_d128_r8_compact, 128, 8, unsigned short)
+WIDTH_KERNELS(int2)
 #elif CODE_BITS == 4
-HISTORY_KERNEL(int4_history_partials_d64_r4, 64, 4, u32)
-HISTORY_KERNEL(int4_history_partials_d64_r8, 64, 8, u32)
-HISTORY_KERNEL(int4_history_partials_d128_r4, 128, 4, u32)
-HISTORY_KERNEL(int4_history_partials_d128_r8, 128, 8, u32)
-HISTORY_KERNEL(int4_history_partials_d64_r4_compact, 64, 4, unsigned short)
-HISTORY_KERNEL(int4_history_partials_d64_r8_compact, 64, 8, unsigned short)
-HISTORY_KERNEL(int4_history_partials_d128_r4_compact, 128, 4, unsigned short)
-HISTORY_KERNEL(int4_history_partials_d128_r8_compact, 128, 8, unsigned short)
+WIDTH_KERNELS(int4)
 #elif CODE_BITS == 0  // runs of both widths
 HISTORY_RUNS_KERNEL(runs_history_partials_d64_r4, 64, 4)
 HISTORY_RUNS_KERNEL(runs_history_partials_d64_r8, 64, 8)
