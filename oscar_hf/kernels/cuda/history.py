@@ -1,12 +1,13 @@
 """The hand-written history tier of stage 1 (`history_partials.cu`), compiled at run time (`nvrtc.py`) and launched
 through the CUDA driver.
 
-Contract: `kernels.triton.stage1.attention_partials`' for the history splits only (same partial layout,
-rounding points and log-sum-exp), restricted to the decode hot path: 2- or 4-bit codes (`CODE_BITS`; each width,
-and the kernels that read a split layer's runs of both in one launch, a module of its own: the first one asked for
-starts all of them compiling on threads), float16 or compact (scale, zero) pairs (`PAIR_DTYPES`), head_dim 64 or 128, at most 8 query rows per KV head (a GQA group x query positions), no
-mask, no softcap, a float16/bfloat16 model. `history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is
-the path tested against the reference on CPU (this kernel is checked against both on the GPU).
+Contract: `kernels.triton.stage1.attention_partials`' for the history splits only (same partial layout, rounding
+points and log-sum-exp), restricted to the decode hot path: 2- or 4-bit codes (`CODE_BITS`; each width, and the
+kernels that read a split layer's runs of both in one launch, a module of its own: the first one asked for starts
+all of them compiling on threads), float16 or compact (scale, zero) pairs (`PAIR_DTYPES`), head_dim 64 or 128, at
+most 8 query rows per KV head (a GQA group x query positions), no mask, no softcap, a float16/bfloat16 model.
+`history_kernel_supports` says whether a call qualifies; the Triton kernel covers everything else and is the path
+tested against the reference on CPU (this kernel is checked against both on the GPU).
 
 Why not Triton: the value codes must reach the tensor cores as pairs of tokens, the query and p as fragments of
 their own. Triton re-lays the query out every tile and pairs value codes through byte-wise shared-memory loads;
