@@ -268,6 +268,31 @@ def plan_history(plan: SplitPlan, history_len: int, kv_rows: int, slots: int,
                    history_split_len=length)
 
 
+def _history_arguments(history) -> dict:
+    """A history's tensors as the kernels take them: the codes' and (scale, zero) pairs' addresses, with their batch
+    and KV head strides (the pair strides count pairs), by the parameter names of `PARAMETERS` and `HistoryRun`."""
+    word = torch.int16 if history.key_scale_zero.dtype == COMPACT else torch.int32  # one token's pair
+    keys, values = history.keys, history.values
+    kz, vz = history.key_scale_zero.view(word), history.value_scale_zero.view(word)
+    return dict(key_codes=keys.data_ptr(), skb=keys.stride(0), skh=keys.stride(1),
+                key_sz=kz.data_ptr(), szb=kz.stride(0), szh=kz.stride(1),
+                value_codes=values.data_ptr(), svb=values.stride(0), svh=values.stride(1),
+                value_sz=vz.data_ptr(), swb=vz.stride(0), swh=vz.stride(1))
+
+
+def _check_launch(rotated_query: torch.Tensor, dependent: bool, beside: bool) -> None:
+    if dependent and beside:
+        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
+                         "(beside), not both")
+    if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
+        raise ValueError("the CUDA history kernel needs the float32 rotated query with a unit stride along head_dim")
+
+
+def _row_variant(rows: int) -> int:
+    """The kernel variant for `rows` query rows per KV head (`ROW_VARIANTS`)."""
+    return NARROW_ROWS if rows <= NARROW_ROWS else MAX_ROWS
+
+
 def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scaling: float, kv_heads: int,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor,
                      config: CudaHistoryConfig = CudaHistoryConfig(), dependent: bool = False,
@@ -286,11 +311,7 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
     buffers hold that many splits per row (default: `plan.total_splits`), more than this call's plan cuts when
     another run of the layer takes more; the launch covers all of them, the ones past the plan's history empty."""
     batch, q_heads, q_len, dim = rotated_query.shape
-    if dependent and beside:
-        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
-                         "(beside), not both")
-    if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
-        raise ValueError("history_partials needs the float32 rotated query with a unit stride along head_dim")
+    _check_launch(rotated_query, dependent, beside)
     if plan.block_n_history % TILE or plan.history_split_len % TILE:
         raise ValueError(f"history splits must be multiples of {TILE} tokens, got {plan.history_split_len}")
     if partial_splits is None:
@@ -299,24 +320,15 @@ def history_partials(rotated_query: torch.Tensor, history, plan: SplitPlan, scal
         raise ValueError(f"partial_splits={partial_splits} is fewer than the plan's {plan.total_splits} splits")
     if plan.history_splits == 0 and partial_splits == plan.total_splits:
         return
-    keys, values = history.keys, history.values
-    pairs = history.key_scale_zero.dtype
-    word = torch.int16 if pairs == COMPACT else torch.int32  # one token's pair: the kernel's pair strides count them
-    kz = history.key_scale_zero.view(word)
-    vz = history.value_scale_zero.view(word)
     n_from_ptr = history.length_ptr is not None
     length_ptr = history.length_ptr if n_from_ptr else partial_lse
     groups = q_heads // kv_heads
-    rows = NARROW_ROWS if groups * q_len <= NARROW_ROWS else MAX_ROWS
-    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, pairs, history.bits)
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, _row_variant(groups * q_len),
+                         history.key_scale_zero.dtype, history.bits)
     query_strides = rotated_query.stride()
     args = kernel_arguments(
         rotated_query=rotated_query.data_ptr(), sqb=query_strides[0], sqh=query_strides[1], sql=query_strides[2],
-        key_codes=keys.data_ptr(), skb=keys.stride(0), skh=keys.stride(1),
-        key_sz=kz.data_ptr(), szb=kz.stride(0), szh=kz.stride(1),
-        value_codes=values.data_ptr(), svb=values.stride(0), svh=values.stride(1),
-        value_sz=vz.data_ptr(), swb=vz.stride(0), swh=vz.stride(1),
-        out=partial_out.data_ptr(), lse=partial_lse.data_ptr(), length_ptr=length_ptr.data_ptr(),
+        **_history_arguments(history), out=partial_out.data_ptr(), lse=partial_lse.data_ptr(), length_ptr=length_ptr.data_ptr(),
         length=history.length, groups=groups, kv_heads=kv_heads, q_len=q_len, dense_splits=plan.dense_splits,
         split_len=plan.history_split_len, history_splits=max(plan.history_splits, 1), total_splits=partial_splits,
         length_from_ptr=int(n_from_ptr), split_multiple=plan.block_n_history, q_scale=scaling * _LOG2E,
@@ -338,14 +350,10 @@ def history_runs_partials(rotated_query: torch.Tensor, runs, plans, scaling: flo
     splits any run takes). `rotated_query` holds every query head of the layer's `kv_heads`, as the partial buffers
     do; `dependent` / `beside` as for `history_partials`."""
     batch, q_heads, q_len, dim = rotated_query.shape
-    if dependent and beside:
-        raise ValueError("a history launch waits for the kernel before it at its start (dependent) or at its end "
-                         "(beside), not both")
+    _check_launch(rotated_query, dependent, beside)
     if not 0 < len(runs) <= MAX_RUNS or len(plans) != len(runs):
         raise ValueError(f"one launch reads 1 to {MAX_RUNS} runs with a plan each, got {len(runs)} runs and "
                          f"{len(plans)} plans")
-    if rotated_query.dtype != torch.float32 or rotated_query.stride(-1) != 1:
-        raise ValueError("history_runs_partials needs the float32 rotated query with a unit stride along head_dim")
     if any(p.block_n_history != plans[0].block_n_history or p.dense_splits != plans[0].dense_splits for p in plans):
         raise ValueError("the runs' plans must share their dense splits and tile")
     if any(p.history_split_len % TILE for p in plans) or plans[0].block_n_history % TILE:
@@ -355,22 +363,14 @@ def history_runs_partials(rotated_query: torch.Tensor, runs, plans, scaling: flo
     if partial_splits == plans[0].dense_splits:  # no history splits to write
         return
     table = HistoryRuns(count=len(runs))
-    for slot, run, plan in zip(table.run, runs, plans):
-        history = run.history
-        compact = history.key_scale_zero.dtype == COMPACT
-        word = torch.int16 if compact else torch.int32  # one token's pair: the kernel's pair strides count them
-        kz, vz = history.key_scale_zero.view(word), history.value_scale_zero.view(word)
-        keys, values = history.keys, history.values
-        slot.key_codes, slot.key_sz, slot.value_codes, slot.value_sz = (
-            keys.data_ptr(), kz.data_ptr(), values.data_ptr(), vz.data_ptr())
-        slot.skb, slot.skh, slot.szb, slot.szh = keys.stride(0), keys.stride(1), kz.stride(0), kz.stride(1)
-        slot.svb, slot.svh, slot.swb, slot.swh = values.stride(0), values.stride(1), vz.stride(0), vz.stride(1)
-        slot.head_start, slot.bits, slot.compact = run.start, history.bits, int(compact)
-        slot.split_len, slot.history_splits = plan.history_split_len, max(plan.history_splits, 1)
+    for i, (run, plan) in enumerate(zip(runs, plans)):
+        table.run[i] = HistoryRun(**_history_arguments(run.history), head_start=run.start, bits=run.history.bits,
+                                  compact=int(run.history.key_scale_zero.dtype == COMPACT),
+                                  split_len=plan.history_split_len, history_splits=max(plan.history_splits, 1))
     first = runs[0].history
     n_from_ptr = first.length_ptr is not None
-    rows = NARROW_ROWS if q_heads // kv_heads * q_len <= NARROW_ROWS else MAX_ROWS
-    kernel = load_kernel(device_index(rotated_query.device), dim, config, rows, torch.float16, RUNS)
+    kernel = load_kernel(device_index(rotated_query.device), dim, config, _row_variant(q_heads // kv_heads * q_len),
+                         torch.float16, RUNS)
     query_strides = rotated_query.stride()
     args = kernel_arguments(
         RUNS_PARAMETERS, rotated_query=rotated_query.data_ptr(), sqb=query_strides[0], sqh=query_strides[1],
