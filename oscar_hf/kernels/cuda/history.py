@@ -49,6 +49,7 @@ KEY_CHAINS = 4  # independent score accumulators per tile (over its m-tiles): hi
 PAIR_DTYPES = (torch.float16, COMPACT)
 CODE_BITS = (2, 4)  # code widths the kernel reads
 RUNS = 0  # the module of `history_runs_partials`' kernels, which read runs of every width (`CODE_BITS` define 0)
+RUNS_PAIRS = torch.float16  # the pair dtype a kernel of runs is loaded under: it reads every run's own
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def available(device_index: int, config: CudaHistoryConfig = CudaHistoryConfig()
     try:
         for dim in DIMS:
             for rows in ROW_VARIANTS:
-                for pairs in PAIR_DTYPES:
+                for pairs in PAIR_DTYPES if bits != RUNS else (RUNS_PAIRS,):  # one kernel of runs reads both
                     load_kernel(device_index, dim, config, rows, pairs, bits)
     except (OSError, RuntimeError) as error:
         logger.warning_once("OSCAR's CUDA history kernel is unavailable (%s); the Triton kernel is used instead",
@@ -370,7 +371,7 @@ def history_runs_partials(rotated_query: torch.Tensor, runs, plans, scaling: flo
     first = runs[0].history
     n_from_ptr = first.length_ptr is not None
     kernel = load_kernel(device_index(rotated_query.device), dim, config, _row_variant(q_heads // kv_heads * q_len),
-                         torch.float16, RUNS)
+                         RUNS_PAIRS, RUNS)
     query_strides = rotated_query.stride()
     args = kernel_arguments(
         RUNS_PARAMETERS, rotated_query=rotated_query.data_ptr(), sqb=query_strides[0], sqh=query_strides[1],
